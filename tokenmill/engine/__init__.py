@@ -1,0 +1,1 @@
+"""The engine: scheduler, paged KV cache, model runner, sampler, detokenizer."""

@@ -1,0 +1,144 @@
+"""asyncio front of the engine: the engine loop runs in its own thread, callers await outputs.
+
+Tokenization and validation run on the caller's side (in a worker thread) while the engine
+thread runs model steps, so new requests never wait behind Python work of the model loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from typing import AsyncIterator, Callable
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import EngineStats, LLMEngine, Request, StepStats
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineStats", "StepStats"]
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.engine = LLMEngine(config, progress=progress)
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._failed: BaseException | None = None
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    # -- facts about the model ----------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._failed is None and not self._stopping
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken by the engine thread after its last step (safe to read from any thread)."""
+        return self._stats
+
+    def add_step_listener(self, listener: Callable[[StepStats], None]) -> None:
+        self.engine.step_listeners.append(listener)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs as tokens arrive; closing the iterator early aborts the request."""
+        if not self.is_alive():
+            raise RuntimeError("the engine is not running")
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        request: Request = await loop.run_in_executor(None, self.engine.make_request, request_id, prompt, params)
+        stream: asyncio.Queue = asyncio.Queue()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = (loop, stream)
+        self._send("add", request)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _send(self, kind: str, payload: object) -> None:
+        self._inbox.put((kind, payload))
+        self._wakeup.set()
+
+    def _deliver(self, out: RequestOutput | BaseException, request_id: str) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, out)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add(payload)  # type: ignore[arg-type]
+                except ValueError as exc:
+                    self._deliver(exc, payload.request_id)  # type: ignore[union-attr]
+            elif kind == "abort":
+                self.engine.abort(payload)  # type: ignore[arg-type]
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._stats = self.engine.stats()
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    self._wakeup.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out, out.request_id)
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # noqa: BLE001 - report, then fail every waiting caller
+            logger.exception("engine loop died")
+            self._failed = exc
+            for request_id in list(self._streams):
+                self._deliver(RuntimeError(f"engine loop died: {exc}"), request_id)

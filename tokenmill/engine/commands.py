@@ -1,0 +1,62 @@
+"""Engine subcommands: `tokenmill generate` and `tokenmill make-tiny-model`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from tokenmill.engine.config import EngineConfig
+
+    gen = subparsers.add_parser("generate", help="generate text for one prompt (offline, no server)",
+                                description="Generate text for a prompt with the engine, in this process.")
+    gen.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for several prompts, batched together)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1 = off)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="print a JSON object per prompt instead of plain text")
+    EngineConfig.add_cli_args(gen)
+    gen.set_defaults(func=_generate)
+
+    tiny = subparsers.add_parser("make-tiny-model", help="write a small deterministic random-init Llama model for tests",
+                                 description="Write a deterministic random-init Llama-architecture model (~28M params, "
+                                             "SmolLM2 tokenizer) in standard Hugging Face format.")
+    tiny.add_argument("dir", help="output directory")
+    tiny.add_argument("--seed", type=int, default=0, help="weight init seed")
+    tiny.set_defaults(func=_make_tiny)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)
+    config = EngineConfig.from_cli_args(args)
+    llm = LLM(**vars(config))
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                     add_generation_prompt=True) for p in prompts]
+    for out in llm.generate(prompts, params):
+        choice = out.outputs[0]
+        if args.json:
+            print(json.dumps({"text": choice.text, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason}))
+        else:
+            print(choice.text)
+    sys.stdout.flush()
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from tokenmill.models.hub import make_tiny_model
+
+    print(make_tiny_model(args.dir, seed=args.seed))
+    return 0

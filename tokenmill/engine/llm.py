@@ -1,0 +1,48 @@
+"""Offline batch API, like vLLM's `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, progress: bool = True, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | Seq[list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (text or token ids)
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        # Validate everything before anything runs, so a bad prompt cannot leave others half done.
+        requests = [self.engine.make_request(f"offline-{id(self)}-{i}", p, sp)
+                    for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        for request in requests:
+            self.engine.add(request)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update()
+        return [done[r.request_id] for r in requests]

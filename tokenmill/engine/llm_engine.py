@@ -1,0 +1,328 @@
+"""The synchronous engine: requests in, one scheduler + model step at a time, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any, Callable
+
+import torch
+
+from tokenmill.engine.config import EngineConfig, parse_memory
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sequence import Sequence, SequenceStatus
+from tokenmill.models.hub import resolve_model
+from tokenmill.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_CAP = 4 << 30  # like vLLM's CPU default KV space: plenty for a CPU's batch sizes
+
+
+class RequestFailed(Exception):
+    """Raised by a model-runner hook to fail specific requests while the rest of the batch goes on."""
+
+    def __init__(self, request_ids: set[str], message: str) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class StepStats:
+    batch_size: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    step_time_s: float
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    num_blocks_total: int
+    num_blocks_free: int
+    num_preemptions_total: int
+    prefix_cache_hit_rate: float
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_memory:
+        return parse_memory(config.kv_cache_memory)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.kv_cache_memory_fraction)
+    import psutil
+
+    return min(int(psutil.virtual_memory().available * config.kv_cache_memory_fraction), _CPU_DEFAULT_KV_CAP)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = resolve_model(config.model)
+        self.model_name = config.served_model_name or self.model_dir.name
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.model, self.spec = load_model(self.model_dir, self.dtype, self.device, progress=progress)
+        if config.quantization:
+            from tokenmill.models.quant import quantize_model
+
+            quantize_model(self.model, config.quantization)
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len or self.spec.max_position, self.spec.max_position)
+        self._build_cache()
+        self.eos_token_ids = set(self.spec.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = count()
+        self.step_listeners: list[Callable[[StepStats], None]] = []
+        self.num_steps = 0
+
+    def _build_cache(self) -> None:
+        spec, bs = self.spec, self.block_size
+        per_block = bytes_per_block(bs, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
+        num_blocks = _kv_budget_bytes(self.config, self.device) // per_block
+        # More blocks than every sequence slot at full length (x2 for the prefix cache) are never used.
+        num_blocks = min(num_blocks, 2 * self.config.max_num_seqs * -(-self.max_model_len // bs) + 1)
+        if num_blocks < 2:
+            raise ValueError(f"--kv-cache-memory is too small for a single {bs}-token block ({per_block} bytes)")
+        usable_tokens = (num_blocks - 1) * bs  # block 0 is the allocator's zero block
+        if usable_tokens < self.max_model_len:
+            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", usable_tokens, self.max_model_len)
+            self.max_model_len = usable_tokens
+        self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
+        self.kv_cache = KVCache(spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
+        self.scheduler = Scheduler(self.allocator, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1))
+        self.sampler = Sampler(spec.vocab_size, self.config.seed, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, bs, num_blocks * per_block / 2**20)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt token ids")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     arrival_time: float | None = None) -> Request:
+        """Validate and tokenize (thread-safe, touches no engine state); `add` queues it."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, ids = prompt, self.tokenize(prompt)
+        else:
+            text, ids = None, list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+                raise ValueError("prompt token ids must be integers")
+            if any(t < 0 or t >= self.spec.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} tokens and max_tokens is {params.max_tokens} "
+                f"({len(ids) + params.max_tokens} in all): shorten the prompt or lower max_tokens"
+            )
+        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        return Request(request_id, text, ids, params, metrics)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        params = request.params
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed((params.seed + i) % (1 << 64))
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
+                                               params.include_stop_str_in_output)
+            seq = Sequence(next(self._seq_ids), request.request_id, i, request.prompt_token_ids, params, detok,
+                           request.metrics, generator)
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request.request_id] = request
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        self.add(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish("abort")
+                self.scheduler.finish(seq)
+        return self._output(request)
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish("error")
+                seq.error = message
+                self.scheduler.finish(seq)
+        return self._output(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        start = time.perf_counter()
+        try:
+            sampled, result = self.runner.execute(batch)
+        except RequestFailed as exc:
+            outputs = [o for rid in exc.request_ids if (o := self.fail(rid, str(exc))) is not None]
+            return outputs  # the others are rescheduled unchanged next step
+        except Exception as exc:  # noqa: BLE001 - a broken batch fails its requests, not the engine
+            logger.exception("model step failed")
+            ids = {item.seq.request_id for item in batch.all}
+            return [o for rid in ids if (o := self.fail(rid, f"internal error in the model step: {exc}")) is not None]
+        touched: dict[str, Request] = {}
+        for item in batch.all:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.scheduler.register_full_blocks(seq)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        if result is not None:
+            for item, token, logprob in zip(sampled, result.tokens, result.logprobs):
+                self._append(item.seq, token, logprob)
+        self.num_steps += 1
+        self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills),
+                               len(batch.decodes), time.perf_counter() - start))
+        return [self._output(r) for r in touched.values()]
+
+    def _append(self, seq: Sequence, token: int, logprob: tuple[float, dict[int, float]] | None) -> None:
+        seq.append_token(token)
+        if logprob is not None and seq.logprobs is not None:
+            seq.logprobs.append(logprob)
+        params = seq.params
+        stop_string = seq.detokenizer.add_token(token) if seq.detokenizer else None
+        if token in params.stop_token_ids:
+            seq.finish("stop", token)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish("stop", None)
+        elif stop_string is not None:
+            seq.finish("stop", stop_string)
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+        if seq.is_finished:
+            self.scheduler.finish(seq)
+
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.finished
+        outputs = []
+        for seq in request.seqs:
+            done = seq.is_finished
+            visible = seq.detokenizer.visible_len(done) if seq.detokenizer else 0
+            text = seq.text[:visible]
+            out = CompletionOutput(
+                index=seq.index,
+                text=text,
+                token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                text_delta=text[seq.reported_text_len :],
+                token_ids_delta=seq.output_token_ids[seq.reported_tokens :],
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                logprobs_delta=seq.logprobs[seq.reported_logprobs :] if seq.logprobs is not None else None,
+            )
+            seq.reported_text_len = max(seq.reported_text_len, len(text))
+            seq.reported_tokens = len(seq.output_token_ids)
+            seq.reported_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
+            outputs.append(out)
+        error = next((s.error for s in request.seqs if s.error), None)
+        if finished:
+            request.metrics.finished_time = time.time()
+            self.requests.pop(request.request_id, None)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
+                             request.metrics, error, num_cached_tokens=request.seqs[0].num_cached_tokens)
+
+    def _notify(self, stats: StepStats) -> None:
+        for listener in self.step_listeners:
+            try:
+                listener(stats)
+            except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                logger.exception("step listener failed")
+
+    def stats(self) -> EngineStats:
+        a = self.allocator
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_cache_usage=a.usage,
+            num_blocks_total=a.num_blocks,
+            num_blocks_free=a.num_free,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_hit_rate=a.stats.hit_rate,
+            prefix_cache_queries_total=a.stats.queries,
+            prefix_cache_hits_total=a.stats.hits,
+        )
+
+
+def _load_tokenizer(model_dir) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning("no usable tokenizer in %s (%s): only token-id prompts will work", model_dir, exc)
+        return None

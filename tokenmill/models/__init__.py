@@ -1,0 +1,1 @@
+"""Model definitions (reading K/V from the paged cache) and weight loading."""
