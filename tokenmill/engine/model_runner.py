@@ -57,13 +57,16 @@ class ModelRunner:
             tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.long)
             max_ctx = int(ctx_lens.max())
             ctx = torch.arange(max_ctx)
-            slots = tables[:, ctx // bs] * bs + ctx % bs  # [B, max_ctx]
+            valid = ctx[None, :] < ctx_lens[:, None]  # [B, max_ctx]
+            # Padded positions read slot 0 (the allocator's zero block): never uninitialised memory,
+            # whose NaNs would leak through the masked softmax as 0 * NaN.
+            slots = torch.where(valid, tables[:, ctx // bs] * bs + ctx % bs, 0)
             rows = torch.arange(len(seqs))
             pos_chunks.append(ctx_lens - 1)
             slot_chunks.append(slots[rows, ctx_lens - 1])
             ids.extend(s.token_ids[s.num_computed_tokens] for s in seqs)
             meta.decode_slots = slots.to(self.device)
-            meta.decode_mask = (ctx[None, :] < ctx_lens[:, None]).view(len(seqs), 1, 1, max_ctx).to(self.device)
+            meta.decode_mask = valid.view(len(seqs), 1, 1, max_ctx).to(self.device)
             meta.num_decodes = len(seqs)
             sample_rows.extend(num_prefill + j for j, item in enumerate(batch.decodes) if item.samples)
 
