@@ -1,0 +1,286 @@
+"""The HTTP API: OpenAI-compatible /v1 endpoints, health probes and /metrics on FastAPI."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import APIError, bad_request, error_body, error_response
+from .generation import Generation
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .openai_api import Job, prepare_chat, prepare_completion
+from .protocol import ModelCard, ModelList
+from .settings import ServerSettings
+from .state import GENERATION_ENDPOINTS, RequestRecord, ServerState, status_of
+
+logger = logging.getLogger(__name__)
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- plumbing
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (the client's X-Request-Id when it is sane) and echoes it back.
+
+    Pure ASGI rather than BaseHTTPMiddleware: that one buffers through a task and breaks the
+    disconnect signal streaming responses rely on.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        # Only ids that are safe to put in logs and headers; anything else gets a fresh one.
+        request_id = sent if _REQUEST_ID_OK.match(sent) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always runs `on_close`, even when the client leaves
+    before the first byte (a never-started body iterator would otherwise skip its cleanup)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over --max-body-bytes without buffering it all."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body is {declared} bytes; the limit is {limit}.", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+    return bytes(body)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client hangs up first (a non-streaming request has no
+    other way to notice, and would keep generating for nobody)."""
+    task = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+def _sse(obj: Any) -> str:
+    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+
+class _StreamOutcome:
+    """How a stream ended, filled in by the body iterator and read by the close callback."""
+
+    def __init__(self) -> None:
+        self.status = "aborted"  # unless the iterator gets to the end, the client left
+        self.http_status = 499
+        self.error: str | None = None
+
+
+async def _events(job: Job, gen: Generation, outcome: _StreamOutcome) -> AsyncIterator[str]:
+    try:
+        async for chunk in job.chunks(gen):
+            yield _sse(chunk)
+        outcome.status, outcome.http_status = "ok", 200
+    except APIError as err:  # an engine failure after the stream started: report it in-band
+        outcome.status, outcome.http_status, outcome.error = "error", err.status, err.message
+        yield _sse(err.body())
+    except Exception as exc:
+        logger.exception("stream failed")
+        outcome.status, outcome.http_status, outcome.error = "error", 500, type(exc).__name__
+        yield _sse(error_body("Internal server error", "server_error", code="internal_error"))
+    yield "data: [DONE]\n\n"
+
+
+async def _serve_generation(request: Request, endpoint: str,
+                            prepare: Callable[[ServerState, RequestRecord, bytes], Any]) -> Response:
+    """The shared life of a generation request: validate, admit, start, then respond or stream."""
+    state: ServerState = request.app.state.server
+    record = state.begin(request.state.request_id, endpoint)
+    request.state.accounted = True  # the error handlers must not count this request a second time
+    gen: Generation | None = None
+    streaming = False
+    try:
+        raw = await read_body(request, state.settings.max_body_bytes)
+        job = prepare(state, record, raw)
+        if asyncio.iscoroutine(job):
+            job = await job
+        state.admit(record, job.n_seqs)
+        gen = Generation(state, record)
+        await cancel_on_disconnect(request, gen.start(job.prompts, job.params))
+        if job.stream:
+            outcome = _StreamOutcome()
+            started = gen
+
+            async def close() -> None:
+                await started.aclose()
+                state.finish(record, outcome.status, http_status=outcome.http_status, error=outcome.error)
+
+            streaming = True
+            return SSEResponse(_events(job, gen, outcome), on_close=close)
+        body = await cancel_on_disconnect(request, job.full(gen))
+        state.finish(record, "ok")
+        return Response(body.model_dump_json(), media_type="application/json")
+    except APIError as err:
+        state.finish(record, status_of(err), http_status=err.status, error=err.message)
+        return error_response(err)
+    except ClientDisconnected:
+        state.finish(record, "aborted", http_status=499)
+        return Response(status_code=499)  # nobody is listening; uvicorn drops it
+    except Exception as exc:
+        logger.exception("request %s failed", record.request_id)
+        state.finish(record, "error", http_status=500, error=type(exc).__name__)
+        return error_response(APIError(500, "Internal server error", code="internal_error"))
+    finally:
+        if gen is not None and not streaming:
+            await gen.aclose()
+
+
+# ---------------------------------------------------------------------------------------------- app
+
+
+def _require_api_key(request: Request) -> None:
+    key = request.app.state.server.settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # compare_digest: the time taken must not reveal how much of the key matched.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>`).", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; `app.state.server` is the shared ServerState (also used by gRPC)."""
+    metrics = metrics or ServerMetrics(engine, endpoints=GENERATION_ENDPOINTS)
+    engine.add_step_listener(metrics.on_step)
+    state = ServerState(engine, settings, metrics)
+    app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM inference", version="0.1.0")
+    app.state.server = state
+    app.add_middleware(RequestIdMiddleware)
+    _add_error_handlers(app)
+
+    auth = [Depends(_require_api_key)]
+
+    @app.post(COMPLETIONS, dependencies=auth)
+    async def completions(request: Request) -> Response:
+        return await _serve_generation(request, COMPLETIONS, prepare_completion)
+
+    @app.post(CHAT, dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        return await _serve_generation(request, CHAT, prepare_chat)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> ModelList:
+        card = ModelCard(id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health/live")
+    async def live() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready() -> JSONResponse:
+        if state.ready():
+            return JSONResponse({"status": "ready"})
+        reason = "draining" if state.draining else "engine not running"
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, including FastAPI's own (404 route, 405, validation), in the OpenAI shape."""
+
+    def count(request: Request, err: APIError) -> None:
+        # Rejections before the handler ran (401 from the auth dependency) still count as requests.
+        if request.url.path in (COMPLETIONS, CHAT) and not getattr(request.state, "accounted", False):
+            state: ServerState = request.app.state.server
+            record = state.begin(getattr(request.state, "request_id", "-"), request.url.path)
+            state.finish(record, status_of(err), http_status=err.status, error=err.message)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        count(request, err)
+        return error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        err = bad_request(f"Invalid request: {first.get('msg', 'validation failed')}", param=param)
+        count(request, err)
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "Request failed"
+        if exc.status_code == 404:
+            message = f"Unknown path {request.url.path}"
+        err = APIError(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(err)

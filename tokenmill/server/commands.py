@@ -1,0 +1,77 @@
+"""`tokenmill serve`: the OpenAI-compatible HTTP server (+ gRPC) in front of one engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from tokenmill.engine.config import EngineConfig, parse_memory
+
+from .settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (and gRPC)",
+        description="Serve a model: OpenAI-compatible /v1/completions and /v1/chat/completions, gRPC "
+        "(tokenmill.v1.Generation), /metrics (Prometheus) and /health/{live,ready}. SIGTERM drains.",
+    )
+    EngineConfig.add_cli_args(parser)
+    add_server_args(parser)
+    parser.set_defaults(func=run_serve)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 in containers)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port")
+    g.add_argument("--grpc-port", type=int, default=50051, help="gRPC port; 0 disables gRPC")
+    g.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which new ones get 429")
+    g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV})")
+    g.add_argument("--max-body-bytes", type=parse_memory, default=1 << 20, help="largest accepted request body, e.g. 1MiB")
+    g.add_argument("--log-format", choices=["json", "text"], default="json", help="log line format")
+    g.add_argument("--log-prompts", action="store_true", help="include prompt text in request logs (off: prompts are never logged)")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        max_queue=args.max_queue,
+        drain_timeout=args.drain_timeout,
+        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
+        max_body_bytes=args.max_body_bytes,
+        log_format=args.log_format,
+        log_prompts=args.log_prompts,
+        max_num_seqs=args.max_num_seqs,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from .logs import configure_logging
+
+    settings = settings_from_args(args)  # ValueError -> the CLI's one-line error
+    configure_logging(settings.log_format)
+    return asyncio.run(_serve(EngineConfig.from_cli_args(args), settings))
+
+
+async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
+    # Imported late: `tokenmill --help` should not pay for torch. The engine is built inside the loop
+    # so anything it binds to "the current loop" is the loop the servers run on.
+    from tokenmill.engine.async_engine import AsyncEngine
+
+    from .runtime import serve
+
+    logger.info("loading model", extra={"model": config.model or "default"})
+    engine = AsyncEngine(config)
+    logger.info("engine ready", extra={"model": engine.model_name, "max_model_len": engine.max_model_len})
+    return await serve(engine, settings)

@@ -1,0 +1,162 @@
+"""gRPC API (tokenmill.v1.Generation) on grpc.aio, sharing the HTTP server's loop, engine and state."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+from .errors import APIError, bad_request
+from .generation import Generation, failure_of
+from .proto import tokenmill_pb2 as pb
+from .proto import tokenmill_pb2_grpc as pb_grpc
+from .state import GRPC_GENERATE, GRPC_GENERATE_STREAM, RequestRecord, ServerState, status_of
+
+logger = logging.getLogger(__name__)
+
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        record = await self._begin(request, context, GRPC_GENERATE)
+        gen: Generation | None = None
+        try:
+            gen = await self._start(request, context, record)
+            final: Any = None
+            async for _, out in gen.outputs():
+                _raise_on_failure(out)
+                final = out
+            choice = final.outputs[0]
+            self.state.finish(record, "ok")
+            return pb.GenerateResponse(request_id=record.request_id, text=choice.text, token_ids=choice.token_ids,
+                                       finish_reason=choice.finish_reason or "", usage=_usage(final))
+        except APIError as err:
+            self.state.finish(record, status_of(err), http_status=err.status, error=err.message)
+            await context.abort(_STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+            raise  # unreachable: abort() raises
+        except asyncio.CancelledError:  # the client cancelled or went away
+            self.state.finish(record, "aborted", http_status=499)
+            raise
+        finally:
+            if gen is not None:
+                await gen.aclose()
+
+    async def GenerateStream(self, request: pb.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        record = await self._begin(request, context, GRPC_GENERATE_STREAM)
+        gen: Generation | None = None
+        try:
+            gen = await self._start(request, context, record)
+            async for _, out in gen.outputs():
+                _raise_on_failure(out)
+                choice = out.outputs[0]
+                if not (choice.text_delta or choice.token_ids_delta or choice.finish_reason):
+                    continue
+                yield pb.GenerateChunk(
+                    request_id=record.request_id, text=choice.text_delta, token_ids=choice.token_ids_delta,
+                    finish_reason=choice.finish_reason or "", usage=_usage(out) if out.finished else None,
+                )
+            self.state.finish(record, "ok")
+        except APIError as err:
+            self.state.finish(record, status_of(err), http_status=err.status, error=err.message)
+            await context.abort(_STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.state.finish(record, "aborted", http_status=499)
+            raise
+        finally:
+            if gen is not None:
+                await gen.aclose()
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    async def _begin(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, endpoint: str) -> RequestRecord:
+        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        sent = request.request_id or metadata.get("x-request-id", "")
+        record = self.state.begin(sent if _REQUEST_ID_OK.match(sent) else uuid.uuid4().hex, endpoint)
+        await context.send_initial_metadata((("x-request-id", record.request_id),))
+        return record
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        key = self.state.settings.api_key
+        if key is None:
+            return
+        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        scheme, _, token = metadata.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Invalid or missing API key (metadata `authorization: Bearer <key>`).")
+
+    async def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                     record: RequestRecord) -> Generation:
+        """Authorize, validate and admit, then submit: the same order as the HTTP endpoints."""
+        self._authorize(context)
+        prompt = _prompt_of(request)
+        params = _sampling_params(request)
+        if self.state.settings.log_prompts:
+            record.prompt_text = repr(prompt)
+        self.state.admit(record, params.n)
+        gen = Generation(self.state, record)
+        await gen.start([prompt], params)
+        return gen
+
+
+def _prompt_of(request: pb.GenerateRequest) -> str | list[int]:
+    if request.prompt and request.prompt_token_ids:
+        raise bad_request("set either prompt or prompt_token_ids, not both", param="prompt")
+    if request.prompt_token_ids:
+        return list(request.prompt_token_ids)  # range-checked by the engine
+    if not request.prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    return request.prompt
+
+
+def _sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    values: dict[str, Any] = {"max_tokens": request.max_tokens if request.HasField("max_tokens") else 16,
+                              "stop": list(request.stop), "ignore_eos": request.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if request.HasField(name):
+            values[name] = getattr(request, name)
+    try:
+        return SamplingParams.from_dict(values)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def _raise_on_failure(out: Any) -> None:
+    message = failure_of(out)
+    if message is not None:
+        raise APIError(500, f"Generation failed: {message}", code="engine_error")
+
+
+def _usage(out: Any) -> pb.Usage:
+    prompt, completion = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
+    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def start_grpc_server(state: ServerState, host: str, port: int) -> grpc.aio.Server:
+    """Bind and start the gRPC server on the running loop; raises RuntimeError if the port is taken."""
+    limit = state.settings.max_body_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(state), server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server

@@ -1,0 +1,276 @@
+"""OpenAI completions and chat completions: request -> engine job -> response body or SSE chunks.
+
+Each job is built in two steps so the HTTP layer can order them: `prepare` validates everything that
+can be checked without the engine (so bad input never costs a queue slot), then the caller admits
+the request, starts a `Generation`, and asks the job for either the full body or the stream chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from tokenmill.engine.sampling_params import SamplingParams
+
+from .errors import APIError, bad_request
+from .generation import Generation, failure_of
+from .protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    parse_request,
+)
+from .state import RequestRecord, ServerState
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+class TokenStrings:
+    """Token id -> its text, cached (logprobs name every token and its alternatives)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else _MIN_LOGPROB
+
+
+def usage_of(record: RequestRecord) -> Usage:
+    outs = record.last_outputs.values()
+    return Usage.of(sum(len(o.prompt_token_ids) for o in outs),
+                    sum(len(c.token_ids) for o in outs for c in o.outputs))
+
+
+@dataclass
+class Job:
+    """What the HTTP layer needs from a validated request."""
+
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    model: str
+    response_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n_seqs(self) -> int:
+        return self.params.n * len(self.prompts)
+
+    async def full(self, gen: Generation) -> BaseModel:
+        raise NotImplementedError
+
+    def chunks(self, gen: Generation) -> AsyncIterator[BaseModel]:
+        raise NotImplementedError
+
+
+async def _final_outputs(gen: Generation) -> dict[int, Any]:
+    finals: dict[int, Any] = {}
+    async for i, out in gen.outputs():
+        _raise_on_failure(out)
+        finals[i] = out
+    return finals
+
+
+def _raise_on_failure(out: Any) -> None:
+    message = failure_of(out)
+    if message is not None:
+        raise APIError(500, f"Generation failed: {message}", code="engine_error")
+
+
+# ---------------------------------------------------------------------------------------------- completions
+
+
+@dataclass
+class CompletionJob(Job):
+    tokens: TokenStrings | None = None  # set when logprobs were requested
+
+    async def full(self, gen: Generation) -> CompletionResponse:
+        finals = await _final_outputs(gen)
+        choices = []
+        for i in sorted(finals):
+            for o in finals[i].outputs:
+                logprobs = self._logprobs(o.token_ids, o.logprobs, 0)[0] if self.tokens else None
+                choices.append(CompletionChoice(index=self._index(i, o.index), text=o.text,
+                                                logprobs=logprobs, finish_reason=o.finish_reason))
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
+                                  choices=choices, usage=usage_of(gen.record))
+
+    async def chunks(self, gen: Generation) -> AsyncIterator[BaseModel]:
+        reported: set[int] = set()
+        offsets: dict[int, int] = {}
+        async for i, out in gen.outputs():
+            _raise_on_failure(out)
+            for o in out.outputs:
+                index = self._index(i, o.index)
+                if index in reported or not (o.text_delta or o.token_ids_delta or o.finish_reason):
+                    continue
+                if o.finish_reason:
+                    reported.add(index)
+                logprobs = None
+                if self.tokens and o.logprobs_delta:
+                    logprobs, offsets[index] = self._logprobs(o.token_ids_delta, o.logprobs_delta, offsets.get(index, 0))
+                choice = CompletionChoice(index=index, text=o.text_delta, logprobs=logprobs, finish_reason=o.finish_reason)
+                yield CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice])
+        if self.include_usage:
+            yield CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
+                                  usage=usage_of(gen.record))
+
+    def _index(self, prompt_index: int, choice_index: int) -> int:
+        # OpenAI numbers a batch's choices prompt-major: prompt i's n choices are i*n .. i*n+n-1.
+        return prompt_index * self.params.n + choice_index
+
+    def _logprobs(self, token_ids: list[int], entries: list[Any] | None, offset: int) -> tuple[CompletionLogprobs, int]:
+        assert self.tokens is not None
+        lp = CompletionLogprobs()
+        for tid, (chosen, top) in zip(token_ids, entries or []):
+            text = self.tokens(tid)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(_finite(chosen))
+            lp.top_logprobs.append({self.tokens(t): _finite(v) for t, v in top.items()})
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp, offset
+
+
+def prepare_completion(state: ServerState, record: RequestRecord, raw: bytes) -> CompletionJob:
+    req: CompletionRequest = parse_request(CompletionRequest, raw)
+    state.check_model(req.model)
+    req.check_unsupported()
+    prompts = req.prompts()  # token ids are range-checked by the engine (it knows the model's vocab)
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs)
+    if state.settings.log_prompts:
+        record.prompt_text = repr(req.prompt)
+    return CompletionJob(
+        prompts=prompts, params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
+        model=state.engine.model_name, response_id=f"cmpl-{record.request_id}",
+        tokens=TokenStrings(state.engine.tokenizer) if req.logprobs is not None else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+@dataclass
+class ChatJob(Job):
+    tokens: TokenStrings | None = None
+    top_logprobs: int = 0
+
+    async def full(self, gen: Generation) -> ChatCompletionResponse:
+        finals = await _final_outputs(gen)
+        choices = [
+            ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
+                       logprobs=self._logprobs(o.token_ids, o.logprobs), finish_reason=o.finish_reason)
+            for o in finals[0].outputs
+        ]
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
+                                      choices=choices, usage=usage_of(gen.record))
+
+    async def chunks(self, gen: Generation) -> AsyncIterator[BaseModel]:
+        # OpenAI opens every choice with a role-only delta; clients rely on it to start a message.
+        for k in range(self.params.n):
+            yield self._chunk(ChatStreamChoice(index=k, delta=ChatDelta(role="assistant", content="")))
+        reported: set[int] = set()
+        async for _, out in gen.outputs():
+            _raise_on_failure(out)
+            for o in out.outputs:
+                if o.index in reported or not (o.text_delta or o.token_ids_delta or o.finish_reason):
+                    continue
+                if o.finish_reason:
+                    reported.add(o.index)
+                logprobs = self._logprobs(o.token_ids_delta, o.logprobs_delta) if o.logprobs_delta else None
+                yield self._chunk(ChatStreamChoice(index=o.index, delta=ChatDelta(content=o.text_delta),
+                                                   logprobs=logprobs, finish_reason=o.finish_reason))
+        if self.include_usage:
+            yield ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
+                                      usage=usage_of(gen.record))
+
+    def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice])
+
+    def _logprobs(self, token_ids: list[int], entries: list[Any] | None) -> ChatLogprobs | None:
+        if self.tokens is None:
+            return None
+        content = []
+        for tid, (chosen, top) in zip(token_ids, entries or []):
+            ranked = sorted(top.items(), key=lambda kv: -kv[1])[: self.top_logprobs]
+            content.append(TokenLogprob(
+                **self._entry(tid, chosen),
+                top_logprobs=[TopLogprob(**self._entry(t, v)) for t, v in ranked],
+            ))
+        return ChatLogprobs(content=content)
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        assert self.tokens is not None
+        text = self.tokens(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) -> ChatJob:
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
+    state.check_model(req.model)
+    logprobs = req.engine_logprobs()
+    # Templating + tokenizing a 1 MiB conversation takes a while: keep it off the event loop.
+    prompt_ids = await asyncio.to_thread(render_chat, state.engine.tokenizer, req.messages)
+    context = state.engine.max_model_len
+    if len(prompt_ids) >= context:
+        raise bad_request(f"The conversation is {len(prompt_ids)} tokens; this model's context length is {context}.",
+                          param="messages", code="context_length_exceeded")
+    requested = req.requested_max_tokens()
+    max_tokens = context - len(prompt_ids) if requested is None else requested  # OpenAI: default is "the rest"
+    params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+    if state.settings.log_prompts:
+        record.prompt_text = repr([m.model_dump(exclude_none=True) for m in req.messages])
+    return ChatJob(
+        prompts=[prompt_ids], params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
+        model=state.engine.model_name, response_id=f"chatcmpl-{record.request_id}",
+        tokens=TokenStrings(state.engine.tokenizer) if logprobs is not None else None,
+        top_logprobs=logprobs or 0,
+    )
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+    """The model's chat template (or a plain `role: content` fallback) -> prompt token ids."""
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # templates raise on e.g. non-alternating roles: the client's to fix
+            raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from None
+    else:
+        text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+    # The template already placed any special tokens; adding BOS again would change the prompt.
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise bad_request("messages render to an empty prompt", param="messages")
+    return list(ids)

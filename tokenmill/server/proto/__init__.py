@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for tokenmill.proto (regenerate with generate.sh)."""

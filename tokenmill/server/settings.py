@@ -1,0 +1,32 @@
+"""Server-side settings (everything `tokenmill serve` adds on top of the engine config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051  # 0 disables gRPC
+    max_queue: int = 256  # waiting requests beyond which new ones get 429
+    drain_timeout: float = 30.0  # seconds to let in-flight requests finish after SIGTERM
+    api_key: str | None = None  # Bearer token for /v1/* (and gRPC); None = open
+    max_body_bytes: int = 1 << 20
+    log_format: str = "json"  # json | text
+    log_prompts: bool = False  # prompt text is never logged unless this is set
+    # Sequences the engine runs at once; requests beyond it count as waiting for back-pressure.
+    max_num_seqs: int = 128
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError("--max-queue must be >= 0")
+        if self.drain_timeout < 0:
+            raise ValueError("--drain-timeout must be >= 0")
+        if self.max_body_bytes <= 0:
+            raise ValueError("--max-body-bytes must be > 0")
+        if self.log_format not in ("json", "text"):
+            raise ValueError("--log-format must be json or text")
+        if self.api_key == "":
+            self.api_key = None

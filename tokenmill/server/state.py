@@ -1,0 +1,175 @@
+"""Server-wide request bookkeeping shared by HTTP and gRPC: admission (back-pressure), draining,
+per-request records, and the one place where a finished request is counted and logged."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import APIError
+from .metrics import ServerMetrics
+from .settings import ServerSettings
+
+request_log = logging.getLogger("tokenmill.server.requests")
+
+# The `endpoint` label values of tokenmill_requests_total (fixed set: bounded metric cardinality).
+GRPC_GENERATE = "/tokenmill.v1.Generation/Generate"
+GRPC_GENERATE_STREAM = "/tokenmill.v1.Generation/GenerateStream"
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", GRPC_GENERATE, GRPC_GENERATE_STREAM)
+
+
+@dataclass
+class RequestRecord:
+    """Everything we know about one API request, from arrival to its single log line."""
+
+    request_id: str  # what the client sees (X-Request-Id)
+    endpoint: str
+    started: float = field(default_factory=time.time)
+    admitted_seqs: int = 0  # sequences counted against capacity; 0 until admitted
+    # Latest engine output per prompt index: token counts and stage timestamps are read from it at the end.
+    last_outputs: dict[int, Any] = field(default_factory=dict)
+    prompt_text: str | None = None  # only kept with --log-prompts
+    done: bool = False
+
+
+def status_of(err: APIError) -> str:
+    """Metric status of a failed request: capacity/availability refusals are `rejected`, the rest `error`."""
+    return "rejected" if err.status in (429, 503) else "error"
+
+
+class ServerState:
+    def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.draining = False
+        self.active_requests = 0
+        self.active_seqs = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._engine_ids = itertools.count()
+        self.started_at = int(time.time())
+
+    # ------------------------------------------------------------------ health / admission
+
+    def ready(self) -> bool:
+        return not self.draining and self.engine.is_alive()
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.engine.model_name}`.",
+                           code="model_not_found", param="model")
+
+    def waiting(self) -> int:
+        """Sequences waiting for a batch slot: the engine's own queue, or our in-flight count beyond
+        --max-num-seqs, whichever is larger (the engine's count lags new submissions by a step)."""
+        return max(int(self.engine.stats().num_waiting), self.active_seqs - self.settings.max_num_seqs)
+
+    def admit(self, record: RequestRecord, n_seqs: int) -> None:
+        """Count the request against capacity, or refuse it now (cheap 429/503 beats a slow timeout)."""
+        if self.draining:
+            raise APIError(503, "The server is shutting down; retry on another replica.", code="draining")
+        if not self.engine.is_alive():
+            raise APIError(503, "The inference engine is not running.", code="engine_unavailable")
+        engine_waiting = int(self.engine.stats().num_waiting)
+        would_wait = max(0, self.active_seqs + n_seqs - self.settings.max_num_seqs)
+        if would_wait > self.settings.max_queue or 0 < engine_waiting >= self.settings.max_queue:
+            raise APIError(429, f"Too many requests waiting (limit {self.settings.max_queue}); retry later.",
+                           code="queue_full", headers={"Retry-After": "1"})
+        record.admitted_seqs = n_seqs
+        self.active_requests += 1
+        self.active_seqs += n_seqs
+        self._idle.clear()
+
+    def engine_request_id(self, record: RequestRecord, index: int) -> str:
+        # Client-sent X-Request-Ids need not be unique, engine ids must be: add a process-wide counter.
+        return f"{record.request_id}.{next(self._engine_ids)}.{index}"
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when every admitted request has finished within `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:  # not the builtin on 3.10
+            return False
+
+    # ------------------------------------------------------------------ per-request accounting
+
+    def begin(self, request_id: str, endpoint: str) -> RequestRecord:
+        return RequestRecord(request_id=request_id, endpoint=endpoint)
+
+    def on_output(self, record: RequestRecord, prompt_index: int, out: Any) -> None:
+        record.last_outputs[prompt_index] = out
+        self.metrics.on_tokens(sum(len(o.token_ids_delta) for o in out.outputs))
+
+    def finish(self, record: RequestRecord, status: str, *, http_status: int = 200, error: str | None = None) -> None:
+        """Release capacity, update metrics and write the request's log line; idempotent."""
+        if record.done:
+            return
+        record.done = True
+        if record.admitted_seqs:
+            self.active_requests -= 1
+            self.active_seqs -= record.admitted_seqs
+            if self.active_requests == 0:
+                self._idle.set()
+        self.metrics.on_request_done(record.endpoint, status)
+        prompt_tokens = completion_tokens = 0
+        for out in record.last_outputs.values():
+            p = len(out.prompt_token_ids)
+            lengths = [len(o.token_ids) for o in out.outputs]
+            self.metrics.on_engine_request_done(out.metrics, p, sum(lengths), max(lengths, default=0))
+            prompt_tokens += p
+            completion_tokens += sum(lengths)
+        self._log(record, status, http_status, error, prompt_tokens, completion_tokens)
+
+    def _log(self, record: RequestRecord, status: str, http_status: int, error: str | None,
+             prompt_tokens: int, completion_tokens: int) -> None:
+        now = time.time()
+        fields: dict[str, Any] = {
+            "request_id": record.request_id,
+            "endpoint": record.endpoint,
+            "status": status,
+            "http_status": http_status,
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_s": round(now - record.started, 6),
+        }
+        fields.update(_stage_timings(list(record.last_outputs.values()), now))
+        reasons = sorted({o.finish_reason for out in record.last_outputs.values() for o in out.outputs if o.finish_reason})
+        if reasons:
+            fields["finish_reason"] = ",".join(reasons)
+        cached = sum(getattr(out, "num_cached_tokens", 0) for out in record.last_outputs.values())
+        if cached:
+            fields["cached_tokens"] = cached
+        if error:
+            fields["error"] = error
+        if record.prompt_text is not None:
+            fields["prompt"] = record.prompt_text
+        level = logging.ERROR if http_status >= 500 else logging.INFO
+        request_log.log(level, "request finished", extra=fields)
+
+
+def _stage_timings(outputs: list[Any], now: float) -> dict[str, float]:
+    """queue (arrival->scheduled), prefill (scheduled->first token), ttft, decode (first->last token);
+    the slowest prompt of a batch for each stage."""
+    stages: dict[str, float] = {}
+
+    def put(name: str, value: float | None) -> None:
+        if value is not None:
+            stages[name] = round(max(stages.get(name, 0.0), max(0.0, value)), 6)
+
+    for out in outputs:
+        m = out.metrics
+        if m is None:
+            continue
+        put("queue_s", m.queue_time)
+        put("ttft_s", m.ttft)
+        if m.first_token_time is not None and m.first_scheduled_time is not None:
+            put("prefill_s", m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None:
+            put("decode_s", (m.finished_time or now) - m.first_token_time)
+    return stages
