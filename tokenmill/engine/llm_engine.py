@@ -112,6 +112,8 @@ class LLMEngine:
             from tokenmill.models.quant import quantize_model
 
             quantize_model(self.model, config.quantization)
+        if config.compile:
+            self._compile_model()
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or self.spec.max_position, self.spec.max_position)
         self._build_cache()
@@ -120,6 +122,14 @@ class LLMEngine:
         self._seq_ids = count()
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.num_steps = 0
+        from tokenmill.engine import faults  # test-only hook, off unless TOKENMILL_FAULT_INJECTION=1
+
+        faults.install(self)
+
+    def _compile_model(self) -> None:
+        """torch.compile the dense parts of the step (attention stays eager); token count is dynamic."""
+        logger.info("compiling the model step with torch.compile (first steps are slow)")
+        self.model.forward = torch.compile(self.model.forward, dynamic=True)
 
     def _build_cache(self) -> None:
         spec, bs = self.spec, self.block_size

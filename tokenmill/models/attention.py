@@ -35,6 +35,7 @@ class AttentionMetadata:
     num_decodes: int = 0
 
 
+@torch.compiler.disable  # data-dependent Python over segments: torch.compile graphs stop here
 def paged_attention(
     q: torch.Tensor,  # [T, heads, dim]
     k: torch.Tensor,  # [T, kv_heads, dim]
