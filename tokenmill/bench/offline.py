@@ -1,0 +1,568 @@
+"""`tokenmill bench offline`: the engine in this process, no server, on a mixed-length workload.
+
+All requests are submitted at once (`LLM.generate`), each with ignore_eos and its own max_tokens,
+so every run produces exactly the requested number of tokens. Options add, in the same process:
+
+- `--compare hf`: Hugging Face `generate` in padded static batches on the same prompts (the naive
+  baseline), its padding waste, the tokenmill/HF throughput ratio and greedy agreement;
+- `--sweep`: the workload at several concurrency limits (max_num_seqs), latency vs throughput;
+- `--roofline`: copy bandwidth, weight bytes and the batch-1 decode bound vs the measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenmill.bench.commands import positive_int
+from tokenmill.bench.serve import json_safe, percentiles, write_json
+
+TINY_MODEL = "tiny"
+# Token ids for synthetic prompts start here: SmolLM2's special tokens all sit below 100.
+MIN_PROMPT_TOKEN_ID = 100
+DEFAULT_KV_CACHE = "2GiB"
+
+
+# --------------------------------------------------------------------------------------------------
+# Workload
+
+
+@dataclass(frozen=True)
+class OfflineRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def make_workload(num_prompts: int, min_input: int, max_input: int, min_output: int, max_output: int,
+                  vocab_size: int, seed: int = 0) -> list[OfflineRequest]:
+    """Token-id prompts with lengths uniform in [min_input, max_input] and output lengths uniform in
+    [min_output, max_output] (inclusive), deterministic for a seed."""
+    if not 1 <= min_input <= max_input:
+        raise ValueError(f"need 1 <= --min-input <= --max-input, got {min_input}, {max_input}")
+    if not 1 <= min_output <= max_output:
+        raise ValueError(f"need 1 <= --min-output <= --max-output, got {min_output}, {max_output}")
+    low = MIN_PROMPT_TOKEN_ID if vocab_size > 2 * MIN_PROMPT_TOKEN_ID else 0
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(min_input, max_input + 1, size=num_prompts)
+    out_lens = rng.integers(min_output, max_output + 1, size=num_prompts)
+    return [OfflineRequest(rng.integers(low, vocab_size, size=int(n_in)).tolist(), int(n_out))
+            for n_in, n_out in zip(in_lens, out_lens, strict=True)]
+
+
+def describe_workload(workload: Sequence[OfflineRequest]) -> str:
+    ins = [len(r.prompt_token_ids) for r in workload]
+    outs = [r.output_len for r in workload]
+    return (f"{len(workload)} requests, prompt tokens {min(ins)}-{max(ins)} (sum {sum(ins)}), "
+            f"output tokens {min(outs)}-{max(outs)} (sum {sum(outs)})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class Stats:
+    """Mean/p50/p99 in seconds (NaN without samples)."""
+
+    mean: float
+    p50: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stats:
+        if len(values) == 0:
+            return cls(math.nan, math.nan, math.nan)
+        p = percentiles(values, (50, 99))
+        return cls(float(np.mean(values)), p[50], p[99])
+
+
+@dataclass
+class RunResult:
+    name: str
+    num_requests: int
+    prompt_tokens: int
+    requested_tokens: int  # sum of each request's own output length
+    output_tokens: int  # useful tokens produced (== requested_tokens for a correct run)
+    duration_s: float
+    output_throughput: float  # useful output tokens / s
+    request_throughput: float
+    latency: Stats
+    ttft: Stats
+    max_num_seqs: int | None = None
+    generated_tokens: int | None = None  # HF: every position decoded, padding included
+    padding_waste: float | None = None  # HF: fraction of generated tokens nobody asked for
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("token_ids")
+        return data
+
+
+def _result(name: str, workload: Sequence[OfflineRequest], token_ids: list[list[int]], duration: float,
+            latencies: Sequence[float], ttfts: Sequence[float], **extra: Any) -> RunResult:
+    produced = sum(len(t) for t in token_ids)
+    return RunResult(
+        name=name, num_requests=len(workload),
+        prompt_tokens=sum(len(r.prompt_token_ids) for r in workload),
+        requested_tokens=sum(r.output_len for r in workload), output_tokens=produced,
+        duration_s=duration,
+        output_throughput=produced / duration if duration > 0 else math.nan,
+        request_throughput=len(workload) / duration if duration > 0 else math.nan,
+        latency=Stats.of(latencies), ttft=Stats.of(ttfts), token_ids=token_ids, **extra,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenmill
+
+
+def _params(workload: Sequence[OfflineRequest]) -> list[Any]:
+    from tokenmill import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
+
+
+def warmup(llm: Any, workload: Sequence[OfflineRequest], max_tokens: int = 8) -> None:
+    """A short untimed generate: first-call allocations and kernel selection are not the benchmark."""
+    from tokenmill import SamplingParams
+
+    prompts = [r.prompt_token_ids for r in workload[:2]]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def run_tokenmill(llm: Any, workload: Sequence[OfflineRequest], use_tqdm: bool = True,
+                  name: str = "tokenmill") -> RunResult:
+    """Submit every request at once and run them to completion; time the whole generate call."""
+    prompts = [r.prompt_token_ids for r in workload]
+    params = _params(workload)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    duration = time.perf_counter() - t0
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    latencies, ttfts = [], []
+    for o in outs:
+        m = o.metrics
+        if m.finished_time is not None:
+            latencies.append(m.finished_time - m.arrival_time)
+        if m.first_token_time is not None:
+            ttfts.append(m.first_token_time - m.arrival_time)
+    return _result(name, workload, token_ids, duration, latencies, ttfts,
+                   max_num_seqs=getattr(getattr(llm.engine, "config", None), "max_num_seqs", None))
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face static batches
+
+
+def static_batches(workload: Sequence[OfflineRequest], batch_size: int) -> list[list[int]]:
+    """Indices of consecutive requests, `batch_size` at a time (arrival order, like a naive server)."""
+    return [list(range(i, min(i + batch_size, len(workload)))) for i in range(0, len(workload), batch_size)]
+
+
+def padding_accounting(workload: Sequence[OfflineRequest], batch_size: int) -> tuple[int, int, float]:
+    """(useful tokens, generated tokens, waste fraction) of static batches that each decode to their
+    longest request's output length."""
+    useful = sum(r.output_len for r in workload)
+    generated = sum(len(b) * max(workload[i].output_len for i in b) for b in static_batches(workload, batch_size))
+    return useful, generated, (1.0 - useful / generated) if generated else 0.0
+
+
+def load_hf_model(model_dir: str | Path, device: str = "cpu", dtype: Any = None) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
+    return model.to(device).eval()
+
+
+def _hf_generate(model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id: int) -> list[list[int]]:
+    """Greedy `generate` on one left-padded batch that decodes exactly `new_tokens` for every row."""
+    import copy
+
+    import torch
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    # ignore_eos semantics: no EOS id at all, so nothing stops early and no logit is suppressed
+    # (min_new_tokens with an EOS id would mask EOS and change greedy picks vs tokenmill).
+    gen_config = copy.deepcopy(model.generation_config)
+    gen_config.eos_token_id = None
+    gen_config.pad_token_id = pad_id
+    gen_config.do_sample = False
+    gen_config.max_new_tokens = new_tokens
+    gen_config.min_new_tokens = new_tokens
+    for name in ("temperature", "top_p", "top_k"):  # keep generate from warning about unused sampling flags
+        if hasattr(gen_config, name):
+            setattr(gen_config, name, None)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_config)
+    gen = out[:, width:].tolist()
+    if any(len(g) != new_tokens for g in gen):
+        raise RuntimeError(f"HF generate returned {len(gen[0])} tokens, expected {new_tokens}")
+    return gen
+
+
+def hf_pad_id(model_dir: str | Path) -> int:
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        for value in (tok.pad_token_id, tok.eos_token_id):
+            if value is not None:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def run_hf_static(model: Any, workload: Sequence[OfflineRequest], batch_size: int = 16, pad_id: int = 0,
+                  progress: bool = True) -> RunResult:
+    """The naive baseline: consecutive static batches, each decoding to its longest output length.
+
+    Useful tokens are each request's own output length (the rest of its row is waste); a request's
+    latency is when its batch ends, since all arrive at t=0. TTFT is not observable through
+    `generate` (nothing streams out), so it is left NaN.
+    """
+    from tqdm.auto import tqdm
+
+    token_ids: list[list[int]] = [[] for _ in workload]
+    latencies = [0.0] * len(workload)
+    batches = static_batches(workload, batch_size)
+    t0 = time.perf_counter()
+    for batch in tqdm(batches, desc="HF static batches", unit="batch", disable=not progress):
+        longest = max(workload[i].output_len for i in batch)
+        gen = _hf_generate(model, [workload[i].prompt_token_ids for i in batch], longest, pad_id)
+        end = time.perf_counter() - t0
+        for row, i in enumerate(batch):
+            token_ids[i] = gen[row][: workload[i].output_len]
+            latencies[i] = end
+    duration = time.perf_counter() - t0
+    _, generated, waste = padding_accounting(workload, batch_size)
+    return _result(f"hf-static-bs{batch_size}", workload, token_ids, duration, latencies, [],
+                   max_num_seqs=batch_size, generated_tokens=generated, padding_waste=waste)
+
+
+def greedy_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Per request, compare the first min(len) tokens: the fraction of requests that match exactly,
+    and the mean fraction of tokens before the first difference."""
+    exact, prefix = 0, []
+    for x, y in zip(a, b, strict=True):
+        n = min(len(x), len(y))
+        same = next((k for k in range(n) if x[k] != y[k]), n)
+        exact += same == n
+        prefix.append(same / n if n else 1.0)
+    count = len(prefix)
+    return {"requests": count, "exact_match_fraction": exact / count if count else math.nan,
+            "mean_matching_prefix_fraction": float(np.mean(prefix)) if count else math.nan}
+
+
+# --------------------------------------------------------------------------------------------------
+# Model / engine construction
+
+
+def resolve_bench_model(model: str | None) -> Path:
+    """--model: None = the default model, 'tiny' = the random tiny Llama in the cache (built once)."""
+    from tokenmill.models.hub import cache_root, make_tiny_model, resolve_model
+
+    if model != TINY_MODEL:
+        return resolve_model(model)
+    target = cache_root() / "models" / "tiny-llama"
+    if not ((target / "config.json").exists() and any(target.glob("*.safetensors"))):
+        import shutil
+
+        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+        print(f"building the tiny model in {target} (once)", file=sys.stderr)
+        make_tiny_model(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    return target
+
+
+def engine_kwargs(args: argparse.Namespace, model_dir: Path, **overrides: Any) -> dict[str, Any]:
+    from tokenmill.engine.config import EngineConfig
+
+    kwargs = vars(EngineConfig.from_cli_args(args))
+    kwargs.update(model=str(model_dir), **overrides)
+    return kwargs
+
+
+def make_llm(args: argparse.Namespace, model_dir: Path, **overrides: Any) -> Any:
+    from tokenmill import LLM
+
+    kwargs = engine_kwargs(args, model_dir, **overrides)
+    model = kwargs.pop("model")
+    return LLM(model, progress=not args.no_progress, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, spec)
+
+
+def format_runs(runs: Sequence[RunResult]) -> str:
+    rows: list[tuple[str, str, Any]] = [
+        ("Requests", "d", lambda r: r.num_requests),
+        ("Prompt tokens", "d", lambda r: r.prompt_tokens),
+        ("Useful output tokens", "d", lambda r: r.output_tokens),
+        ("Generated tokens (incl. padding)", "d", lambda r: r.generated_tokens if r.generated_tokens is not None else r.output_tokens),
+        ("Padding waste (%)", ".1f", lambda r: None if r.padding_waste is None else r.padding_waste * 100),
+        ("Total time (s)", ".2f", lambda r: r.duration_s),
+        ("Useful output tok/s", ".1f", lambda r: r.output_throughput),
+        ("Requests/s", ".3f", lambda r: r.request_throughput),
+        ("Mean latency (s)", ".2f", lambda r: r.latency.mean),
+        ("P50 latency (s)", ".2f", lambda r: r.latency.p50),
+        ("P99 latency (s)", ".2f", lambda r: r.latency.p99),
+        ("Mean TTFT (s)", ".3f", lambda r: r.ttft.mean),
+        ("P50 TTFT (s)", ".3f", lambda r: r.ttft.p50),
+        ("P99 TTFT (s)", ".3f", lambda r: r.ttft.p99),
+    ]
+    table = [["Metric", *(r.name for r in runs)]]
+    table += [[label, *(_fmt(get(r), spec) for r in runs)] for label, spec, get in rows]
+    return _grid(table)
+
+
+def _grid(table: Sequence[Sequence[str]], title: str | None = None) -> str:
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    rule = "-" * len(line(table[0]))
+    head = [rule, title, rule] if title else [rule]
+    return "\n".join([*head, line(table[0]), rule, *(line(r) for r in table[1:]), rule])
+
+
+def format_sweep(runs: Sequence[RunResult]) -> str:
+    table = [["concurrency", "mean latency (s)", "p99 latency (s)", "mean TTFT (s)", "p99 TTFT (s)", "output tok/s"]]
+    for r in runs:
+        table.append([str(r.max_num_seqs), _fmt(r.latency.mean, ".2f"), _fmt(r.latency.p99, ".2f"),
+                      _fmt(r.ttft.mean, ".3f"), _fmt(r.ttft.p99, ".3f"), _fmt(r.output_throughput, ".1f")])
+    return _grid(table, title="Concurrency sweep (max_num_seqs)")
+
+
+def plot_sweep(runs: Sequence[RunResult], path: str | Path, title: str = "tokenmill bench offline --sweep") -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    conc = [r.max_num_seqs for r in runs]
+    fig = Figure(figsize=(11, 4.5), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    ax_tp, ax_lat = fig.subplots(1, 2)
+    ax_tp.plot(conc, [r.output_throughput for r in runs], "o-")
+    ax_tp.set(title="Output tokens/s vs concurrency", xlabel="max_num_seqs", ylabel="output tok/s", xscale="log")
+    ax_lat.plot(conc, [r.latency.mean for r in runs], "o-", label="mean latency")
+    ax_lat.plot(conc, [r.latency.p99 for r in runs], "s--", label="p99 latency")
+    ax_lat.plot(conc, [r.ttft.mean for r in runs], "^:", label="mean TTFT")
+    ax_lat.set(title="Latency vs concurrency", xlabel="max_num_seqs", ylabel="seconds", xscale="log")
+    ax_lat.legend()
+    for ax in (ax_tp, ax_lat):
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:  # pragma: no cover
+        tf_version = None
+    return {
+        "command": " ".join(shlex.quote(a) for a in ["tokenmill", *sys.argv[1:]]) if sys.argv else None,
+        "argv": list(sys.argv),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch_version": torch.__version__,
+        "transformers_version": tf_version,
+        "num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Command
+
+
+def parse_values(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from tokenmill.engine.llm_engine import resolve_device
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    progress = not args.no_progress
+    model_dir = resolve_bench_model(args.model)
+    report: dict[str, Any] = {"environment": environment(), "model_dir": str(model_dir),
+                              "engine": engine_kwargs(args, model_dir)}
+    print(f"model: {model_dir}", file=sys.stderr)
+    llm = make_llm(args, model_dir)
+    spec = llm.engine.spec
+    workload = make_workload(args.num_prompts, args.min_input, args.max_input, args.min_output, args.max_output,
+                             spec.vocab_size, args.seed)
+    report["workload"] = {"num_prompts": args.num_prompts, "min_input": args.min_input, "max_input": args.max_input,
+                          "min_output": args.min_output, "max_output": args.max_output, "seed": args.seed,
+                          "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
+                          "requested_output_tokens": sum(r.output_len for r in workload)}
+    print(describe_workload(workload), file=sys.stderr)
+    report["environment"]["num_threads"] = torch.get_num_threads()
+
+    runs: list[RunResult] = []
+    if not args.skip_main:
+        warmup(llm, workload)
+        main_run = run_tokenmill(llm, workload, use_tqdm=progress)
+        runs.append(main_run)
+        report["tokenmill"] = main_run.to_dict()
+        if main_run.output_tokens != main_run.requested_tokens:
+            print(f"warning: tokenmill produced {main_run.output_tokens} tokens, {main_run.requested_tokens} "
+                  "were requested", file=sys.stderr)
+
+    if args.compare == "hf":
+        device = resolve_device(args.device)
+        hf = load_hf_model(model_dir, device=str(device), dtype=llm.engine.dtype)
+        pad = hf_pad_id(model_dir)
+        _hf_generate(hf, [workload[0].prompt_token_ids], 4, pad)  # untimed warmup
+        hf_run = run_hf_static(hf, workload, args.hf_batch_size, pad, progress=progress)
+        runs.append(hf_run)
+        report["hf"] = hf_run.to_dict()
+        if runs[0] is not hf_run:
+            ratio = runs[0].output_throughput / hf_run.output_throughput
+            agreement = greedy_agreement(runs[0].token_ids, hf_run.token_ids)
+            report["comparison"] = {"throughput_ratio_tokenmill_over_hf": ratio, "greedy_agreement": agreement}
+        del hf
+        gc.collect()
+
+    if runs:
+        print(format_runs(runs))
+        if "comparison" in report:
+            c = report["comparison"]
+            a = c["greedy_agreement"]
+            print(f"tokenmill / HF useful tok/s: {c['throughput_ratio_tokenmill_over_hf']:.2f}x")
+            print(f"greedy agreement vs HF (first min(len) tokens): {a['exact_match_fraction'] * 100:.1f}% of "
+                  f"{a['requests']} requests match exactly; mean matching prefix "
+                  f"{a['mean_matching_prefix_fraction'] * 100:.1f}% (left padding shifts HF numerics slightly)")
+
+    if args.sweep:
+        sweep_workload = workload[: args.sweep_prompts] if args.sweep_prompts else workload
+        print(f"sweep: {describe_workload(sweep_workload)}", file=sys.stderr)
+        sweep_runs = []
+        for value in args.sweep_values:
+            del llm
+            gc.collect()
+            llm = make_llm(args, model_dir, max_num_seqs=value)
+            warmup(llm, sweep_workload)
+            run = run_tokenmill(llm, sweep_workload, use_tqdm=progress, name=f"concurrency {value}")
+            run.max_num_seqs = value
+            sweep_runs.append(run)
+            print(f"  concurrency {value}: {run.output_throughput:.1f} tok/s, mean latency {run.latency.mean:.2f} s",
+                  file=sys.stderr)
+        print(format_sweep(sweep_runs))
+        report["sweep"] = [r.to_dict() for r in sweep_runs]
+        if args.plot:
+            plot_sweep(sweep_runs, args.plot, title=f"tokenmill bench offline --sweep ({model_dir.name})")
+            print(f"wrote {args.plot}", file=sys.stderr)
+
+    if args.roofline:
+        from tokenmill.bench.roofline import format_roofline, measure_roofline
+
+        result = measure_roofline(llm, prompt_len=32, new_tokens=128, copy_bytes=args.roofline_copy_bytes)
+        print(format_roofline(result))
+        report["roofline"] = result.to_dict()
+
+    if args.json:
+        write_json(args.json, json_safe(report))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def register_offline(bench_subparsers: Any) -> None:
+    from tokenmill.engine.config import EngineConfig
+
+    parser = bench_subparsers.add_parser(
+        "offline", help="benchmark the engine in-process (offline LLM.generate), optionally vs HF",
+        description="Run a seeded mixed-length workload through tokenmill's offline API with every request "
+                    "submitted at once (ignore_eos, per-request max_tokens) and report useful output tokens/s, "
+                    "latency and TTFT. --compare hf runs Hugging Face generate in static padded batches on the "
+                    "same prompts; --sweep varies max_num_seqs; --roofline compares the batch-1 decode step "
+                    "with the memory-bandwidth bound. --model tiny uses a random ~28M Llama built once in the "
+                    "cache.",
+    )
+    group = parser.add_argument_group("workload")
+    group.add_argument("--num-prompts", type=positive_int, default=64, metavar="N", help="requests (default: 64)")
+    group.add_argument("--min-input", type=positive_int, default=4, metavar="TOKENS", help="shortest prompt (default: 4)")
+    group.add_argument("--max-input", type=positive_int, default=200, metavar="TOKENS", help="longest prompt (default: 200)")
+    group.add_argument("--min-output", type=positive_int, default=16, metavar="TOKENS",
+                       help="shortest output (default: 16)")
+    group.add_argument("--max-output", type=positive_int, default=128, metavar="TOKENS",
+                       help="longest output (default: 128)")
+    bench = parser.add_argument_group("benchmark")
+    bench.add_argument("--compare", choices=["hf"], default=None,
+                       help="also run Hugging Face generate in static left-padded batches on the same prompts")
+    bench.add_argument("--hf-batch-size", type=positive_int, default=16, metavar="N",
+                       help="static batch size of the HF baseline (default: 16)")
+    bench.add_argument("--sweep", action="store_true", help="rerun the workload at each --sweep-values max_num_seqs")
+    bench.add_argument("--sweep-values", type=parse_values, default=[1, 4, 16, 64], metavar="LIST",
+                       help="comma-separated concurrency limits (default: 1,4,16,64)")
+    bench.add_argument("--sweep-prompts", type=positive_int, default=None, metavar="N",
+                       help="use only the first N prompts in the sweep (default: all)")
+    bench.add_argument("--plot", metavar="PATH", default=None, help="with --sweep: PNG of tok/s and latency vs concurrency")
+    bench.add_argument("--roofline", action="store_true",
+                       help="measure copy bandwidth, weight bytes and batch-1 decode step vs its bandwidth bound")
+    bench.add_argument("--roofline-copy-bytes", type=positive_int, default=1 << 30, metavar="BYTES",
+                       help="size of the fp32 tensor copied to measure bandwidth (default: 1 GiB)")
+    bench.add_argument("--skip-main", action="store_true",
+                       help="skip the main tokenmill run (e.g. only --sweep or --roofline)")
+    bench.add_argument("--json", metavar="PATH", default=None,
+                       help="write every number, the command line, date, torch version and threads as JSON")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
+    EngineConfig.add_cli_args(parser)  # adds --model and the engine flags (--seed also seeds the prompts)
+    parser.set_defaults(func=main, kv_cache_memory=DEFAULT_KV_CACHE)
+    for action in parser._actions:
+        if action.dest == "model":
+            action.help = "model directory, 'tiny' for the random tiny Llama (built once in the cache), or default"
+        elif action.dest == "kv_cache_memory":
+            action.help = f"KV cache budget (default here: {DEFAULT_KV_CACHE})"
+        elif action.dest == "seed":
+            action.help = "seed of the prompts and of the engine's unseeded sampling (default: 0)"
