@@ -43,6 +43,7 @@ class BlockAllocator:
         # Unreferenced blocks, least recently freed first; values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
+        self.fresh: list[int] = []  # allocated since the last step: the cache zeroes them
         self.stats = PrefixCacheStats()
 
     @property
@@ -61,7 +62,12 @@ class BlockAllocator:
                 del self.cached[old]
             self.block_hashes[block] = None
         self.ref_counts[block] = 1
+        self.fresh.append(block)
         return block
+
+    def take_fresh(self) -> list[int]:
+        fresh, self.fresh = self.fresh, []
+        return fresh
 
     def release(self, block: int) -> None:
         self.ref_counts[block] -= 1
@@ -99,6 +105,17 @@ class KVCache:
             k[:block_size].zero_()
             v[:block_size].zero_()
             self.layers.append((k, v))
+        self.block_size = block_size
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Zero newly allocated blocks: attention reads whole blocks, unused tails included."""
+        if not blocks:
+            return
+        device = self.layers[0][0].device
+        idx = torch.tensor(blocks, dtype=torch.long, device=device)
+        for k, v in self.layers:
+            k.view(-1, self.block_size, *k.shape[1:]).index_fill_(0, idx, 0)
+            v.view(-1, self.block_size, *v.shape[1:]).index_fill_(0, idx, 0)
 
 
 def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -237,6 +237,7 @@ class LLMEngine:
         if not batch:
             return []
         start = time.perf_counter()
+        self.kv_cache.zero_blocks(self.allocator.take_fresh())
         try:
             sampled, result = self.runner.execute(batch)
         except RequestFailed as exc:

@@ -49,24 +49,24 @@ class ModelRunner:
                 sample_rows.append(start + n - 1)
         num_prefill = len(ids)
 
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), prefills=segments, num_prefill_tokens=num_prefill)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), block_size=bs, prefills=segments,
+                                 num_prefill_tokens=num_prefill)
         if batch.decodes:
             seqs = [item.seq for item in batch.decodes]
             ctx_lens = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
             max_blocks = max(len(s.block_table) for s in seqs)
             tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.long)
-            max_ctx = int(ctx_lens.max())
-            ctx = torch.arange(max_ctx)
-            valid = ctx[None, :] < ctx_lens[:, None]  # [B, max_ctx]
-            # Padded positions read slot 0 (the allocator's zero block): never uninitialised memory,
-            # whose NaNs would leak through the masked softmax as 0 * NaN.
-            slots = torch.where(valid, tables[:, ctx // bs] * bs + ctx % bs, 0)
+            ctx = torch.arange(max_blocks * bs)
+            valid = ctx[None, :] < ctx_lens[:, None]  # [B, max_blocks * bs]
+            slots = tables[:, ctx // bs] * bs + ctx % bs
             rows = torch.arange(len(seqs))
             pos_chunks.append(ctx_lens - 1)
             slot_chunks.append(slots[rows, ctx_lens - 1])
             ids.extend(s.token_ids[s.num_computed_tokens] for s in seqs)
-            meta.decode_slots = slots.to(self.device)
-            meta.decode_mask = valid.view(len(seqs), 1, 1, max_ctx).to(self.device)
+            # Unused tail slots of a sequence's last block were zeroed when the block was allocated
+            # and padded table entries are the zero block: masked positions never hold NaN garbage.
+            meta.decode_blocks = tables.flatten().to(self.device)
+            meta.decode_mask = valid.view(len(seqs), 1, 1, -1).to(self.device)
             meta.num_decodes = len(seqs)
             sample_rows.extend(num_prefill + j for j, item in enumerate(batch.decodes) if item.samples)
 
