@@ -11,6 +11,7 @@ COMMAND_MODULES = [
     "tokenmill.engine.commands",
     "tokenmill.server.commands",
     "tokenmill.bench.commands",
+    "tokenmill.deploy.commands",
 ]
 
 
