@@ -9,6 +9,11 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="run the full-size stress tests in tests/stress (>10 minutes); default: short versions")
+
+
 def _save_random_model(config, tokenizer_dir: Path, target: Path, seed: int) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError, bad_request, error_body, error_response
@@ -90,10 +91,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"Request body is {declared} bytes; the limit is {limit}.", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+    except ClientDisconnect:  # the client left mid-body: an abort (499), not a server error with a traceback
+        raise ClientDisconnected() from None
     return bytes(body)
 
 

@@ -162,6 +162,19 @@ class CompletionJob(Job):
         return lp, offset
 
 
+def _vocab_size(engine: Any) -> int | None:
+    spec = getattr(getattr(engine, "engine", None), "spec", None)  # AsyncEngine -> LLMEngine -> ModelSpec
+    size = getattr(spec, "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _check_token_ids(state: ServerState, params: SamplingParams) -> None:
+    """logit_bias keys outside the vocabulary are a client error (OpenAI: 400), not something to ignore."""
+    vocab = _vocab_size(state.engine)
+    if vocab is not None and params.logit_bias and max(params.logit_bias) >= vocab:
+        raise bad_request(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
+
+
 def prepare_completion(state: ServerState, record: RequestRecord, raw: bytes) -> CompletionJob:
     req: CompletionRequest = parse_request(CompletionRequest, raw)
     state.check_model(req.model)
@@ -169,6 +182,7 @@ def prepare_completion(state: ServerState, record: RequestRecord, raw: bytes) ->
     prompts = req.prompts()  # token ids are range-checked by the engine (it knows the model's vocab)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs)
+    _check_token_ids(state, params)
     if state.settings.log_prompts:
         record.prompt_text = repr(req.prompt)
     return CompletionJob(
@@ -249,6 +263,7 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     requested = req.requested_max_tokens()
     max_tokens = context - len(prompt_ids) if requested is None else requested  # OpenAI: default is "the rest"
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+    _check_token_ids(state, params)
     if state.settings.log_prompts:
         record.prompt_text = repr([m.model_dump(exclude_none=True) for m in req.messages])
     return ChatJob(

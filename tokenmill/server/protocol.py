@@ -60,6 +60,8 @@ class _SamplingRequest(_Strict):
             logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
             raise bad_request("logit_bias keys must be token ids", param="logit_bias") from None
+        if any(k < 0 for k in logit_bias):  # the sampler would silently skip them
+            raise bad_request("logit_bias keys must be non-negative token ids", param="logit_bias")
         values: dict[str, Any] = dict(
             max_tokens=max_tokens,
             temperature=self.temperature,
