@@ -77,13 +77,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Scrape /metrics: {'name{label="v",...}': value} with labels sorted, via the official parser."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=5.0).text
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
+        return parse_metrics(httpx.get(f"{self.base_url}/metrics", timeout=5.0).text)
 
     def terminate(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -155,3 +149,13 @@ def sse_events(lines: Iterator[str]) -> Iterator[str]:
             yield payload
             if payload == "[DONE]":
                 return
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{label="v",...}': value} with labels sorted, via the official parser."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
+from server_fixtures import parse_metrics
 
 # Figures of the run, printed at the end of the session (and written to $TOKENMILL_STRESS_REPORT).
 REPORT: dict[str, dict[str, Any]] = {}
@@ -252,13 +252,7 @@ def rss_mb(pid: int) -> float:
 
 
 async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
-    text = (await client.get(base_url + "/metrics", timeout=10.0)).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
+    return parse_metrics((await client.get(base_url + "/metrics", timeout=10.0)).text)
 
 
 def scrape_once(base_url: str) -> dict[str, float]:

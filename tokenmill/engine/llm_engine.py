@@ -207,23 +207,20 @@ class LLMEngine:
         self.add(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time))
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        for seq in request.seqs:
-            if not seq.is_finished:
-                seq.finish("abort")
-                self.scheduler.finish(seq)
-        return self._output(request)
+        return self._end_request(request_id, "abort", None)
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        return self._end_request(request_id, "error", message)
+
+    def _end_request(self, request_id: str, reason: str, error: str | None) -> RequestOutput | None:
+        """Finish every unfinished choice of a request now and free its blocks."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
-                seq.finish("error")
-                seq.error = message
+                seq.finish(reason)
+                seq.error = error
                 self.scheduler.finish(seq)
         return self._output(request)
 
