@@ -21,7 +21,6 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     compile: bool = False
-    cuda_graphs: bool = False
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
 
@@ -41,7 +40,6 @@ class EngineConfig:
         g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes")
         g.add_argument("--compile", action="store_true", help="torch.compile the model step (bucketed batch sizes)")
-        g.add_argument("--cuda-graphs", action="store_true", help="capture decode steps in CUDA graphs (GPU only)")
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
