@@ -9,11 +9,11 @@ import signal
 import threading
 
 from tokenmill.engine.config import EngineConfig, parse_memory
+from tokenmill.server.commands import API_KEY_ENV, settings_from_args
 from tokenmill.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "TOKENMILL_API_KEY"
 INSTALL_HINT = "Ray Serve is not installed: pip install 'tokenmill[ray]'"
 
 
@@ -54,12 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _settings(args: argparse.Namespace) -> ServerSettings:
-    return ServerSettings(
-        host=args.host, port=args.port, grpc_port=0, max_queue=args.max_queue,
-        api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
-        max_body_bytes=args.max_body_bytes, log_format=args.log_format, log_prompts=args.log_prompts,
-        max_num_seqs=args.max_num_seqs,
-    )
+    # The same settings as `tokenmill serve`, without gRPC (Ray's proxy carries HTTP only); Ray drains.
+    args.grpc_port = 0
+    args.drain_timeout = ServerSettings.drain_timeout
+    return settings_from_args(args)
 
 
 def run_serve_ray(args: argparse.Namespace) -> int:
