@@ -23,6 +23,11 @@ class ModelRunner:
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
 
+    def _slots_per_row(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slot of position positions[i] in block table tables[i]."""
+        rows = torch.arange(len(positions))
+        return tables[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+
     def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the step's tokens (prefill chunks first, then decodes) and build attention metadata."""
         bs = self.block_size
@@ -58,10 +63,9 @@ class ModelRunner:
             tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs], dtype=torch.long)
             ctx = torch.arange(max_blocks * bs)
             valid = ctx[None, :] < ctx_lens[:, None]  # [B, max_blocks * bs]
-            slots = tables[:, ctx // bs] * bs + ctx % bs
-            rows = torch.arange(len(seqs))
-            pos_chunks.append(ctx_lens - 1)
-            slot_chunks.append(slots[rows, ctx_lens - 1])
+            positions = ctx_lens - 1  # each decode's new token
+            pos_chunks.append(positions)
+            slot_chunks.append(self._slots_per_row(tables, positions))
             ids.extend(s.token_ids[s.num_computed_tokens] for s in seqs)
             # Unused tail slots of a sequence's last block were zeroed when the block was allocated
             # and padded table entries are the zero block: masked positions never hold NaN garbage.
