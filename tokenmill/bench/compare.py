@@ -72,8 +72,10 @@ def start_server(name: str, cmd: list[str], port: int, ready_path: str, log_dir:
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
         # A new session makes the server a process-group leader, so stopping it reaches its children.
+        # Both servers get the same OpenMP wait policy as `tokenmill serve` sets for itself.
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     return ServerProcess(name, proc, f"http://127.0.0.1:{port}", ready_path, log_path)
 
 

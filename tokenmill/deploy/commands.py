@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--ray-address", default=None,
                    help="existing cluster (`auto` or ray://host:10001); default: start a local Ray instance")
     r.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
-    parser.set_defaults(func=run_serve_ray)
+    parser.set_defaults(func=run_serve_ray, passive_omp=True)
 
 
 def _settings(args: argparse.Namespace) -> ServerSettings:

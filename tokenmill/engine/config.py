@@ -20,6 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    result_cache_size: int = 0  # finished deterministic completions kept for identical requests; 0 = off
     compile: bool = False
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
@@ -39,6 +40,9 @@ class EngineConfig:
         g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step (prefill chunks + decodes)")
         g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes")
+        g.add_argument("--result-cache-size", type=int, default=0, metavar="N",
+                       help="answer repeats of identical greedy or seeded requests from an LRU of the last N "
+                            "finished completions, without running the model (default: 0 = off)")
         g.add_argument("--compile", action="store_true", help="torch.compile the model step (bucketed batch sizes)")
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")

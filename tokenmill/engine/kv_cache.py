@@ -93,29 +93,25 @@ class BlockAllocator:
 
 
 class KVCache:
-    """The K/V tensors of every layer, shaped [num_blocks * block_size, kv_heads, head_dim]."""
+    """The K/V tensors of every layer, shaped [num_blocks * block_size, kv_heads, head_dim].
+
+    All of them are views of one [2 * layers, blocks, block_size, kv_heads, head_dim] tensor, so a
+    step zeroes its new blocks in every layer with a single call.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        self.data = torch.empty(2 * num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.data[:, 0].zero_()  # block 0: the zero block that pads block tables
         slots = num_blocks * block_size
-        self.layers = []
-        for _ in range(num_layers):
-            k = torch.empty(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-            v = torch.empty(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-            k[:block_size].zero_()
-            v[:block_size].zero_()
-            self.layers.append((k, v))
+        self.layers = [(self.data[2 * i].view(slots, num_kv_heads, head_dim),
+                        self.data[2 * i + 1].view(slots, num_kv_heads, head_dim)) for i in range(num_layers)]
         self.block_size = block_size
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Zero newly allocated blocks: attention reads whole blocks, unused tails included."""
-        if not blocks:
-            return
-        device = self.layers[0][0].device
-        idx = torch.tensor(blocks, dtype=torch.long, device=device)
-        for k, v in self.layers:
-            k.view(-1, self.block_size, *k.shape[1:]).index_fill_(0, idx, 0)
-            v.view(-1, self.block_size, *v.shape[1:]).index_fill_(0, idx, 0)
+        if blocks:
+            self.data.index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=self.data.device), 0)
 
 
 def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

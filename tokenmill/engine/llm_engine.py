@@ -15,6 +15,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenmill.engine.result_cache import CacheKey, ResultCache
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
@@ -43,6 +44,7 @@ class Request:
     params: SamplingParams
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
+    result_cache_key: CacheKey | None = None  # set when a finished result may be stored
 
     @property
     def finished(self) -> bool:
@@ -68,6 +70,9 @@ class EngineStats:
     prefix_cache_hit_rate: float
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
+    result_cache_hits_total: int = 0
+    result_cache_misses_total: int = 0
+    result_cache_entries: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,6 +124,8 @@ class LLMEngine:
         self._build_cache()
         self.eos_token_ids = set(self.spec.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.result_cache = ResultCache(config.result_cache_size)
+        self._cached_outputs: list[RequestOutput] = []  # result-cache hits, handed out by the next step()
         self._seq_ids = count()
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.num_steps = 0
@@ -187,6 +194,13 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         params = request.params
+        key = self.result_cache.key(request.prompt_token_ids, params)
+        if key is not None:
+            cached = self.result_cache.get(key)
+            if cached is not None:
+                self._cached_outputs.append(self._cached_output(request, cached))
+                return
+            request.result_cache_key = key
         for i in range(params.n):
             generator = None
             if params.seed is not None:
@@ -225,25 +239,34 @@ class LLMEngine:
         return self._output(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._cached_outputs)
+
+    @staticmethod
+    def _cached_output(request: Request, outputs: list[CompletionOutput]) -> RequestOutput:
+        now = time.time()
+        m = request.metrics
+        m.first_scheduled_time = m.first_token_time = m.finished_time = now
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, True, m,
+                             num_cached_tokens=len(request.prompt_token_ids))
 
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        cached, self._cached_outputs = self._cached_outputs, []
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return cached
         start = time.perf_counter()
         self.kv_cache.zero_blocks(self.allocator.take_fresh())
         try:
             sampled, result = self.runner.execute(batch)
         except RequestFailed as exc:
             outputs = [o for rid in exc.request_ids if (o := self.fail(rid, str(exc))) is not None]
-            return outputs  # the others are rescheduled unchanged next step
+            return cached + outputs  # the others are rescheduled unchanged next step
         except Exception as exc:  # noqa: BLE001 - a broken batch fails its requests, not the engine
             logger.exception("model step failed")
             ids = {item.seq.request_id for item in batch.all}
-            return [o for rid in ids if (o := self.fail(rid, f"internal error in the model step: {exc}")) is not None]
+            return cached + [o for rid in ids if (o := self.fail(rid, f"internal error in the model step: {exc}")) is not None]
         touched: dict[str, Request] = {}
         for item in batch.all:
             seq = item.seq
@@ -256,7 +279,7 @@ class LLMEngine:
         self.num_steps += 1
         self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills),
                                len(batch.decodes), time.perf_counter() - start))
-        return [self._output(r) for r in touched.values()]
+        return cached + [self._output(r) for r in touched.values()]
 
     def _append(self, seq: Sequence, token: int, logprob: tuple[float, dict[int, float]] | None) -> None:
         seq.append_token(token)
@@ -301,6 +324,8 @@ class LLMEngine:
         if finished:
             request.metrics.finished_time = time.time()
             self.requests.pop(request.request_id, None)
+            if request.result_cache_key is not None and error is None:
+                self.result_cache.put(request.result_cache_key, outputs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
                              request.metrics, error, num_cached_tokens=request.seqs[0].num_cached_tokens)
 
@@ -313,6 +338,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         a = self.allocator
+        rc = self.result_cache.stats()
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
@@ -323,6 +349,9 @@ class LLMEngine:
             prefix_cache_hit_rate=a.stats.hit_rate,
             prefix_cache_queries_total=a.stats.queries,
             prefix_cache_hits_total=a.stats.hits,
+            result_cache_hits_total=rc.hits,
+            result_cache_misses_total=rc.misses,
+            result_cache_entries=rc.entries,
         )
 
 

@@ -26,15 +26,24 @@ class PrefillSegment:
 
 
 @dataclass
+class DecodeGroup:
+    """Decoding sequences [start, end) of the step's decodes, padded to the group's longest context."""
+
+    start: int
+    end: int
+    # [(end - start) * max_blocks] block ids, row-major: each block table padded with the zero
+    # block 0 (whole-block gathers are ~5x faster than per-slot gathers).
+    blocks: torch.Tensor
+    mask: torch.Tensor  # [end - start, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     block_size: int = 16
     prefills: list[PrefillSegment] = field(default_factory=list)
     num_prefill_tokens: int = 0
-    # [num_decodes * max_blocks] block ids, row-major: each decode's block table padded with the
-    # zero block 0 (whole-block gathers are ~5x faster than per-slot gathers).
-    decode_blocks: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     num_decodes: int = 0
 
 
@@ -64,14 +73,14 @@ def paged_attention(
             vs = v_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.causal_mask, scale=scale, enable_gqa=gqa)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
-    if meta.num_decodes:
-        start = meta.num_prefill_tokens
-        b, ctx = meta.num_decodes, meta.decode_mask.shape[-1]
-        qd = q[start:].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_cache.view(-1, meta.block_size, *k_cache.shape[1:]).index_select(0, meta.decode_blocks)
-        vd = v_cache.view(-1, meta.block_size, *v_cache.shape[1:]).index_select(0, meta.decode_blocks)
-        kd = kd.view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = vd.view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
-        out[start:] = o.squeeze(2)
+    k_blocks = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])
+    v_blocks = v_cache.view(-1, meta.block_size, *v_cache.shape[1:])
+    for group in meta.decode_groups:
+        start, end = meta.num_prefill_tokens + group.start, meta.num_prefill_tokens + group.end
+        b, ctx = end - start, group.mask.shape[-1]
+        qd = q[start:end].unsqueeze(2)  # [B, H, 1, D]
+        kd = k_blocks.index_select(0, group.blocks).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_blocks.index_select(0, group.blocks).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+        out[start:end] = o.squeeze(2)
     return out.flatten(1)

@@ -7,6 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from tokenmill.models.attention import AttentionMetadata, paged_attention
+from tokenmill.models.lm_head import project_to_vocab
 from tokenmill.models.spec import ModelSpec
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -71,7 +72,7 @@ class GPT2ForCausalLM(nn.Module):
         """GPT-2 has no computed buffers."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return project_to_vocab(self.lm_head, hidden)
 
     @staticmethod
     def hf_to_local(name: str) -> tuple[str, int | None, str | None]:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.models.attention import AttentionMetadata, paged_attention
+from tokenmill.models.lm_head import project_to_vocab
 from tokenmill.models.spec import ModelSpec
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -114,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return project_to_vocab(self.lm_head, hidden)
 
     @staticmethod
     def hf_to_local(name: str) -> tuple[str, int | None, str | None]:

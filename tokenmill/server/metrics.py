@@ -62,6 +62,14 @@ class EngineStatsCollector(Collector):
         preemptions = CounterMetricFamily("tokenmill_num_preemptions", "Sequences preempted for lack of KV blocks.")
         preemptions.add_metric([], s.num_preemptions_total)
         yield preemptions
+        for name, doc, value in (
+            ("tokenmill_result_cache_hits", "Deterministic requests answered from the result cache.", s.result_cache_hits_total),
+            ("tokenmill_result_cache_misses", "Deterministic requests not found in the result cache.", s.result_cache_misses_total),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+        yield _gauge("tokenmill_result_cache_entries", "Completions held by the result cache.", s.result_cache_entries)
         yield from self._gpu.collect()
 
 
