@@ -98,6 +98,7 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self.engine.close()
 
     # -- the engine thread --------------------------------------------------------------------
 

@@ -22,7 +22,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     result_cache_size: int = 0  # finished deterministic completions kept for identical requests; 0 = off
     compile: bool = False
+    onednn_linear: bool = True  # CPU: linear layers on oneDNN with pre-packed weights
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks (processes) the layers are split over, on one machine
     num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
 
     @staticmethod
@@ -43,8 +45,15 @@ class EngineConfig:
         g.add_argument("--result-cache-size", type=int, default=0, metavar="N",
                        help="answer repeats of identical greedy or seeded requests from an LRU of the last N "
                             "finished completions, without running the model (default: 0 = off)")
+        g.add_argument("--onednn-linear", action=argparse.BooleanOptionalAction, default=True,
+                       help="CPU only: run the linear layers on oneDNN with weights pre-packed at load "
+                            "(fp32/bf16; measured 2.5x the default MKL GEMMs on AMD CPUs). Ignored with "
+                            "--quantization, --compile and on GPU")
         g.add_argument("--compile", action="store_true", help="torch.compile the model step (bucketed batch sizes)")
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                       help="split attention heads and MLP columns over N processes on this machine "
+                            "(gloo on CPU, NCCL with one GPU each on CUDA); Llama family (default: 1)")
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
     @classmethod

@@ -101,8 +101,9 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self.data = torch.empty(2 * num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.data[:, 0].zero_()  # block 0: the zero block that pads block tables
+        # Zeroed (and so paged in) up front: block 0 pads block tables, and first-touch page faults
+        # are paid at startup rather than inside the first requests' steps.
+        self.data = torch.zeros(2 * num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         slots = num_blocks * block_size
         self.layers = [(self.data[2 * i].view(slots, num_kv_heads, head_dim),
                         self.data[2 * i + 1].view(slots, num_kv_heads, head_dim)) for i in range(num_layers)]

@@ -21,7 +21,8 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence, SequenceStatus
 from tokenmill.models.hub import resolve_model
-from tokenmill.models.loader import load_model
+from tokenmill.models.loader import load_model, load_spec
+from tokenmill.models.parallel import TPInfo, check_shardable
 
 logger = logging.getLogger(__name__)
 
@@ -112,13 +113,25 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.model_name = config.served_model_name or self.model_dir.name
         self.tokenizer = _load_tokenizer(self.model_dir)
-        self.model, self.spec = load_model(self.model_dir, self.dtype, self.device, progress=progress)
-        if config.quantization:
-            from tokenmill.models.quant import quantize_model
+        self.tp_group = None
+        if config.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {config.tensor_parallel_size}")
+        if self.device.type == "cuda" and config.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} needs as many GPUs; "
+                             f"{torch.cuda.device_count()} visible")
+        if config.tensor_parallel_size > 1:
+            from tokenmill.engine.tensor_parallel import TensorParallelGroup, rank_device
 
-            quantize_model(self.model, config.quantization)
-        if config.compile:
-            self._compile_model()
+            check_shardable(load_spec(self.model_dir), config.tensor_parallel_size)  # before any process starts
+            self.device = rank_device(self.device, 0)
+            self.tp_group = TensorParallelGroup(config, self.device)  # workers load their shards meanwhile
+        try:
+            self.model, self.spec = load_model(self.model_dir, self.dtype, self.device, progress=progress,
+                                               tp=TPInfo(0, config.tensor_parallel_size))
+            prepare_model(self.model, config, self.device)
+        except BaseException:
+            self.close()
+            raise
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or self.spec.max_position, self.spec.max_position)
         self._build_cache()
@@ -133,11 +146,6 @@ class LLMEngine:
 
         faults.install(self)
 
-    def _compile_model(self) -> None:
-        """torch.compile the dense parts of the step (attention stays eager); token count is dynamic."""
-        logger.info("compiling the model step with torch.compile (first steps are slow)")
-        self.model.forward = torch.compile(self.model.forward, dynamic=True)
-
     def _build_cache(self) -> None:
         spec, bs = self.spec, self.block_size
         per_block = bytes_per_block(bs, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
@@ -150,11 +158,13 @@ class LLMEngine:
         if usable_tokens < self.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", usable_tokens, self.max_model_len)
             self.max_model_len = usable_tokens
+        if self.tp_group is not None:
+            self.tp_group.broadcast(num_blocks)  # every rank's cache has the same block ids
         self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
         self.kv_cache = KVCache(spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(self.allocator, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1))
         self.sampler = Sampler(spec.vocab_size, self.config.seed, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device, self.tp_group)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, bs, num_blocks * per_block / 2**20)
 
     # -- requests ----------------------------------------------------------------------------
@@ -238,6 +248,11 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         return self._output(request)
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them)."""
+        if getattr(self, "tp_group", None) is not None:
+            self.tp_group.close()
+
     def has_unfinished(self) -> bool:
         return bool(self.requests or self._cached_outputs)
 
@@ -257,9 +272,8 @@ class LLMEngine:
         if not batch:
             return cached
         start = time.perf_counter()
-        self.kv_cache.zero_blocks(self.allocator.take_fresh())
         try:
-            sampled, result = self.runner.execute(batch)
+            sampled, result = self.runner.execute(batch, self.allocator.take_fresh())
         except RequestFailed as exc:
             outputs = [o for rid in exc.request_ids if (o := self.fail(rid, str(exc))) is not None]
             return cached + outputs  # the others are rescheduled unchanged next step
@@ -353,6 +367,26 @@ class LLMEngine:
             result_cache_misses_total=rc.misses,
             result_cache_entries=rc.entries,
         )
+
+
+def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
+    """Quantize, pack for oneDNN or compile the loaded model, as the config asks (every TP rank alike)."""
+    if config.quantization:
+        from tokenmill.models.quant import quantize_model
+
+        quantize_model(model, config.quantization)
+    elif config.onednn_linear and device.type == "cpu" and not config.compile:
+        # (inductor cannot lower oneDNN ops on packed weights it did not pack itself)
+        from tokenmill.models.onednn import onednn_linear_available, pack_linears
+
+        if onednn_linear_available():
+            pack_linears(model)
+        else:
+            logger.warning("--onednn-linear: this torch build has no oneDNN linear; using the default GEMMs")
+    if config.compile:
+        # The dense parts of the step (attention stays eager); the token count is dynamic.
+        logger.info("compiling the model step with torch.compile (first steps are slow)")
+        model.forward = torch.compile(model.forward, dynamic=True)
 
 
 def _load_tokenizer(model_dir) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tokenmill.engine.kv_cache import KVCache
@@ -45,8 +47,10 @@ def split_by_length(num_blocks: list[int], overhead: int = _GROUP_OVERHEAD_BLOCK
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, sampler: Sampler, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, sampler: Sampler,
+                 device: torch.device, tp_group: Any = None) -> None:
         self.model = model
+        self.tp_group = tp_group  # TensorParallelGroup: workers replay each step's inputs
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.sampler = sampler
@@ -120,11 +124,15 @@ class ModelRunner:
         return input_ids, positions, meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> tuple[list[ScheduledSeq], SamplerOutput | None]:
-        """Run one step; returns the scheduled items that sampled a token and the sampler's result."""
+    def execute(self, batch: SchedulerOutput, fresh_blocks: list[int]) -> tuple[list[ScheduledSeq], SamplerOutput | None]:
+        """Run one step (zeroing newly allocated blocks first); returns the scheduled items that
+        sampled a token and the sampler's result."""
         if self.before_forward is not None:
             self.before_forward([item.seq for item in batch.all])
+        self.kv_cache.zero_blocks(fresh_blocks)
         input_ids, positions, meta, sample_rows = self.prepare(batch)
+        if self.tp_group is not None:
+            self.tp_group.broadcast((fresh_blocks, input_ids, positions, meta))
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
         sampled = [item for item in batch.prefills if item.samples] + [item for item in batch.decodes if item.samples]
         if not sampled:

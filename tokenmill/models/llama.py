@@ -8,6 +8,7 @@ from torch import nn
 
 from tokenmill.models.attention import AttentionMetadata, paged_attention
 from tokenmill.models.lm_head import project_to_vocab
+from tokenmill.models.parallel import NO_TP, TPInfo, all_reduce
 from tokenmill.models.spec import ModelSpec
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -33,8 +34,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """`spec` holds this rank's shapes: with tensor parallelism, its share of the heads."""
+
+    def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -54,12 +58,13 @@ class LlamaAttention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
-        return self.o_proj(out)
+        return all_reduce(self.o_proj(out), self.tp)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
         super().__init__()
+        self.tp = tp
         if spec.activation != "silu":
             raise ValueError(f"unsupported activation {spec.activation!r} for the Llama family")
         self.intermediate = spec.intermediate_size
@@ -68,16 +73,16 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return all_reduce(self.down_proj(F.silu(gate) * up), self.tp)
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.self_attn = LlamaAttention(spec)
+        self.self_attn = LlamaAttention(spec, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.mlp = LlamaMLP(spec)
+        self.mlp = LlamaMLP(spec, tp)
 
     def forward(self, x, cos, sin, kv, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
@@ -85,11 +90,13 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    supports_tensor_parallel = True
+
+    def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(spec, tp) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:

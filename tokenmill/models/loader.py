@@ -11,6 +11,7 @@ from torch import nn
 
 from tokenmill.models.gpt2 import GPT2ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.parallel import NO_TP, TPInfo, check_shardable, local_spec, shard_state
 from tokenmill.models.spec import ModelSpec, spec_from_hf_config
 
 logger = logging.getLogger(__name__)
@@ -59,13 +60,17 @@ def _iter_tensors(files: list[Path]):
                 yield name, tensor
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool = True) -> tuple[nn.Module, ModelSpec]:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool = True,
+               tp: TPInfo = NO_TP) -> tuple[nn.Module, ModelSpec]:
+    """The model (this rank's shard of it under tensor parallelism) and the spec of its shapes."""
     from tqdm.auto import tqdm
 
-    spec = load_spec(model_dir)
+    full_spec = load_spec(model_dir)
+    check_shardable(full_spec, tp.world_size)
+    spec = local_spec(full_spec, tp)
     cls = MODEL_CLASSES[spec.family]
     with torch.device("meta"):
-        model = cls(spec)
+        model = cls(spec, tp) if tp.enabled else cls(spec)  # (only the Llama family takes tp)
     transposed = getattr(cls, "transposed_weights", ())
     expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
@@ -93,6 +98,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, progre
     missing = sorted(set(expected) - set(state))
     if missing:
         raise FileNotFoundError(f"weights missing from {model_dir}: {', '.join(missing[:8])}")
+    state = shard_state(state, full_spec, tp)
     model.load_state_dict(state, strict=False, assign=True)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight if spec.family == "llama" else model.wte.weight
