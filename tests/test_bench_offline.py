@@ -106,14 +106,44 @@ def test_weight_bytes_tied_once():
     assert (total, streamed) == (2 * 800 * 4, 800 * 4)
 
 
+def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch):
+    from tokenmill.bench import features
+    from tokenmill.cli import build_parser
+
+    monkeypatch.setattr(offline, "resolve_bench_model", lambda model: tiny_model_dir)
+    monkeypatch.setattr(features, "resolve_bench_model", lambda model: tiny_model_dir)
+    args = build_parser().parse_args(["bench", "features", "--num-prompts", "4", "--max-output", "16",
+                                      "--only", "prefix", "result", "int8", "--kv-cache-memory", "64MiB",
+                                      "--no-progress"])
+    chosen = [f for f in features.FEATURES if any(k in f.name for k in args.only)]
+    rows = features.measure(args, chosen, log=lambda _: None)
+    assert [(r.feature, r.setting) for r in rows] == [(f.name, s) for f in chosen for s in ("off", "on")]
+    by = {(r.feature, r.setting): r for r in rows}
+    prefix, result, int8 = chosen
+    assert by[(prefix.name, "on")].greedy_agreement_with_off == 1.0  # caching never changes tokens
+    assert by[(result.name, "on")].greedy_agreement_with_off == 1.0
+    # The second, timed round of the repeat workload is answered from memory.
+    assert by[(result.name, "on")].output_tok_s > 5 * by[(result.name, "off")].output_tok_s
+    # (the fp32 embedding table stays; the tied lm_head and the layers go int8)
+    assert by[(int8.name, "on")].weight_mib < 0.6 * by[(int8.name, "off")].weight_mib
+    assert all(r.output_tok_s > 0 for r in rows)
+    table = features.format_rows(rows)
+    assert "speed-up" in table and "prefix caching" in table
+
+
 def test_roofline_positive_and_bound_below_measured(tiny_llm):
     assert copy_bandwidth(16 << 20, reps=2) > 0
     r = measure_roofline(tiny_llm, prompt_len=8, new_tokens=12, copy_bytes=64 << 20, copy_reps=2, decode_reps=1)
     assert isinstance(r, RooflineResult)
     assert r.bandwidth_gbs > 0 and r.weight_bytes > 0 and r.bound_step_s > 0 and r.measured_step_s > 0
-    # Tiny model: the 49152 x 384 tied embedding counted once.
-    assert r.weight_bytes <= r.param_bytes
-    assert r.param_bytes == sum(p.numel() * p.element_size() for p in tiny_llm.engine.model.parameters())
+    # Tiny model: parameters (embedding, norms) plus the oneDNN-packed linear weights (the lm_head's
+    # packed copy included), each once; the embedding table is not streamed.
+    model = tiny_llm.engine.model
+    packed = [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]
+    assert packed, "CPU linears are packed for oneDNN by default"
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert r.param_bytes == params + sum(w.numel() * w.element_size() for w in packed)
+    assert r.weight_bytes == r.param_bytes - model.embed_tokens.weight.numel() * 4
     # A small copy can sit partly in cache (bandwidth overestimated -> bound lower), so a margin.
     assert r.bound_step_s <= r.measured_step_s * 1.5
     assert r.ratio == pytest.approx(r.measured_step_s / r.bound_step_s)

@@ -17,6 +17,7 @@ from typing import Any
 # Sub-subcommands that live in optional modules: (module, registration function).
 OPTIONAL_BENCH_COMMANDS = [
     ("tokenmill.bench.offline", "register_offline"),
+    ("tokenmill.bench.features", "register_features"),
 ]
 
 

@@ -86,9 +86,20 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
         if t.numel() == 0:
             continue
         seen.setdefault(t.data_ptr(), t.numel() * t.element_size())
+    # Weights that are neither parameters nor buffers: oneDNN-packed copies (PackedLinear) and
+    # torch.ao dynamic-int8 packed params. All of them are linear weights, streamed every step.
+    opaque = 0
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if isinstance(packed, torch.Tensor):
+            opaque += packed.numel() * packed.element_size()
+        weight = getattr(module, "weight", None)
+        if callable(weight) and not isinstance(weight, torch.Tensor):  # torch.ao dynamic Linear
+            q = weight()
+            opaque += q.numel() * q.element_size()
     total = sum(seen.values())
     untied = sum(seen.get(ptr, 0) for ptr in embedding_ptrs - linear_ptrs)
-    return total, total - untied
+    return total + opaque, total - untied + opaque
 
 
 def measure_decode_step(llm: Any, prompt_len: int = 32, new_tokens: int = 128, reps: int = 2,

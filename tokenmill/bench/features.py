@@ -1,0 +1,181 @@
+"""`tokenmill bench features`: each speed feature off vs on, one flag at a time, in one process.
+
+Every row is one engine built with the default settings except for that one flag, running a
+workload the feature is for (a shared system prompt for prefix caching, repeated requests for the
+result cache, the mixed workload of `bench offline` for the rest). Reported: useful output tok/s,
+TTFT, the model's weight bytes and greedy agreement of "on" with "off".
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenmill.bench.commands import positive_int
+from tokenmill.bench.offline import (
+    DEFAULT_KV_CACHE,
+    MIN_PROMPT_TOKEN_ID,
+    OfflineRequest,
+    _grid,
+    environment,
+    greedy_agreement,
+    make_llm,
+    make_workload,
+    resolve_bench_model,
+    run_tokenmill,
+    warmup,
+)
+from tokenmill.bench.roofline import model_weight_bytes
+from tokenmill.bench.serve import json_safe, write_json
+
+
+@dataclass
+class FeatureRow:
+    feature: str
+    setting: str
+    workload: str
+    output_tok_s: float
+    mean_ttft_s: float
+    p50_latency_s: float
+    weight_mib: float
+    greedy_agreement_with_off: float | None = None  # exact-match fraction of requests
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    off: dict[str, Any]
+    on: dict[str, Any]
+    workload: str  # "mixed" | "shared-prefix" | "repeat"
+
+
+FEATURES = [
+    Feature("oneDNN linear (--onednn-linear)", {"onednn_linear": False}, {"onednn_linear": True}, "mixed"),
+    Feature("prefix caching (--enable-prefix-caching)", {"enable_prefix_caching": False},
+            {"enable_prefix_caching": True}, "shared-prefix"),
+    Feature("result cache (--result-cache-size 256)", {"result_cache_size": 0}, {"result_cache_size": 256}, "repeat"),
+    Feature("int8 weights (--quantization int8)", {"quantization": None}, {"quantization": "int8"}, "mixed"),
+    Feature("bf16 (--dtype bfloat16)", {"dtype": "float32"}, {"dtype": "bfloat16"}, "mixed"),
+    Feature("torch.compile (--compile)", {"compile": False}, {"compile": True}, "mixed"),
+]
+
+
+def shared_prefix_workload(num_prompts: int, prefix_len: int, suffix_len: int, output_len: int, vocab_size: int,
+                           seed: int) -> list[OfflineRequest]:
+    """One system prompt of `prefix_len` tokens shared by every request, then its own suffix."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(MIN_PROMPT_TOKEN_ID, vocab_size, size=prefix_len).tolist()
+    return [OfflineRequest(prefix + rng.integers(MIN_PROMPT_TOKEN_ID, vocab_size, size=suffix_len).tolist(), output_len)
+            for _ in range(num_prompts)]
+
+
+def _run(args: argparse.Namespace, model_dir: Any, overrides: dict[str, Any], workload: Sequence[OfflineRequest],
+         warm: Sequence[OfflineRequest], repeat: bool) -> tuple[Any, int, list[list[int]]]:
+    llm = make_llm(args, model_dir, **overrides)
+    try:
+        warmup(llm, warm)  # untimed (compile, first calls) on unrelated prompts: no prefix is pre-cached
+        if repeat:  # the same requests twice; only the second round is timed
+            run_tokenmill(llm, workload, use_tqdm=False)
+        result = run_tokenmill(llm, workload, use_tqdm=False)
+        return result, model_weight_bytes(llm.engine.model)[0], result.token_ids
+    finally:
+        llm.engine.close()
+        del llm
+        gc.collect()
+
+
+def measure(args: argparse.Namespace, features: Sequence[Feature],
+            log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[FeatureRow]:
+    from tokenmill.models.loader import load_spec
+
+    model_dir = resolve_bench_model(args.model)
+    vocab = load_spec(model_dir).vocab_size
+    workloads = {
+        "mixed": make_workload(args.num_prompts, 4, 200, 16, args.max_output, vocab, args.seed),
+        "shared-prefix": shared_prefix_workload(args.num_prompts, 200, 16, 16, vocab, args.seed),
+        "repeat": make_workload(args.num_prompts, 4, 200, 16, args.max_output, vocab, args.seed + 1),
+    }
+    warm = make_workload(2, 4, 64, 8, 8, vocab, args.seed + 99)
+    rows: list[FeatureRow] = []
+    for feature in features:
+        tokens: dict[str, list[list[int]]] = {}
+        for setting, overrides in (("off", feature.off), ("on", feature.on)):
+            result, weights, tokens[setting] = _run(args, model_dir, overrides, workloads[feature.workload], warm,
+                                                    repeat=feature.workload == "repeat")
+            agreement = None
+            if setting == "on":
+                agreement = greedy_agreement(tokens["on"], tokens["off"])["exact_match_fraction"]
+            rows.append(FeatureRow(feature.name, setting, feature.workload, result.output_throughput,
+                                   result.ttft.mean, result.latency.p50, weights / 2**20, agreement))
+            log(f"  {feature.name} {setting}: {result.output_throughput:.1f} tok/s, "
+                f"mean TTFT {result.ttft.mean:.3f} s, weights {weights / 2**20:.1f} MiB")
+    return rows
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def format_rows(rows: Sequence[FeatureRow]) -> str:
+    table = [["feature", "setting", "workload", "output tok/s", "speed-up", "mean TTFT (s)", "p50 latency (s)",
+              "weights (MiB)", "greedy = off"]]
+    off: dict[str, FeatureRow] = {}
+    for r in rows:
+        if r.setting == "off":
+            off[r.feature] = r
+        base = off.get(r.feature)
+        speedup = r.output_tok_s / base.output_tok_s if base and r.setting == "on" else None
+        table.append([r.feature, r.setting, r.workload, _f(r.output_tok_s, ".1f"), _f(speedup, ".2f") + ("x" if speedup else ""),
+                      _f(r.mean_ttft_s, ".3f"), _f(r.p50_latency_s, ".2f"), _f(r.weight_mib, ".1f"),
+                      _f(None if r.greedy_agreement_with_off is None else r.greedy_agreement_with_off * 100, ".0f")
+                      + ("%" if r.greedy_agreement_with_off is not None else "")])
+    return _grid(table, title="Speed features, each off vs on (one flag changed per pair)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    chosen = [f for f in FEATURES if not args.only or any(key in f.name for key in args.only)]
+    if not chosen:
+        raise ValueError(f"--only {args.only} matches none of: {', '.join(f.name for f in FEATURES)}")
+    start = time.perf_counter()
+    rows = measure(args, chosen)
+    print(format_rows(rows))
+    print(f"({time.perf_counter() - start:.0f} s in all)", file=sys.stderr)
+    if args.json:
+        write_json(args.json, json_safe({"environment": environment(), "rows": [asdict(r) for r in rows]}))
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def register_features(bench_subparsers: Any) -> None:
+    from tokenmill.engine.config import EngineConfig
+
+    parser = bench_subparsers.add_parser(
+        "features", help="each speed feature off vs on, in one process",
+        description="For each speed feature (oneDNN linear, prefix caching, result cache, int8 weights, bf16, "
+                    "torch.compile) build the engine twice, differing only in that flag, run a workload the "
+                    "feature is for and print tok/s, TTFT, weight memory and greedy agreement of on vs off.",
+    )
+    parser.add_argument("--num-prompts", type=positive_int, default=32, metavar="N", help="requests per run (default: 32)")
+    parser.add_argument("--max-output", type=positive_int, default=64, metavar="TOKENS",
+                        help="longest output of the mixed workload (default: 64)")
+    parser.add_argument("--only", nargs="+", metavar="WORD", default=None,
+                        help="run only the features whose name contains one of these words (e.g. int8 compile)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON to PATH")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    EngineConfig.add_cli_args(parser)
+    parser.set_defaults(func=main, kv_cache_memory=DEFAULT_KV_CACHE)
+    for action in parser._actions:
+        if action.dest == "model":
+            action.help = "model directory, 'tiny' for the random tiny Llama (built once in the cache), or default"
