@@ -1,6 +1,6 @@
 """`tokenmill bench features`: each speed feature off vs on, one flag at a time, in one process.
 
-Every row is one engine built with the default settings except for that one flag, running a
+Every row is one engine, in a fresh process, built with the default settings except for that one flag, running a
 workload the feature is for (a shared system prompt for prefix caching, repeated requests for the
 result cache, the mixed workload of `bench offline` for the rest). Reported: useful output tok/s,
 TTFT, the model's weight bytes and greedy agreement of "on" with "off".
@@ -9,7 +9,6 @@ TTFT, the model's weight bytes and greedy agreement of "on" with "off".
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import sys
 import time
@@ -25,15 +24,14 @@ from tokenmill.bench.offline import (
     MIN_PROMPT_TOKEN_ID,
     OfflineRequest,
     _grid,
+    engine_kwargs,
     environment,
     greedy_agreement,
-    make_llm,
+    in_fresh_process,
     make_workload,
     resolve_bench_model,
-    run_tokenmill,
-    warmup,
+    tokenmill_run,
 )
-from tokenmill.bench.roofline import model_weight_bytes
 from tokenmill.bench.serve import json_safe, write_json
 
 
@@ -77,26 +75,11 @@ def shared_prefix_workload(num_prompts: int, prefix_len: int, suffix_len: int, o
             for _ in range(num_prompts)]
 
 
-def _run(args: argparse.Namespace, model_dir: Any, overrides: dict[str, Any], workload: Sequence[OfflineRequest],
-         warm: Sequence[OfflineRequest], repeat: bool) -> tuple[Any, int, list[list[int]]]:
-    llm = make_llm(args, model_dir, **overrides)
-    try:
-        warmup(llm, warm)  # untimed (compile, first calls) on unrelated prompts: no prefix is pre-cached
-        if repeat:  # the same requests twice; only the second round is timed
-            run_tokenmill(llm, workload, use_tqdm=False)
-        result = run_tokenmill(llm, workload, use_tqdm=False)
-        return result, model_weight_bytes(llm.engine.model)[0], result.token_ids
-    finally:
-        llm.engine.close()
-        del llm
-        gc.collect()
-
-
 def measure(args: argparse.Namespace, features: Sequence[Feature],
             log: Callable[[str], None] = lambda s: print(s, file=sys.stderr)) -> list[FeatureRow]:
     from tokenmill.models.loader import load_spec
 
-    model_dir = resolve_bench_model(args.model)
+    model_dir = resolve_bench_model(args.model)  # resolved here: the runs' fresh processes get a path
     vocab = load_spec(model_dir).vocab_size
     workloads = {
         "mixed": make_workload(args.num_prompts, 4, 200, 16, args.max_output, vocab, args.seed),
@@ -108,8 +91,10 @@ def measure(args: argparse.Namespace, features: Sequence[Feature],
     for feature in features:
         tokens: dict[str, list[list[int]]] = {}
         for setting, overrides in (("off", feature.off), ("on", feature.on)):
-            result, weights, tokens[setting] = _run(args, model_dir, overrides, workloads[feature.workload], warm,
-                                                    repeat=feature.workload == "repeat")
+            result = in_fresh_process(tokenmill_run, engine_kwargs(args, model_dir, **overrides),
+                                      workloads[feature.workload], f"{feature.name} {setting}", False, warm,
+                                      feature.workload == "repeat")
+            weights, tokens[setting] = result.weight_bytes or 0, result.token_ids
             agreement = None
             if setting == "on":
                 agreement = greedy_agreement(tokens["on"], tokens["off"])["exact_match_fraction"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import math
 import os
 import platform
@@ -104,6 +103,7 @@ class RunResult:
     max_num_seqs: int | None = None
     generated_tokens: int | None = None  # HF: every position decoded, padding included
     padding_waste: float | None = None  # HF: fraction of generated tokens nobody asked for
+    weight_bytes: int | None = None  # the engine's model weights, when measured
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -273,6 +273,53 @@ def greedy_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> 
     count = len(prefix)
     return {"requests": count, "exact_match_fraction": exact / count if count else math.nan,
             "mean_matching_prefix_fraction": float(np.mean(prefix)) if count else math.nan}
+
+
+# --------------------------------------------------------------------------------------------------
+# Runs in fresh processes
+
+
+def in_fresh_process(fn: Any, *args: Any) -> Any:
+    """fn(*args) in a newly spawned interpreter. Heavy runs one after another in one process
+    handicap the later ones (measured: HF generate 68 s alone, 95 s after an engine run; the engine
+    14 s alone, 22 s after HF generate), so every compared run gets a process of its own."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def hf_baseline_run(model_dir: Path, workload: Sequence[OfflineRequest], batch_size: int, dtype: str, device: str,
+                    progress: bool) -> RunResult:
+    """Load the HF model, warm it up untimed and run the static-batch baseline."""
+    import torch
+
+    hf = load_hf_model(model_dir, device=device, dtype=getattr(torch, dtype))
+    pad = hf_pad_id(model_dir)
+    _hf_generate(hf, [workload[0].prompt_token_ids], 4, pad)  # untimed warmup
+    return run_hf_static(hf, workload, batch_size, pad, progress=progress)
+
+
+def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], name: str, progress: bool,
+                  warm: Sequence[OfflineRequest] | None = None, repeat: bool = False) -> RunResult:
+    """Build an engine from `engine_kwargs`, warm it up untimed (on `warm`, default the workload's
+    first prompts) and time the workload; with `repeat`, time only a second identical round."""
+    from tokenmill import LLM
+
+    kwargs = dict(kwargs)
+    llm = LLM(kwargs.pop("model"), progress=progress, **kwargs)
+    try:
+        warmup(llm, warm if warm is not None else workload)
+        if repeat:
+            run_tokenmill(llm, workload, use_tqdm=False)
+        run = run_tokenmill(llm, workload, use_tqdm=progress, name=name)
+        from tokenmill.bench.roofline import model_weight_bytes
+
+        run.weight_bytes = model_weight_bytes(llm.engine.model)[0]
+        return run
+    finally:
+        llm.engine.close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -449,22 +496,9 @@ def main(args: argparse.Namespace) -> int:
     print(describe_workload(workload), file=sys.stderr)
     report["environment"]["num_threads"] = torch.get_num_threads()
 
-    hf_run = None
-    if args.compare == "hf":
-        # The baseline runs first, in a process that has not run the engine yet: HF generate ran
-        # 68 s alone but 95 s right after an engine run in the same process (cause not isolated), and
-        # the comparison must not handicap the baseline.
-        hf = load_hf_model(model_dir, device=str(device), dtype=resolve_dtype(args.dtype, device))
-        pad = hf_pad_id(model_dir)
-        _hf_generate(hf, [workload[0].prompt_token_ids], 4, pad)  # untimed warmup
-        hf_run = run_hf_static(hf, workload, args.hf_batch_size, pad, progress=progress)
-        report["hf"] = hf_run.to_dict()
-        del hf
-        gc.collect()
-
     llm = make_llm(args, model_dir)
     runs: list[RunResult] = []
-    if not args.skip_main:
+    if not args.skip_main:  # first, in this process: no other heavy run has gone before it
         warmup(llm, workload)
         main_run = run_tokenmill(llm, workload, use_tqdm=progress)
         runs.append(main_run)
@@ -472,8 +506,11 @@ def main(args: argparse.Namespace) -> int:
         if main_run.output_tokens != main_run.requested_tokens:
             print(f"warning: tokenmill produced {main_run.output_tokens} tokens, {main_run.requested_tokens} "
                   "were requested", file=sys.stderr)
-    if hf_run is not None:
+    if args.compare == "hf":
+        hf_run = in_fresh_process(hf_baseline_run, model_dir, workload, args.hf_batch_size,
+                                  str(resolve_dtype(args.dtype, device)).removeprefix("torch."), str(device), progress)
         runs.append(hf_run)
+        report["hf"] = hf_run.to_dict()
         if runs[0] is not hf_run:
             ratio = runs[0].output_throughput / hf_run.output_throughput
             agreement = greedy_agreement(runs[0].token_ids, hf_run.token_ids)
@@ -494,11 +531,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"sweep: {describe_workload(sweep_workload)}", file=sys.stderr)
         sweep_runs = []
         for value in args.sweep_values:
-            del llm
-            gc.collect()
-            llm = make_llm(args, model_dir, max_num_seqs=value)
-            warmup(llm, sweep_workload)
-            run = run_tokenmill(llm, sweep_workload, use_tqdm=progress, name=f"concurrency {value}")
+            run = in_fresh_process(tokenmill_run, engine_kwargs(args, model_dir, max_num_seqs=value), sweep_workload,
+                                   f"concurrency {value}", progress)
             run.max_num_seqs = value
             sweep_runs.append(run)
             print(f"  concurrency {value}: {run.output_throughput:.1f} tok/s, mean latency {run.latency.mean:.2f} s",

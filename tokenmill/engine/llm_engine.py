@@ -19,7 +19,7 @@ from tokenmill.engine.result_cache import CacheKey, ResultCache
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.sequence import Sequence, SequenceStatus
+from tokenmill.engine.sequence import Sequence
 from tokenmill.models.hub import resolve_model
 from tokenmill.models.loader import load_model, load_spec
 from tokenmill.models.parallel import TPInfo, check_shardable
