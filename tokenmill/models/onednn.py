@@ -21,6 +21,16 @@ logger = logging.getLogger(__name__)
 _BATCH_HINT = 64
 
 
+def padded_rows(rows: int) -> int:
+    """Row counts rounded up to a few buckets. oneDNN builds (JIT-compiles) a primitive for every
+    new input shape; a step's token count takes hundreds of values, and building a primitive per
+    step per layer type cost more than the padding does (<= 1/8 extra rows at worst)."""
+    if rows <= 8:
+        return rows
+    step = 8 if rows <= 64 else 32 if rows <= 256 else 128
+    return -(-rows // step) * step
+
+
 def onednn_linear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -35,7 +45,12 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if x.dim() != 2 or padded == rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:rows]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
