@@ -1,4 +1,4 @@
-"""`tokenmill bench features`: each speed feature off vs on, one flag at a time, in one process.
+"""`tokenmill bench features`: each speed feature off vs on, one flag at a time, in one command.
 
 Every row is one engine, in a fresh process, built with the default settings except for that one flag, running a
 workload the feature is for (a shared system prompt for prefix caching, repeated requests for the
@@ -20,10 +20,10 @@ import numpy as np
 
 from tokenmill.bench.commands import positive_int
 from tokenmill.bench.offline import (
-    DEFAULT_KV_CACHE,
     MIN_PROMPT_TOKEN_ID,
     OfflineRequest,
     _grid,
+    add_bench_engine_args,
     engine_kwargs,
     environment,
     greedy_agreement,
@@ -144,10 +144,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def register_features(bench_subparsers: Any) -> None:
-    from tokenmill.engine.config import EngineConfig
-
     parser = bench_subparsers.add_parser(
-        "features", help="each speed feature off vs on, in one process",
+        "features", help="each speed feature off vs on, one flag at a time",
         description="For each speed feature (oneDNN linear, prefix caching, result cache, int8 weights, bf16, "
                     "torch.compile) build the engine twice, differing only in that flag, run a workload the "
                     "feature is for and print tok/s, TTFT, weight memory and greedy agreement of on vs off.",
@@ -159,8 +157,5 @@ def register_features(bench_subparsers: Any) -> None:
                         help="run only the features whose name contains one of these words (e.g. int8 compile)")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON to PATH")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    EngineConfig.add_cli_args(parser)
-    parser.set_defaults(func=main, kv_cache_memory=DEFAULT_KV_CACHE)
-    for action in parser._actions:
-        if action.dest == "model":
-            action.help = "model directory, 'tiny' for the random tiny Llama (built once in the cache), or default"
+    add_bench_engine_args(parser)
+    parser.set_defaults(func=main)

@@ -306,6 +306,7 @@ def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], na
     """Build an engine from `engine_kwargs`, warm it up untimed (on `warm`, default the workload's
     first prompts) and time the workload; with `repeat`, time only a second identical round."""
     from tokenmill import LLM
+    from tokenmill.bench.roofline import model_weight_bytes
 
     kwargs = dict(kwargs)
     llm = LLM(kwargs.pop("model"), progress=progress, **kwargs)
@@ -314,8 +315,6 @@ def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], na
         if repeat:
             run_tokenmill(llm, workload, use_tqdm=False)
         run = run_tokenmill(llm, workload, use_tqdm=progress, name=name)
-        from tokenmill.bench.roofline import model_weight_bytes
-
         run.weight_bytes = model_weight_bytes(llm.engine.model)[0]
         return run
     finally:
@@ -496,7 +495,8 @@ def main(args: argparse.Namespace) -> int:
     print(describe_workload(workload), file=sys.stderr)
     report["environment"]["num_threads"] = torch.get_num_threads()
 
-    llm = make_llm(args, model_dir)
+    # The engine of this process serves the main run and the roofline; sweep points build their own.
+    llm = make_llm(args, model_dir) if not args.skip_main or args.roofline else None
     runs: list[RunResult] = []
     if not args.skip_main:  # first, in this process: no other heavy run has gone before it
         warmup(llm, workload)
@@ -557,8 +557,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def register_offline(bench_subparsers: Any) -> None:
-    from tokenmill.engine.config import EngineConfig
-
     parser = bench_subparsers.add_parser(
         "offline", help="benchmark the engine in-process (offline LLM.generate), optionally vs HF",
         description="Run a seeded mixed-length workload through tokenmill's offline API with every request "
@@ -596,8 +594,16 @@ def register_offline(bench_subparsers: Any) -> None:
     bench.add_argument("--json", metavar="PATH", default=None,
                        help="write every number, the command line, date, torch version and threads as JSON")
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_bench_engine_args(parser)
+    parser.set_defaults(func=main)
+
+
+def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags of the offline benchmarks: --model also takes 'tiny', a bench KV budget."""
+    from tokenmill.engine.config import EngineConfig
+
     EngineConfig.add_cli_args(parser)  # adds --model and the engine flags (--seed also seeds the prompts)
-    parser.set_defaults(func=main, kv_cache_memory=DEFAULT_KV_CACHE)
+    parser.set_defaults(kv_cache_memory=DEFAULT_KV_CACHE)
     for action in parser._actions:
         if action.dest == "model":
             action.help = "model directory, 'tiny' for the random tiny Llama (built once in the cache), or default"

@@ -250,7 +250,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them)."""
-        if getattr(self, "tp_group", None) is not None:
+        if self.tp_group is not None:
             self.tp_group.close()
 
     def has_unfinished(self) -> bool:

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import fields
+from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
 import torch
@@ -47,14 +47,14 @@ def threads_per_rank(world_size: int) -> int:
 
 
 def _to(value: Any, device: torch.device) -> Any:
-    """Tensors (also inside dataclasses, lists and tuples) moved to `device`."""
+    """A copy with tensors (also inside dataclasses, lists and tuples) on `device`; the original is
+    left as it was (rank 0 still runs its own step on the metadata it broadcasts)."""
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, (list, tuple)):
         return type(value)(_to(v, device) for v in value)
-    if hasattr(value, "__dataclass_fields__"):
-        for f in fields(value):
-            setattr(value, f.name, _to(getattr(value, f.name), device))
+    if is_dataclass(value) and not isinstance(value, type):
+        return replace(value, **{f.name: _to(getattr(value, f.name), device) for f in fields(value)})
     return value
 
 

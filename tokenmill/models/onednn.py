@@ -3,7 +3,7 @@
 PyTorch runs a CPU `nn.Linear` through MKL's sgemm, which on this project's AMD CPUs takes a slow
 code path: fp32 GEMMs of a decode batch ran at ~155 GFLOP/s. oneDNN with the weight reordered once
 into its blocked layout ran the same shapes at ~400 GFLOP/s (2.5x), and the lm_head 3x faster
-(measured with /tmp-style microbenchmarks recorded in bench/README.md). The math stays fp32 (or
+(microbenchmarks of the model's GEMM shapes; the end-to-end effect is in bench/README.md). The math stays fp32 (or
 bf16 for bf16 weights): only the blocking and accumulation order differ, like any other BLAS.
 """
 
