@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -32,10 +33,13 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+def tiny_model_dir(tmp_path_factory, request) -> Path:
     from tokenmill.models.hub import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    # $TOKENMILL_TEST_TOKENIZER: a tokenizer directory, for machines without the bundled model
+    # (bench/gpu_check.sh on a GPU machine); otherwise the default model's tokenizer.
+    tokenizer = os.environ.get("TOKENMILL_TEST_TOKENIZER") or request.getfixturevalue("default_model_dir")
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir=tokenizer)
 
 
 @pytest.fixture(scope="session")

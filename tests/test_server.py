@@ -85,6 +85,25 @@ def test_streaming_concatenates_to_non_streaming(server: ServerProcess, offline)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
+def test_explicit_nulls_mean_defaults(server: ServerProcess, offline) -> None:
+    """OpenAI's API takes null for its optional fields (clients other than the official SDK send
+    them); null is the default, not a 400. A null where no default exists stays an error."""
+    prompt = PROMPTS[0]
+    nulls = {"n": None, "top_p": None, "stream": None, "presence_penalty": None, "frequency_penalty": None,
+             "logprobs": None, "seed": None, "stop": None, "logit_bias": None, "top_k": None, "min_p": None,
+             "repetition_penalty": None, "echo": None, "user": None}
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **nulls})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["text"] for c in body["choices"]] == [offline[prompt][0]]
+    assert body["choices"][0]["logprobs"] is None
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                "temperature": None, "logprobs": None, "n": None, "stream": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    assert_openai_error(post(server, "/v1/completions", {"prompt": None, "max_tokens": 2}), 400)
+    assert_openai_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "ignore_eos": None}), 400)
+
+
 def test_chat_completion_and_stream(server: ServerProcess) -> None:
     client = openai_client(server)
     model = client.models.list().data[0].id

@@ -19,9 +19,14 @@ def long_mode(request) -> bool:
 
 @pytest.fixture(scope="session")
 def stress_server(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[ServerProcess]:
-    """8 sequences in the batch, 16 more may wait; requests whose id has `fault-inject` fail."""
+    """8 sequences in the batch, 16 more may wait; requests whose id has `fault-inject` fail.
+
+    Overlap scheduling is forced on (on CPU it is off by default): aborts, injected faults and
+    overload then hit an engine that always has a step in flight, its hardest case. The soak and
+    drain servers run the default."""
     proc = ServerProcess(tiny_model_dir, server_log_dir, "--max-num-seqs", str(MAX_NUM_SEQS),
-                         "--max-queue", str(MAX_QUEUE), env={"TOKENMILL_FAULT_INJECTION": "1"})
+                         "--max-queue", str(MAX_QUEUE), "--overlap-scheduling",
+                         env={"TOKENMILL_FAULT_INJECTION": "1"})
     try:
         proc.wait_ready()
         yield proc

@@ -131,9 +131,10 @@ _any_json = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
+# (null is not among them: OpenAI's API takes null for every optional field, meaning its default.)
 _not_int = st.text(max_size=8) | st.floats().filter(lambda f: not float(f).is_integer()) | st.booleans() | st.lists(
-    st.integers(), max_size=2) | st.none()
-_not_number = st.text(max_size=8) | st.booleans() | st.lists(st.floats(), max_size=2) | st.none()
+    st.integers(), max_size=2)
+_not_number = st.text(max_size=8) | st.booleans() | st.lists(st.floats(), max_size=2)
 _nan_or_inf = st.sampled_from([math.nan, math.inf, -math.inf])
 
 
@@ -161,7 +162,7 @@ INVALID = {
     | st.dictionaries(st.integers(0, 40000).map(str), _out_of(-100.0, 100.0), min_size=1, max_size=3)
     | st.dictionaries(st.integers(0, 40000).map(str), st.just(1.0), min_size=MAX_LOGIT_BIAS + 1,
                       max_size=MAX_LOGIT_BIAS + 50),
-    "stream": _not_int.filter(lambda v: not isinstance(v, bool) and v is not None),
+    "stream": _not_int.filter(lambda v: not isinstance(v, bool)),
     "ignore_eos": st.integers() | st.text(max_size=4),
     "model": st.text(max_size=16).filter(lambda m: m != "tiny"),
     "stop_token_ids": st.lists(st.integers(max_value=-1), min_size=1, max_size=3) | st.text(max_size=3),

@@ -53,6 +53,7 @@ class Feature:
     off: dict[str, Any]
     on: dict[str, Any]
     workload: str  # "mixed" | "shared-prefix" | "repeat"
+    gpu_only: bool = False  # skipped (and said so) where no CUDA device is available
 
 
 FEATURES = [
@@ -63,6 +64,9 @@ FEATURES = [
     Feature("int8 weights (--quantization int8)", {"quantization": None}, {"quantization": "int8"}, "mixed"),
     Feature("bf16 (--dtype bfloat16)", {"dtype": "float32"}, {"dtype": "bfloat16"}, "mixed"),
     Feature("torch.compile (--compile)", {"compile": False}, {"compile": True}, "mixed"),
+    Feature("overlap scheduling (--overlap-scheduling)", {"overlap_scheduling": False},
+            {"overlap_scheduling": True}, "mixed"),
+    Feature("CUDA graphs (--cuda-graphs)", {"cuda_graphs": False}, {"cuda_graphs": True}, "mixed", gpu_only=True),
 ]
 
 
@@ -133,6 +137,10 @@ def main(args: argparse.Namespace) -> int:
     chosen = [f for f in FEATURES if not args.only or any(key in f.name for key in args.only)]
     if not chosen:
         raise ValueError(f"--only {args.only} matches none of: {', '.join(f.name for f in FEATURES)}")
+    if not torch.cuda.is_available():
+        for feature in [f for f in chosen if f.gpu_only]:
+            print(f"skipping {feature.name}: no CUDA device", file=sys.stderr)
+            chosen.remove(feature)
     start = time.perf_counter()
     rows = measure(args, chosen)
     print(format_rows(rows))
@@ -147,7 +155,7 @@ def register_features(bench_subparsers: Any) -> None:
     parser = bench_subparsers.add_parser(
         "features", help="each speed feature off vs on, one flag at a time",
         description="For each speed feature (oneDNN linear, prefix caching, result cache, int8 weights, bf16, "
-                    "torch.compile) build the engine twice, differing only in that flag, run a workload the "
+                    "torch.compile, overlap scheduling, CUDA graphs on a GPU) build the engine twice, differing only in that flag, run a workload the "
                     "feature is for and print tok/s, TTFT, weight memory and greedy agreement of on vs off.",
     )
     parser.add_argument("--num-prompts", type=positive_int, default=32, metavar="N", help="requests per run (default: 32)")

@@ -29,6 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                              "SmolLM2 tokenizer) in standard Hugging Face format.")
     tiny.add_argument("dir", help="output directory")
     tiny.add_argument("--seed", type=int, default=0, help="weight init seed")
+    tiny.add_argument("--tokenizer", metavar="DIR", default=None,
+                      help="directory with the tokenizer files to use (default: the bundled SmolLM2's)")
     tiny.set_defaults(func=_make_tiny)
 
 
@@ -58,5 +60,5 @@ def _generate(args: argparse.Namespace) -> int:
 def _make_tiny(args: argparse.Namespace) -> int:
     from tokenmill.models.hub import make_tiny_model
 
-    print(make_tiny_model(args.dir, seed=args.seed))
+    print(make_tiny_model(args.dir, seed=args.seed, tokenizer_dir=args.tokenizer))
     return 0

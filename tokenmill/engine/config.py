@@ -22,6 +22,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     result_cache_size: int = 0  # finished deterministic completions kept for identical requests; 0 = off
     compile: bool = False
+    cuda_graphs: bool = False  # GPU: replay decode steps as CUDA graphs (bucketed batch and context sizes)
+    # Schedule/prepare step N+1 and detokenize step N while the model runs step N on its own thread.
+    # None = auto: on with CUDA; off on CPU, where the model's threads already use every core.
+    overlap_scheduling: bool | None = None
     onednn_linear: bool = True  # CPU: linear layers on oneDNN with pre-packed weights
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks (processes) the layers are split over, on one machine
@@ -49,7 +53,18 @@ class EngineConfig:
                        help="CPU only: run the linear layers on oneDNN with weights pre-packed at load "
                             "(fp32/bf16; measured 2.5x the default MKL GEMMs on AMD CPUs). Ignored with "
                             "--quantization, --compile and on GPU")
-        g.add_argument("--compile", action="store_true", help="torch.compile the model step (bucketed batch sizes)")
+        g.add_argument("--compile", action="store_true",
+                       help="torch.compile the dense parts of the model step (dynamic token count; attention "
+                            "stays eager)")
+        g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                       help="GPU only: replay decode-only steps as CUDA graphs, one per (batch size, context "
+                            "length) bucket, captured on first use; other steps run eagerly. Ignored on CPU "
+                            "and with --tensor-parallel-size > 1")
+        g.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the model on its own thread, one step ahead: step N+1 is scheduled and "
+                            "prepared, and step N's tokens detokenized and streamed, while the model runs "
+                            "step N (default: on with CUDA; off on CPU, where the model's threads already "
+                            "use every core and sharing them measured 0.7x)")
         g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                        help="split attention heads and MLP columns over N processes on this machine "

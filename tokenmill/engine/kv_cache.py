@@ -102,9 +102,12 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         # Zeroed (and so paged in) up front: block 0 pads block tables, and first-touch page faults
-        # are paid at startup rather than inside the first requests' steps.
-        self.data = torch.zeros(2 * num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        slots = num_blocks * block_size
+        # are paid at startup rather than inside the first requests' steps. One block more than the
+        # allocator hands out: padded rows of a CUDA-graph batch write their K/V there (`pad_slot`).
+        self.data = torch.zeros(2 * num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype,
+                                device=device)
+        self.pad_slot = num_blocks * block_size
+        slots = (num_blocks + 1) * block_size
         self.layers = [(self.data[2 * i].view(slots, num_kv_heads, head_dim),
                         self.data[2 * i + 1].view(slots, num_kv_heads, head_dim)) for i in range(num_layers)]
         self.block_size = block_size

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Callable
@@ -11,15 +13,16 @@ from typing import Any, Callable
 import torch
 
 from tokenmill.engine.config import EngineConfig, parse_memory
+from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
-from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.model_runner import ModelRunner, PreparedStep
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.result_cache import CacheKey, ResultCache
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import Scheduler
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from tokenmill.engine.sequence import Sequence, placeholder
 from tokenmill.models.hub import resolve_model
 from tokenmill.models.loader import load_model, load_spec
 from tokenmill.models.parallel import TPInfo, check_shardable
@@ -50,6 +53,35 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class SeqSnapshot:
+    """A scheduled sequence as it was before its step was launched (to complete or take it back)."""
+
+    epoch: int
+    num_computed: int
+    num_tokens: int
+
+
+@dataclass
+class LaunchedStep:
+    batch: SchedulerOutput
+    items: list[ScheduledSeq]  # batch.all, in the prepared order
+    snapshots: list[SeqSnapshot]  # one per item
+    prepared: PreparedStep
+    future: Future  # -> (SamplerOutput | None, model-thread seconds)
+
+
+def _init_model_thread(num_threads: int, device: torch.device) -> None:
+    torch.set_num_threads(num_threads)  # intra-op threads are set per calling thread
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # so is the current CUDA device
+
+
+def _timed(fn: Callable[[PreparedStep], Any], prepared: PreparedStep) -> tuple[Any, float]:
+    start = time.perf_counter()
+    return fn(prepared), time.perf_counter() - start
 
 
 @dataclass
@@ -106,6 +138,8 @@ def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
+        self._inflight: deque[LaunchedStep] = deque()
+        self._model_thread: ThreadPoolExecutor | None = None
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads:
@@ -142,6 +176,13 @@ class LLMEngine:
         self._seq_ids = count()
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.num_steps = 0
+        overlap = config.overlap_scheduling
+        if overlap is None:  # auto: a GPU runs the model while the CPU prepares; a CPU has no core to spare
+            overlap = self.device.type == "cuda"
+        if overlap:
+            # The model runs on its own thread, one step ahead of the completions.
+            self._model_thread = ThreadPoolExecutor(1, "tokenmill-model", initializer=_init_model_thread,
+                                                    initargs=(torch.get_num_threads(), self.device))
         from tokenmill.engine import faults  # test-only hook, off unless TOKENMILL_FAULT_INJECTION=1
 
         faults.install(self)
@@ -164,8 +205,21 @@ class LLMEngine:
         self.kv_cache = KVCache(spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(self.allocator, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1))
         self.sampler = Sampler(spec.vocab_size, self.config.seed, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device, self.tp_group)
+        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device, self.tp_group,
+                                  self._decode_graphs())
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, bs, num_blocks * per_block / 2**20)
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if not self.config.cuda_graphs:
+            return None
+        if self.device.type != "cuda":
+            logger.warning("--cuda-graphs needs a CUDA device: decode steps run eagerly on %s", self.device)
+            return None
+        if self.tp_group is not None:
+            logger.warning("--cuda-graphs is not used with tensor parallelism: decode steps run eagerly")
+            return None
+        return DecodeGraphs(self.model, self.kv_cache, self.block_size, self.config.max_num_seqs,
+                            -(-self.max_model_len // self.block_size), self.device)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -245,16 +299,19 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish(reason)
                 seq.error = error
+                seq.drop_pending()
                 self.scheduler.finish(seq)
         return self._output(request)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do without them)."""
+        """Stop the model thread and the tensor-parallel workers."""
+        if self._model_thread is not None:
+            self._model_thread.shutdown(wait=True)
         if self.tp_group is not None:
             self.tp_group.close()
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests or self._cached_outputs)
+        return bool(self.requests or self._cached_outputs or self._inflight)
 
     @staticmethod
     def _cached_output(request: Request, outputs: list[CompletionOutput]) -> RequestOutput:
@@ -265,38 +322,108 @@ class LLMEngine:
                              num_cached_tokens=len(request.prompt_token_ids))
 
     # -- the step ----------------------------------------------------------------------------
+    #
+    # A step is launched (scheduled, prepared, advanced as if its tokens were known, handed to the
+    # model) and later completed (sampled tokens appended, stop checks, outputs). Without overlap
+    # scheduling one step() does both. With it, step() launches step N+1 while step N still runs on
+    # the model thread, then completes step N: scheduling, input preparation, detokenization and
+    # output building all happen while the model works.
 
     def step(self) -> list[RequestOutput]:
         cached, self._cached_outputs = self._cached_outputs, []
+        launched = self._launch()
+        if launched is not None:
+            self._inflight.append(launched)
+        keep = 1 if self._model_thread is not None and launched is not None else 0
+        outputs: list[RequestOutput] = []
+        while len(self._inflight) > keep:
+            outputs.extend(self._complete(self._inflight.popleft()))
+        return cached + outputs
+
+    def _launch(self) -> LaunchedStep | None:
         batch = self.scheduler.schedule()
         if not batch:
-            return cached
-        start = time.perf_counter()
-        try:
-            sampled, result = self.runner.execute(batch, self.allocator.take_fresh())
-        except RequestFailed as exc:
-            outputs = [o for rid in exc.request_ids if (o := self.fail(rid, str(exc))) is not None]
-            return cached + outputs  # the others are rescheduled unchanged next step
-        except Exception as exc:  # noqa: BLE001 - a broken batch fails its requests, not the engine
-            logger.exception("model step failed")
-            ids = {item.seq.request_id for item in batch.all}
-            return cached + [o for rid in ids if (o := self.fail(rid, f"internal error in the model step: {exc}")) is not None]
-        touched: dict[str, Request] = {}
-        for item in batch.all:
+            return None
+        prepared = self.runner.prepare(batch, self.allocator.take_fresh())
+        items = batch.all
+        snapshots = [SeqSnapshot(i.seq.epoch, i.seq.num_computed_tokens, i.seq.num_tokens) for i in items]
+        for item in items:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        for row, item in enumerate(prepared.sampled):
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.scheduler.register_full_blocks(seq)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            seq.append_pending(placeholder(row))
+            if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finishing = True  # known to end with this token: nothing to schedule after it
+        return LaunchedStep(batch, items, snapshots, prepared, self._submit(prepared))
+
+    def _submit(self, prepared: PreparedStep) -> Future:
+        if self._model_thread is not None:
+            return self._model_thread.submit(_timed, self.runner.run, prepared)
+        future: Future = Future()
+        try:
+            future.set_result(_timed(self.runner.run, prepared))
+        except Exception as exc:  # noqa: BLE001 - handed to _complete like the model thread's errors
+            future.set_exception(exc)
+        return future
+
+    def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
+        try:
+            result, seconds = step.future.result()
+        except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the engine
+            return self._recover(step, exc)
+        touched: dict[str, Request] = {}
+        for item, snap in zip(step.items, step.snapshots):
+            seq = item.seq
+            if seq.is_finished:  # aborted, or stopped a step earlier than the scheduler knew
+                continue
+            if seq.epoch == snap.epoch:  # (not preempted since: the blocks are the ones computed)
+                self.scheduler.register_full_blocks(seq, snap.num_computed + item.num_new_tokens)
+            request = self.requests.get(seq.request_id)
+            if request is not None:
+                touched[seq.request_id] = request
         if result is not None:
-            for item, token, logprob in zip(sampled, result.tokens, result.logprobs):
-                self._append(item.seq, token, logprob)
+            for item, token, logprob in zip(step.prepared.sampled, result.tokens, result.logprobs):
+                if not item.seq.is_finished:
+                    self._append(item.seq, token, logprob)
         self.num_steps += 1
-        self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills),
-                               len(batch.decodes), time.perf_counter() - start))
-        return cached + [self._output(r) for r in touched.values()]
+        batch = step.batch
+        self._notify(StepStats(len(step.items), sum(i.num_new_tokens for i in batch.prefills),
+                               len(batch.decodes), seconds))
+        return [self._output(r) for r in touched.values()]
+
+    def _recover(self, failed: LaunchedStep, exc: Exception) -> list[RequestOutput]:
+        """A step failed: take it and every later launched step back (the model thread skips those),
+        fail the requests it names, and let the rest run again from where they were."""
+        later = list(self._inflight)
+        self._inflight.clear()
+        for step in later:
+            try:
+                step.future.result()
+            except Exception:  # noqa: BLE001 - StepSkipped, expected
+                pass
+        for step in reversed([failed, *later]):
+            self._take_back(step)
+        self.runner.recover()
+        if isinstance(exc, RequestFailed):
+            ids, message = exc.request_ids, str(exc)
+        else:
+            logger.error("model step failed", exc_info=exc)
+            ids, message = {item.seq.request_id for item in failed.items}, f"internal error in the model step: {exc}"
+        return [o for rid in sorted(ids) if (o := self.fail(rid, message)) is not None]
+
+    def _take_back(self, step: LaunchedStep) -> None:
+        self.allocator.fresh.extend(step.prepared.fresh_blocks)  # not zeroed yet
+        for item, snap in zip(reversed(step.items), reversed(step.snapshots)):
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            if seq.epoch == snap.epoch:
+                seq.num_computed_tokens = snap.num_computed
+            seq.drop_pending(seq.num_tokens - snap.num_tokens)
+            seq.finishing = False
 
     def _append(self, seq: Sequence, token: int, logprob: tuple[float, dict[int, float]] | None) -> None:
-        seq.append_token(token)
+        seq.resolve(token)
         if logprob is not None and seq.logprobs is not None:
             seq.logprobs.append(logprob)
         params = seq.params
@@ -307,9 +434,11 @@ class LLMEngine:
             seq.finish("stop", None)
         elif stop_string is not None:
             seq.finish("stop", stop_string)
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (len(seq.output_token_ids) - seq.num_pending >= params.max_tokens
+              or seq.num_resolved_tokens >= self.max_model_len):
             seq.finish("length")
         if seq.is_finished:
+            seq.drop_pending()  # tokens a later step is sampling for it are not wanted
             self.scheduler.finish(seq)
 
     def _output(self, request: Request) -> RequestOutput:
@@ -319,19 +448,20 @@ class LLMEngine:
             done = seq.is_finished
             visible = seq.detokenizer.visible_len(done) if seq.detokenizer else 0
             text = seq.text[:visible]
+            token_ids = seq.resolved_output_ids
             out = CompletionOutput(
                 index=seq.index,
                 text=text,
-                token_ids=list(seq.output_token_ids),
+                token_ids=token_ids,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 text_delta=text[seq.reported_text_len :],
-                token_ids_delta=seq.output_token_ids[seq.reported_tokens :],
+                token_ids_delta=token_ids[seq.reported_tokens :],
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 logprobs_delta=seq.logprobs[seq.reported_logprobs :] if seq.logprobs is not None else None,
             )
             seq.reported_text_len = max(seq.reported_text_len, len(text))
-            seq.reported_tokens = len(seq.output_token_ids)
+            seq.reported_tokens = len(token_ids)
             seq.reported_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
             outputs.append(out)
         error = next((s.error for s in request.seqs if s.error), None)

@@ -1,14 +1,25 @@
-"""Turns a scheduled batch into tensors, runs the model over the paged cache, and samples."""
+"""Turns a scheduled batch into tensors, runs the model over the paged cache, and samples.
+
+`prepare` runs on the scheduling thread and builds host tensors only; `run` runs on the model
+thread (the same thread without overlap scheduling). They meet in a `PreparedStep`. With overlap
+scheduling the next step is prepared while the previous one runs, so its decode inputs are not
+known yet: they are placeholders (see `sequence.placeholder`) that `run` replaces with the
+previous step's sampled tokens, on the device, without a round trip through Python.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tokenmill.engine.cuda_graphs import DecodeGraphs, GraphInputs
 from tokenmill.engine.kv_cache import KVCache
-from tokenmill.engine.sampler import Sampler, SamplerOutput
+from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
 from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
+from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.tensors import to_device
 from tokenmill.models.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 
 # Cost of one extra decode-attention call, in padded (sequence x block) gathers: splitting the
@@ -46,17 +57,45 @@ def split_by_length(num_blocks: list[int], overhead: int = _GROUP_OVERHEAD_BLOCK
     return bounds[::-1]
 
 
+class StepSkipped(Exception):
+    """A step launched after a failed one is not run: it may read tokens or K/V that never came."""
+
+
+@dataclass
+class PreparedStep:
+    """One step's inputs, on the host, built from the scheduler's output."""
+
+    seqs: list[Sequence]  # every scheduled sequence (for the fault-injection hook)
+    sampled: list[ScheduledSeq]  # the items that sample a token, in the order of the result rows
+    fresh_blocks: list[int]  # blocks allocated for this step: zeroed before it runs
+    input_ids: torch.Tensor  # may hold placeholders of the previous step's tokens
+    positions: torch.Tensor
+    meta: AttentionMetadata | None  # None for a CUDA-graph step
+    sample_rows: torch.Tensor  # rows of the hidden states (or of the graph's logits) to sample from
+    sampling: SamplingBatch
+    has_placeholders: bool
+    graph: GraphInputs | None = None
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, sampler: Sampler,
-                 device: torch.device, tp_group: Any = None) -> None:
+                 device: torch.device, tp_group: Any = None, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.tp_group = tp_group  # TensorParallelGroup: workers replay each step's inputs
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
+        self.graphs = graphs
         # Test hook (fault injection): a callable(list[Sequence]) run before the forward pass.
         self.before_forward = None
+        # Model-thread state: the last step's sampled tokens (placeholders index them), and whether a
+        # step failed since the engine last recovered (later steps are then skipped).
+        self._last_tokens: torch.Tensor | None = None
+        self._last_token_list: list[int] | None = None
+        self._failed = False
+
+    # -- scheduling thread ---------------------------------------------------------------------
 
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
@@ -72,12 +111,40 @@ class ModelRunner:
             # Unused tail slots of a sequence's last block were zeroed when the block was allocated
             # and padded table entries are the zero block: masked positions never hold NaN garbage.
             valid = torch.arange(width * bs)[None, :] < ctx_lens[start:end, None]
-            groups.append(DecodeGroup(start, end, tables.flatten().to(self.device),
-                                      valid.view(end - start, 1, 1, -1).to(self.device)))
+            groups.append(DecodeGroup(start, end, tables.flatten(), valid.view(end - start, 1, 1, -1)))
         return groups
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, batch: SchedulerOutput, fresh_blocks: list[int]) -> PreparedStep:
         """Flatten the step's tokens (prefill chunks first, then decodes) and build attention metadata."""
+        if batch.decodes:
+            # Shortest block table first, so that length groups are contiguous runs of the decodes.
+            batch.decodes.sort(key=lambda item: len(item.seq.block_table))
+        sampled = [item for item in batch.prefills if item.samples] + [item for item in batch.decodes if item.samples]
+        sampling = SamplingBatch([item.seq for item in sampled], [len(item.seq.output_token_ids) for item in sampled])
+        seqs = [item.seq for item in batch.all]
+        graph = self._prepare_graph(batch)
+        if graph is not None:
+            rows = [j for j, item in enumerate(batch.decodes) if item.samples]
+            return PreparedStep(seqs, sampled, fresh_blocks, graph.input_ids, graph.positions, None,
+                                torch.tensor(rows, dtype=torch.long), sampling, bool((graph.input_ids < 0).any()), graph)
+        input_ids, positions, meta, sample_rows = self._prepare_eager(batch)
+        return PreparedStep(seqs, sampled, fresh_blocks, input_ids, positions, meta,
+                            torch.tensor(sample_rows, dtype=torch.long), sampling, bool((input_ids < 0).any()))
+
+    def _prepare_graph(self, batch: SchedulerOutput) -> GraphInputs | None:
+        """Padded inputs of a decode-only step that a CUDA graph can run, else None."""
+        if self.graphs is None or batch.prefills or not batch.decodes:
+            return None
+        seqs = [item.seq for item in batch.decodes]
+        if not self.graphs.fits(len(seqs), max(len(s.block_table) for s in seqs)):
+            return None
+        bs = self.block_size
+        positions = [s.num_computed_tokens for s in seqs]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        return self.graphs.pad([s.token_ids[p] for s, p in zip(seqs, positions)], [p + 1 for p in positions],
+                               slots, [s.block_table for s in seqs])
+
+    def _prepare_eager(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         ids: list[int] = []
         pos_chunks: list[torch.Tensor] = []
@@ -97,16 +164,14 @@ class ModelRunner:
             else:
                 ctx = torch.arange(c + n)
                 mask = ctx[None, :] <= positions[:, None]
-                segments.append(PrefillSegment(start, start + n, self._slots(table, ctx).to(self.device), mask.to(self.device)))
+                segments.append(PrefillSegment(start, start + n, self._slots(table, ctx), mask))
             if item.samples:
                 sample_rows.append(start + n - 1)
         num_prefill = len(ids)
 
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), block_size=bs, prefills=segments,
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs, prefills=segments,
                                  num_prefill_tokens=num_prefill)
         if batch.decodes:
-            # Shortest block table first, so that length groups are contiguous runs of the decodes.
-            batch.decodes.sort(key=lambda item: len(item.seq.block_table))
             seqs = [item.seq for item in batch.decodes]
             ctx_lens = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
             positions = ctx_lens - 1  # each decode's new token
@@ -118,24 +183,57 @@ class ModelRunner:
             meta.num_decodes = len(seqs)
             sample_rows.extend(num_prefill + j for j, item in enumerate(batch.decodes) if item.samples)
 
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.cat(pos_chunks).to(self.device)
-        meta.slot_mapping = torch.cat(slot_chunks).to(self.device)
-        return input_ids, positions, meta, sample_rows
+        meta.slot_mapping = torch.cat(slot_chunks)
+        return torch.tensor(ids, dtype=torch.long), torch.cat(pos_chunks), meta, sample_rows
+
+    # -- model thread --------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """The engine has dealt with a failed step: run steps again."""
+        self._failed = False
+        self._last_tokens = self._last_token_list = None
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput, fresh_blocks: list[int]) -> tuple[list[ScheduledSeq], SamplerOutput | None]:
-        """Run one step (zeroing newly allocated blocks first); returns the scheduled items that
-        sampled a token and the sampler's result."""
+    def run(self, step: PreparedStep) -> SamplerOutput | None:
+        """Zero the step's new blocks, run the model and sample; None when nothing samples."""
+        if self._failed:
+            raise StepSkipped("an earlier step failed")
+        try:
+            return self._run(step)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _run(self, step: PreparedStep) -> SamplerOutput | None:
         if self.before_forward is not None:
-            self.before_forward([item.seq for item in batch.all])
-        self.kv_cache.zero_blocks(fresh_blocks)
-        input_ids, positions, meta, sample_rows = self.prepare(batch)
-        if self.tp_group is not None:
-            self.tp_group.broadcast((fresh_blocks, input_ids, positions, meta))
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
-        sampled = [item for item in batch.prefills if item.samples] + [item for item in batch.decodes if item.samples]
-        if not sampled:
-            return [], None
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return sampled, self.sampler(logits, [item.seq for item in sampled])
+            self.before_forward(step.seqs)
+        input_ids = self._resolve_placeholders(step)
+        self.kv_cache.zero_blocks(step.fresh_blocks)
+        if step.graph is not None:
+            logits = self.graphs.run(step.graph, input_ids)
+            if len(step.sample_rows) != step.graph.num_seqs:
+                logits = logits[step.sample_rows.to(self.device)]
+        else:
+            positions = step.positions.to(self.device, non_blocking=True)
+            meta = to_device(step.meta, self.device, non_blocking=True)
+            if self.tp_group is not None:
+                self.tp_group.broadcast((step.fresh_blocks, input_ids, positions, meta))
+            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+            logits = None
+            if step.sampled:
+                logits = self.model.compute_logits(hidden[step.sample_rows.to(self.device)])
+        if logits is None:
+            self._last_tokens = self._last_token_list = None
+            return None
+        result = self.sampler(logits, step.sampling, self._last_token_list)
+        self._last_tokens, self._last_token_list = result.token_tensor, result.tokens
+        return result
+
+    def _resolve_placeholders(self, step: PreparedStep) -> torch.Tensor:
+        input_ids = step.input_ids.to(self.device, non_blocking=True)
+        if not step.has_placeholders:
+            return input_ids
+        if self._last_tokens is None:
+            raise RuntimeError("a step refers to the previous step's tokens, but it sampled none")
+        rows = (-input_ids - 1).clamp(min=0)
+        return torch.where(input_ids < 0, self._last_tokens[rows], input_ids)

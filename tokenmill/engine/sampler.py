@@ -12,10 +12,30 @@ _NEG_INF = float("-inf")
 
 
 @dataclass
+class SamplingBatch:
+    """The rows one step samples, fixed when the step is launched."""
+
+    seqs: list[Sequence]
+    # Per row: how many output tokens precede the one being sampled (the penalties' history). The
+    # last of them may still be a placeholder for the previous step's token.
+    num_outputs: list[int]
+
+
+def _resolved(tokens: list[int], prev_tokens: list[int] | None) -> list[int]:
+    """`tokens` (a copy) with a trailing placeholder replaced by the previous step's token."""
+    if tokens and tokens[-1] < 0:
+        if prev_tokens is None:
+            raise RuntimeError("a placeholder token without the previous step's tokens")
+        tokens[-1] = prev_tokens[-tokens[-1] - 1]
+    return tokens
+
+
+@dataclass
 class SamplerOutput:
     tokens: list[int]
     # Per row: (logprob of the chosen token, {token: logprob} of the top-k), only when asked for.
     logprobs: list[tuple[float, dict[int, float]] | None]
+    token_tensor: torch.Tensor | None = None  # `tokens` on the device (the next step's placeholders read it)
 
 
 class Sampler:
@@ -25,15 +45,18 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: [len(seqs), V] float32 of the last position of each sequence."""
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, prev_tokens: list[int] | None = None) -> SamplerOutput:
+        """logits: [len(batch.seqs), V] float32 of the last position of each sequence; `prev_tokens`:
+        the previous step's sampled tokens, for placeholders still in the penalties' history."""
+        seqs = batch.seqs
         logits = logits[:, : self.vocab_size]
         raw = logits
         params = [s.params for s in seqs]
         if any(p.logit_bias for p in params):
             logits = self._apply_logit_bias(logits.clone(), seqs)
         if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
-            logits = self._apply_penalties(logits if logits is not raw else logits.clone(), seqs)
+            history = [_resolved(s.output_token_ids[:n], prev_tokens) for s, n in zip(seqs, batch.num_outputs)]
+            logits = self._apply_penalties(logits if logits is not raw else logits.clone(), seqs, history)
 
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy_rows) == len(seqs):
@@ -44,7 +67,7 @@ class Sampler:
                 rows = torch.tensor(greedy_rows, device=logits.device)
                 tokens[rows] = logits[rows].argmax(dim=-1)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, seqs, tokens))
+        return SamplerOutput(token_list, self._logprobs(raw, seqs, tokens), tokens)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
@@ -88,19 +111,19 @@ class Sampler:
                     logits[i, token] += bias
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], history: list[list[int]]) -> torch.Tensor:
         dev = logits.device
         rows = len(seqs)
         vocab = logits.shape[1]
         # Output-token counts per row (presence/frequency) and a seen mask over prompt+output (repetition).
         counts = torch.zeros((rows, vocab), device=dev)
         seen = torch.zeros((rows, vocab), dtype=torch.bool, device=dev)
-        for i, s in enumerate(seqs):
-            if s.output_token_ids:
-                out = torch.tensor(s.output_token_ids, device=dev)
+        for i, (s, outputs) in enumerate(zip(seqs, history)):
+            if outputs:
+                out = torch.tensor(outputs, device=dev)
                 counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
             if s.params.repetition_penalty != 1.0:
-                seen[i, torch.tensor(s.token_ids, device=dev)] = True
+                seen[i, torch.tensor(s.prompt_token_ids + outputs, device=dev)] = True
         rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev).unsqueeze(1)
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.engine.kv_cache import BlockAllocator, block_hash
 from tokenmill.engine.sequence import Sequence, SequenceStatus
@@ -21,11 +21,12 @@ from tokenmill.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    # Whether this step reaches the end of the sequence's tokens, so a token is sampled (fixed when
+    # scheduled: the engine advances the sequence as soon as the step is launched).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence's known tokens, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Scheduler:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.epoch += 1
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Reuse cached full blocks of the sequence's known tokens (at admission, before any compute)."""
@@ -106,11 +108,12 @@ class Scheduler:
             self.allocator.stats.queries += seq.num_tokens
             self.allocator.stats.hits += seq.num_computed_tokens
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """After a step: hash the blocks that became full so later requests can share them."""
+    def register_full_blocks(self, seq: Sequence, num_computed: int) -> None:
+        """After a step that computed the K/V of `seq`'s first `num_computed` tokens: hash the blocks
+        that became full so later requests can share them."""
         if not self.allocator.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        full = min(num_computed, seq.num_resolved_tokens) // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -136,6 +139,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.finishing:  # its last token is being sampled right now: nothing more to run
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]

@@ -13,6 +13,11 @@ from tokenmill.engine.outputs import RequestMetrics
 from tokenmill.engine.sampling_params import SamplingParams
 
 
+def placeholder(row: int) -> int:
+    """Stand-in for the token sampled in row `row` of the step that is running now (ids are >= 0)."""
+    return -(row + 1)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -31,8 +36,13 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG when a seed is given
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
     block_table: list[int] = field(default_factory=list)
+    # Tokens sampled by steps still running are in token_ids/output_token_ids as placeholders at the end
+    # (see Placeholder); `num_pending` counts them. The scheduler plans the next step as if they were known.
+    num_pending: int = 0
+    finishing: bool = False  # its pending token ends it (max_tokens / context): schedule it no more
+    epoch: int = 0  # bumped whenever its blocks are freed (preemption), so stale step results are recognised
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks so far
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     prefix_queried: bool = False
@@ -56,6 +66,14 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_resolved_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
+
+    @property
+    def resolved_output_ids(self) -> list[int]:
+        return self.output_token_ids[: len(self.output_token_ids) - self.num_pending]
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
@@ -63,11 +81,30 @@ class Sequence:
     def text(self) -> str:
         return self.detokenizer.text if self.detokenizer else ""
 
-    def append_token(self, token: int) -> None:
-        self.output_token_ids.append(token)
-        self.token_ids.append(token)
+    def append_pending(self, placeholder: int) -> None:
+        """A launched step will sample this sequence's next token: hold its place."""
+        self.output_token_ids.append(placeholder)
+        self.token_ids.append(placeholder)
+        self.num_pending += 1
+
+    def resolve(self, token: int) -> None:
+        """The oldest pending token is now known."""
+        out_index = len(self.output_token_ids) - self.num_pending
+        self.output_token_ids[out_index] = token
+        self.token_ids[len(self.token_ids) - self.num_pending] = token
+        self.num_pending -= 1
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.time()
+
+    def drop_pending(self, count: int | None = None) -> None:
+        """Forget the newest `count` pending tokens, or all of them (the sequence ended, or the steps
+        sampling them were taken back)."""
+        drop = self.num_pending if count is None else count
+        assert 0 <= drop <= self.num_pending, (drop, self.num_pending)
+        if drop:
+            del self.output_token_ids[-drop:]
+            del self.token_ids[-drop:]
+            self.num_pending -= drop
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         self.status = SequenceStatus.FINISHED

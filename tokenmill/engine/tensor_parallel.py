@@ -16,12 +16,12 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
 import torch
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.tensors import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +44,6 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    """A copy with tensors (also inside dataclasses, lists and tuples) on `device`; the original is
-    left as it was (rank 0 still runs its own step on the metadata it broadcasts)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    if is_dataclass(value) and not isinstance(value, type):
-        return replace(value, **{f.name: _to(getattr(value, f.name), device) for f in fields(value)})
-    return value
 
 
 class TensorParallelGroup:
@@ -86,7 +74,7 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         if self.device.type == "cuda":
-            payload = _to(payload, torch.device("cpu"))  # each worker moves it to its own GPU
+            payload = to_device(payload, torch.device("cpu"))  # each worker moves it to its own GPU
         dist.broadcast_object_list([payload], src=0)
 
     def close(self) -> None:
@@ -147,7 +135,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str) -> None:
             dist.broadcast_object_list(box, src=0)
             if box[0] is None:
                 break
-            fresh, input_ids, positions, meta = _to(box[0], device)
+            fresh, input_ids, positions, meta = to_device(box[0], device)
             kv.zero_blocks(fresh)
             model(input_ids, positions, kv.layers, meta)
     dist.destroy_process_group()

@@ -100,13 +100,14 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     )
 
 
-def make_tiny_model(target: str | os.PathLike, seed: int = 0) -> Path:
-    """Write a deterministic random-init Llama model (~28M params) with the SmolLM2 tokenizer."""
+def make_tiny_model(target: str | os.PathLike, seed: int = 0, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Write a deterministic random-init Llama model (~28M params) with the SmolLM2 tokenizer (or
+    the one in `tokenizer_dir`, e.g. on a machine without the bundled model)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     target = Path(target)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or default_model_dir())
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=384,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -26,8 +26,23 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# Fields that OpenAI's API documents as "... or null" (and vLLM's optional extras): null means the
+# default. The rest (and every value that is not null) stay strict.
+_NULL_MEANS_DEFAULT = frozenset({
+    "n", "temperature", "top_p", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo",
+    "top_k", "min_p", "repetition_penalty",
+})
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM-style extras)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_DEFAULT}
+        return data
 
     model: str | None = None  # optional: a single-model server knows what to serve
     n: int = 1
