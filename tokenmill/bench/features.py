@@ -155,8 +155,9 @@ def register_features(bench_subparsers: Any) -> None:
     parser = bench_subparsers.add_parser(
         "features", help="each speed feature off vs on, one flag at a time",
         description="For each speed feature (oneDNN linear, prefix caching, result cache, int8 weights, bf16, "
-                    "torch.compile, overlap scheduling, CUDA graphs on a GPU) build the engine twice, differing only in that flag, run a workload the "
-                    "feature is for and print tok/s, TTFT, weight memory and greedy agreement of on vs off.",
+                    "torch.compile, overlap scheduling, CUDA graphs on a GPU) build the engine twice, differing "
+                    "only in that flag, run a workload the feature is for and print tok/s, TTFT, weight memory "
+                    "and greedy agreement of on vs off.",
     )
     parser.add_argument("--num-prompts", type=positive_int, default=32, metavar="N", help="requests per run (default: 32)")
     parser.add_argument("--max-output", type=positive_int, default=64, metavar="TOKENS",
