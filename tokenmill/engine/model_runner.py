@@ -73,8 +73,11 @@ class PreparedStep:
     meta: AttentionMetadata | None  # None for a CUDA-graph step
     sample_rows: torch.Tensor  # rows of the hidden states (or of the graph's logits) to sample from
     sampling: SamplingBatch
-    has_placeholders: bool
     graph: GraphInputs | None = None
+
+    @property
+    def has_placeholders(self) -> bool:
+        return bool((self.input_ids < 0).any())
 
 
 class ModelRunner:
@@ -126,10 +129,10 @@ class ModelRunner:
         if graph is not None:
             rows = [j for j, item in enumerate(batch.decodes) if item.samples]
             return PreparedStep(seqs, sampled, fresh_blocks, graph.input_ids, graph.positions, None,
-                                torch.tensor(rows, dtype=torch.long), sampling, bool((graph.input_ids < 0).any()), graph)
+                                torch.tensor(rows, dtype=torch.long), sampling, graph)
         input_ids, positions, meta, sample_rows = self._prepare_eager(batch)
         return PreparedStep(seqs, sampled, fresh_blocks, input_ids, positions, meta,
-                            torch.tensor(sample_rows, dtype=torch.long), sampling, bool((input_ids < 0).any()))
+                            torch.tensor(sample_rows, dtype=torch.long), sampling)
 
     def _prepare_graph(self, batch: SchedulerOutput) -> GraphInputs | None:
         """Padded inputs of a decode-only step that a CUDA graph can run, else None."""
@@ -235,5 +238,5 @@ class ModelRunner:
             return input_ids
         if self._last_tokens is None:
             raise RuntimeError("a step refers to the previous step's tokens, but it sampled none")
-        rows = (-input_ids - 1).clamp(min=0)
+        rows = (-input_ids - 1).clamp(min=0)  # placeholder_row, vectorised (0 for real ids)
         return torch.where(input_ids < 0, self._last_tokens[rows], input_ids)

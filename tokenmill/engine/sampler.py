@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.sequence import Sequence, placeholder_row
 
 _NEG_INF = float("-inf")
 
@@ -26,7 +26,7 @@ def _resolved(tokens: list[int], prev_tokens: list[int] | None) -> list[int]:
     if tokens and tokens[-1] < 0:
         if prev_tokens is None:
             raise RuntimeError("a placeholder token without the previous step's tokens")
-        tokens[-1] = prev_tokens[-tokens[-1] - 1]
+        tokens[-1] = prev_tokens[placeholder_row(tokens[-1])]
     return tokens
 
 

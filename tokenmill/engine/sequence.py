@@ -18,6 +18,11 @@ def placeholder(row: int) -> int:
     return -(row + 1)
 
 
+def placeholder_row(token: int) -> int:
+    """The row a placeholder stands for (the inverse of `placeholder`)."""
+    return -token - 1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -39,7 +44,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
     block_table: list[int] = field(default_factory=list)
     # Tokens sampled by steps still running are in token_ids/output_token_ids as placeholders at the end
-    # (see Placeholder); `num_pending` counts them. The scheduler plans the next step as if they were known.
+    # (see `placeholder`); `num_pending` counts them. The scheduler plans the next step as if they were known.
     num_pending: int = 0
     finishing: bool = False  # its pending token ends it (max_tokens / context): schedule it no more
     epoch: int = 0  # bumped whenever its blocks are freed (preemption), so stale step results are recognised
