@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -139,6 +140,17 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None 
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+MALFORMED_MESSAGES = (b"\x0a\x05ab", b"\x0a\x02\xff\xfe", b"\xff\xff\xff\xff")  # truncated, bad UTF-8, bad tag
+
+
+def raw_grpc_call(channel: grpc.Channel, method: str, payload: bytes, **kwargs) -> list[bytes]:
+    """Send `payload` as the request message bytes (no serializer) and return the raw responses."""
+    path = f"/tokenmill.v1.Generation/{method}"
+    if method == "Generate":
+        return [channel.unary_unary(path)(payload, timeout=30, **kwargs)]
+    return list(channel.unary_stream(path)(payload, timeout=30, **kwargs))
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[str]:

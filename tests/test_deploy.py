@@ -562,6 +562,7 @@ CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 def test_k8s_source_manifests_validate():
     """Every manifest file that is a complete resource (not a patch) passes strict schema checks."""
     patches = {p for o in OVERLAYS for p in (K8S / "overlays" / o).glob("*.yaml") if p.name != "kustomization.yaml"}
+    patches |= set((K8S / "components").rglob("*.yaml"))  # components hold patches only
     checked = 0
     for path in _k8s_files():
         if path in patches:
@@ -593,7 +594,9 @@ def test_servicemonitor_structure():
 def test_kustomizations_reference_existing_files():
     for kfile in K8S.rglob("kustomization.yaml"):
         k = yaml.safe_load(kfile.read_text())
-        assert k["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and k["kind"] == "Kustomization"
+        assert (k["apiVersion"], k["kind"]) in {("kustomize.config.k8s.io/v1beta1", "Kustomization"),
+                                                ("kustomize.config.k8s.io/v1alpha1", "Component")}, kfile
+        assert (k["kind"] == "Component") == (kfile.parent.parent == K8S / "components"), kfile
         refs = list(k.get("resources", [])) + [p["path"] for p in k.get("patches", []) if "path" in p]
         for ref in refs:
             assert (kfile.parent / ref).exists(), f"{kfile}: {ref} missing"
@@ -651,6 +654,26 @@ def test_deployment_probes_and_shutdown(rendered):
     sel = dep["spec"]["selector"]["matchLabels"]
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert sel.items() <= labels.items()
+
+
+def test_grpc_probes_component(tmp_path):
+    """components/grpc-probes on the cpu overlay: readiness and startup over grpc.health.v1 on the
+    gRPC port, liveness still HTTP (a draining pod is NOT_SERVING but must not be restarted)."""
+    rel = Path(os.path.relpath(K8S, tmp_path))  # kustomize refuses absolute roots
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [str(rel / "overlays" / "cpu")], "components": [str(rel / "components" / "grpc-probes")]}))
+    docs = kustomize_build(tmp_path)
+    for doc in docs:
+        _kv_validate(doc, "overlays/cpu + components/grpc-probes (rendered)")
+    _, c = _container(docs)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert c["readinessProbe"]["grpc"] == {"port": ports["grpc"], "service": "tokenmill.v1.Generation"}
+    assert "httpGet" not in c["readinessProbe"] and "httpGet" not in c["startupProbe"]
+    assert c["startupProbe"]["grpc"]["port"] == ports["grpc"]
+    sp = c["startupProbe"]
+    assert sp["periodSeconds"] * sp["failureThreshold"] >= 300, "startupProbe must allow >= 5 min for model load"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health/live"
 
 
 def test_service_hpa_pdb_pvc(rendered):

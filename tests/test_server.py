@@ -18,10 +18,12 @@ import httpx
 import pytest
 
 from server_fixtures import (  # noqa: F401 - *_fixture are pytest fixtures
+    MALFORMED_MESSAGES,
     ServerProcess,
     assert_openai_error,
     async_openai_client,
     openai_client,
+    raw_grpc_call,
     server_fixture,
     server_log_dir_fixture,
     sse_events,
@@ -328,6 +330,55 @@ def test_grpc_matches_http(server: ServerProcess, offline) -> None:
     http = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
                                      max_tokens=MAX_TOKENS, temperature=0)
     assert http.choices[0].text == offline[prompt][0]
+
+
+def test_grpc_malformed_message_is_invalid_argument(server: ServerProcess) -> None:
+    """Bytes that are not a GenerateRequest: INVALID_ARGUMENT, one WARNING line each, no traceback."""
+    from tokenmill.server.proto import tokenmill_pb2 as pb
+
+    before = len(server.log_records())
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        for method in ("Generate", "GenerateStream"):
+            for payload in MALFORMED_MESSAGES:
+                with pytest.raises(grpc.RpcError) as exc:
+                    raw_grpc_call(channel, method, payload)
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, payload, exc.value)
+                assert exc.value.details().startswith("Malformed request message"), exc.value.details()
+        # The same channel still serves a well-formed request sent as raw bytes.
+        good = pb.GenerateRequest(prompt="hi", max_tokens=2).SerializeToString()
+        (reply,) = raw_grpc_call(channel, "Generate", good)
+        assert pb.GenerateResponse.FromString(reply).usage.completion_tokens == 2
+    time.sleep(0.5)  # the request log lines are written after the status is sent
+    records = server.log_records()[before:]
+    warnings = [r for r in records if r["level"] == "warning" and "malformed gRPC message" in r["msg"]]
+    assert len(warnings) == 2 * len(MALFORMED_MESSAGES), records
+    assert not [r for r in records if r["level"] in ("error", "critical") or "exc" in r], records
+    assert "Traceback" not in server.log_tail(20000)
+
+
+def test_grpc_reflection_and_health(server: ServerProcess) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = set(db.get_services())
+        assert {"tokenmill.v1.Generation", "grpc.health.v1.Health"} <= services, services
+        # What grpcurl does: the service's methods and message fields come from the server, no .proto needed.
+        from google.protobuf.descriptor_pool import DescriptorPool
+
+        pool = DescriptorPool(db)
+        service = pool.FindServiceByName("tokenmill.v1.Generation")
+        assert {m.name for m in service.methods} == {"Generate", "GenerateStream"}
+        assert "prompt_token_ids" in pool.FindMessageTypeByName("tokenmill.v1.GenerateRequest").fields_by_name
+
+        stub = health_pb2_grpc.HealthStub(channel)
+        for name in ("", "tokenmill.v1.Generation"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_chat_fallback_template_when_tokenizer_has_none(tiny_model_dir: Path) -> None:

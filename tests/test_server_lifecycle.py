@@ -18,9 +18,11 @@ import httpx
 import pytest
 
 from server_fixtures import (  # noqa: F401 - server_log_dir_fixture is a pytest fixture
+    MALFORMED_MESSAGES,
     ServerProcess,
     assert_openai_error,
     openai_client,
+    raw_grpc_call,
     server_log_dir_fixture,
     sse_events,
 )
@@ -72,6 +74,12 @@ def test_api_key_required_on_v1_only(small_server: ServerProcess) -> None:
         ok = stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2), metadata=[("authorization", f"Bearer {API_KEY}")],
                            timeout=30)
         assert ok.usage.completion_tokens == 2
+        # A malformed message is judged after the key: without one it is UNAUTHENTICATED, with it INVALID_ARGUMENT.
+        for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED),
+                               ((("authorization", f"Bearer {API_KEY}"),), grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as exc:
+                raw_grpc_call(channel, "Generate", MALFORMED_MESSAGES[0], metadata=metadata)
+            assert exc.value.code() == code
 
 
 def test_queue_over_limit_gets_429(small_server: ServerProcess) -> None:
@@ -108,6 +116,15 @@ def test_sigterm_drains_in_flight_stream_then_exits_0(small_server: ServerProces
                 first_chunk.set()
         result["payloads"] = payloads
 
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel(small_server.grpc_target)
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def grpc_health(service: str = "") -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    assert grpc_health() == grpc_health("tokenmill.v1.Generation") == health_pb2.HealthCheckResponse.SERVING
     t = threading.Thread(target=stream)
     t.start()
     assert first_chunk.wait(60), "stream did not start"
@@ -120,6 +137,9 @@ def test_sigterm_drains_in_flight_stream_then_exits_0(small_server: ServerProces
         time.sleep(0.05)
     assert httpx.get(f"{small_server.base_url}/health/live").status_code == 200
     assert_openai_error(completion(small_server, {"prompt": "late", "max_tokens": 2}), 503, "draining")
+    # gRPC health agrees with /health/ready: NOT_SERVING for the server and the Generation service.
+    assert grpc_health() == grpc_health("tokenmill.v1.Generation") == health_pb2.HealthCheckResponse.NOT_SERVING
+    channel.close()
     assert t.is_alive(), "the stream should still be running during the drain"
 
     # ...while the running stream completes whole, then the process exits cleanly.

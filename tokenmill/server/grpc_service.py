@@ -1,4 +1,5 @@
-"""gRPC API (tokenmill.v1.Generation) on grpc.aio, sharing the HTTP server's loop, engine and state."""
+"""gRPC API (tokenmill.v1.Generation) on grpc.aio, sharing the HTTP server's loop, engine and state,
+plus the standard health service (grpc.health.v1) and server reflection."""
 
 from __future__ import annotations
 
@@ -11,17 +12,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from tokenmill.engine.sampling_params import SamplingParams
 
 from .errors import APIError, bad_request
 from .generation import Generation, failure_of
 from .proto import tokenmill_pb2 as pb
-from .proto import tokenmill_pb2_grpc as pb_grpc
 from .state import GRPC_GENERATE, GRPC_GENERATE_STREAM, RequestRecord, ServerState, status_of
 
 logger = logging.getLogger(__name__)
 
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # tokenmill.v1.Generation
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -33,15 +37,19 @@ _STATUS_CODES = {
 }
 
 
-class GenerationService(pb_grpc.GenerationServicer):
+class GenerationService:
+    """The two RPCs. Requests arrive as raw bytes and are decoded here, after the API-key check: a
+    malformed message is then the client's INVALID_ARGUMENT (not grpc's UNKNOWN with a traceback),
+    and an unauthenticated client learns nothing about what it sent."""
+
     def __init__(self, state: ServerState) -> None:
         self.state = state
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        record = await self._begin(request, context, GRPC_GENERATE)
+    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        record = self._record(context, GRPC_GENERATE)
         gen: Generation | None = None
         try:
-            gen = await self._start(request, context, record)
+            gen = await self._start(raw, context, record)
             final: Any = None
             async for _, out in gen.outputs():
                 _raise_on_failure(out)
@@ -51,8 +59,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             return pb.GenerateResponse(request_id=record.request_id, text=choice.text, token_ids=choice.token_ids,
                                        finish_reason=choice.finish_reason or "", usage=_usage(final))
         except APIError as err:
-            self.state.finish(record, status_of(err), http_status=err.status, error=err.message)
-            await context.abort(_STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+            await self._fail(record, context, err)
             raise  # unreachable: abort() raises
         except asyncio.CancelledError:  # the client cancelled or went away
             self.state.finish(record, "aborted", http_status=499)
@@ -61,12 +68,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             if gen is not None:
                 await gen.aclose()
 
-    async def GenerateStream(self, request: pb.GenerateRequest,
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
-        record = await self._begin(request, context, GRPC_GENERATE_STREAM)
+    async def GenerateStream(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+        record = self._record(context, GRPC_GENERATE_STREAM)
         gen: Generation | None = None
         try:
-            gen = await self._start(request, context, record)
+            gen = await self._start(raw, context, record)
             async for _, out in gen.outputs():
                 _raise_on_failure(out)
                 choice = out.outputs[0]
@@ -78,8 +84,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                 )
             self.state.finish(record, "ok")
         except APIError as err:
-            self.state.finish(record, status_of(err), http_status=err.status, error=err.message)
-            await context.abort(_STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+            await self._fail(record, context, err)
         except (asyncio.CancelledError, GeneratorExit):
             self.state.finish(record, "aborted", http_status=499)
             raise
@@ -89,26 +94,30 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     # ------------------------------------------------------------------------------------------ helpers
 
-    async def _begin(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, endpoint: str) -> RequestRecord:
-        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        sent = request.request_id or metadata.get("x-request-id", "")
-        record = self.state.begin(sent if _REQUEST_ID_OK.match(sent) else uuid.uuid4().hex, endpoint)
-        await context.send_initial_metadata((("x-request-id", record.request_id),))
-        return record
+    def _record(self, context: grpc.aio.ServicerContext, endpoint: str) -> RequestRecord:
+        sent = _metadata(context).get("x-request-id", "")
+        return self.state.begin(sent if _REQUEST_ID_OK.match(sent) else uuid.uuid4().hex, endpoint)
+
+    async def _fail(self, record: RequestRecord, context: grpc.aio.ServicerContext, err: APIError) -> None:
+        self.state.finish(record, status_of(err), http_status=err.status, error=err.message)
+        await context.abort(_STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message,
+                            trailing_metadata=(("x-request-id", record.request_id),))
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         key = self.state.settings.api_key
         if key is None:
             return
-        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        scheme, _, token = metadata.get("authorization", "").partition(" ")
+        scheme, _, token = _metadata(context).get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "Invalid or missing API key (metadata `authorization: Bearer <key>`).")
 
-    async def _start(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                     record: RequestRecord) -> Generation:
-        """Authorize, validate and admit, then submit: the same order as the HTTP endpoints."""
+    async def _start(self, raw: bytes, context: grpc.aio.ServicerContext, record: RequestRecord) -> Generation:
+        """Authorize, decode, validate and admit, then submit: the same order as the HTTP endpoints."""
         self._authorize(context)
+        request = _decode(raw, record)
+        if _REQUEST_ID_OK.match(request.request_id):
+            record.request_id = request.request_id
+        await context.send_initial_metadata((("x-request-id", record.request_id),))
         prompt = _prompt_of(request)
         params = _sampling_params(request)
         if self.state.settings.log_prompts:
@@ -117,6 +126,19 @@ class GenerationService(pb_grpc.GenerationServicer):
         gen = Generation(self.state, record)
         await gen.start([prompt], params)
         return gen
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    return {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
+def _decode(raw: bytes, record: RequestRecord) -> pb.GenerateRequest:
+    try:
+        return pb.GenerateRequest.FromString(raw)
+    except DecodeError as exc:
+        logger.warning("malformed gRPC message on %s (%d bytes): %s", record.endpoint, len(raw), exc,
+                       extra={"request_id": record.request_id})
+        raise bad_request(f"Malformed request message: {exc}") from None
 
 
 def _prompt_of(request: pb.GenerateRequest) -> str | list[int]:
@@ -152,11 +174,46 @@ def _usage(out: Any) -> pb.Usage:
     return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def start_grpc_server(state: ServerState, host: str, port: int) -> grpc.aio.Server:
+def _add_generation_service(server: grpc.aio.Server, service: GenerationService) -> None:
+    """Like the generated add_GenerationServicer_to_server, but with no request deserializer (see
+    GenerationService)."""
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            service.Generate, response_serializer=pb.GenerateResponse.SerializeToString),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            service.GenerateStream, response_serializer=pb.GenerateChunk.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class GrpcServer:
+    """The running gRPC server and its health service: SERVING ("" and the Generation service) from
+    start until drain(), then NOT_SERVING for good, so gRPC probes and load balancers stop routing here
+    exactly when /health/ready turns 503."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer) -> None:
+        self.server = server
+        self.health = health_servicer
+
+    async def drain(self) -> None:
+        await self.health.enter_graceful_shutdown()
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace=grace)
+
+
+async def start_grpc_server(state: ServerState, host: str, port: int) -> GrpcServer:
     """Bind and start the gRPC server on the running loop; raises RuntimeError if the port is taken."""
     limit = state.settings.max_body_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(GenerationService(state), server)
+    _add_generation_service(server, GenerationService(state))
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
-    return server
+    return GrpcServer(server, health_servicer)

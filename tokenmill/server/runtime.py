@@ -7,7 +7,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 import uvicorn
@@ -15,6 +15,9 @@ import uvicorn
 from .app import build_app
 from .settings import ServerSettings
 from .state import ServerState
+
+if TYPE_CHECKING:
+    from .grpc_service import GrpcServer
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ class _Uvicorn(uvicorn.Server):
 class Lifecycle:
     """Owns the servers and the shutdown sequence: drain -> stop HTTP/gRPC -> stop the engine."""
 
-    def __init__(self, state: ServerState, http: _Uvicorn, grpc_server: Any | None) -> None:
+    def __init__(self, state: ServerState, http: _Uvicorn, grpc_server: GrpcServer | None) -> None:
         self.state = state
         self.http = http
         self.grpc = grpc_server
@@ -48,9 +51,15 @@ class Lifecycle:
             self.http.force_exit = True
             self.http.should_exit = True
 
-    async def drain(self) -> None:
-        # Readiness turns 503 right away so load balancers stop routing here; in-flight requests finish.
+    async def stop_accepting(self) -> None:
+        """Readiness turns 503 and gRPC health NOT_SERVING, so load balancers stop routing here."""
         self.state.draining = True
+        if self.grpc is not None:
+            await self.grpc.drain()
+
+    async def drain(self) -> None:
+        # In-flight requests finish; new ones get 503.
+        await self.stop_accepting()
         if not await self.state.wait_idle(self.state.settings.drain_timeout):
             logger.warning("drain timeout: %d request(s) still running are cut off", self.state.active_requests)
         self.http.should_exit = True
@@ -62,7 +71,7 @@ class Lifecycle:
             if not self.state.engine.is_alive() and not self.state.draining:
                 logger.error("the engine loop died; shutting down")
                 self.exit_code = 1
-                self.state.draining = True
+                await self.stop_accepting()
                 self.http.should_exit = True
 
 
