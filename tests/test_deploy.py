@@ -467,6 +467,43 @@ def test_prometheus_config():
     assert ["tokenmill:8000"] in [sc["targets"] for sc in job["static_configs"]]
 
 
+def alert_rules() -> list[dict]:
+    conf = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    return [rule for group in conf["groups"] for rule in group["rules"]]
+
+
+def status_values(expr: str) -> set[str]:
+    """Every value a `status` label matcher names (`status="x"`, `status=~"a|b"`, `status!~"..."`)."""
+    return {v for m in re.finditer(r'status\s*(?:=~|!~|!=|=)\s*"([^"]*)"', expr) for v in m.group(1).split("|")}
+
+
+def test_prometheus_alert_rules(compose):
+    conf = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert "/etc/prometheus/alerts.yml" in conf["rule_files"]
+    assert "./prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in compose["services"]["prometheus"]["volumes"]
+    rules = {r["alert"]: r for r in alert_rules()}
+    for name, rule in rules.items():
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        assert rule["annotations"]["summary"], name
+        names = metric_names_ast(rule["expr"])  # parses, or fails
+        assert names == metric_names_regex(rule["expr"]), name
+        assert names <= EXPORTED_METRICS | {"up"}, (name, names)
+    # Paging on errors counts server failures only, over requests that were not the client's mistake.
+    numerator, denominator = rules["TokenmillServerErrors"]["expr"].split(" / ")
+    assert status_values(numerator) == {"error"}
+    assert re.search(r'status!~"invalid\|unauthorized"', denominator), denominator
+
+
+def test_status_labels_match_the_server():
+    """Every `status` value the dashboard or the alerts select is one the server exports."""
+    from tokenmill.server.metrics import REQUEST_STATUSES
+
+    exprs = dashboard_expressions(dashboard_json()) + [r["expr"] for r in alert_rules()]
+    used = set().union(*(status_values(e) for e in exprs))
+    assert {"error", "rejected", "invalid", "unauthorized"} <= used
+    assert used <= set(REQUEST_STATUSES), used - set(REQUEST_STATUSES)
+
+
 def test_grafana_provisioning(compose):
     ds = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
     (src,) = ds["datasources"]

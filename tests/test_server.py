@@ -190,6 +190,34 @@ def test_metrics_counters_move_by_known_amounts(server: ServerProcess) -> None:
     assert after["tokenmill_generation_tokens_per_second"] > 0
 
 
+def requests_total(metrics: dict[str, float], endpoint: str, status: str) -> float:
+    return metrics[f'tokenmill_requests_total{{endpoint="{endpoint}",status="{status}"}}']
+
+
+def test_client_errors_are_not_server_errors(server: ServerProcess) -> None:
+    """400/404/413 count as `invalid`, never as `error` (which the alerts page on)."""
+    from tokenmill.server.metrics import REQUEST_STATUSES
+
+    before = server.metrics()
+    exported = {(e, s) for e in ("/v1/completions", "/v1/chat/completions", "/tokenmill.v1.Generation/Generate")
+                for s in REQUEST_STATUSES
+                if f'tokenmill_requests_total{{endpoint="{e}",status="{s}"}}' in before}
+    assert len(exported) == 3 * len(REQUEST_STATUSES), "every status series is exported from the start"
+    bad = [b"{not json", {"prompt": "x", "max_tokens": -1}, {"prompt": "x", "model": "no-such-model"},
+           {"prompt": "a" * (1 << 20)}]
+    for body in bad:
+        assert 400 <= post(server, "/v1/completions", body).status_code < 500
+    assert post(server, "/v1/chat/completions", {"messages": []}).status_code == 400
+    with grpc.insecure_channel(server.grpc_target) as channel, pytest.raises(grpc.RpcError):
+        raw_grpc_call(channel, "Generate", MALFORMED_MESSAGES[0])
+    time.sleep(0.2)  # gRPC counts after the status is sent
+    after = server.metrics()
+    for endpoint, count in (("/v1/completions", len(bad)), ("/v1/chat/completions", 1),
+                            ("/tokenmill.v1.Generation/Generate", 1)):
+        assert requests_total(after, endpoint, "invalid") - requests_total(before, endpoint, "invalid") == count
+        assert requests_total(after, endpoint, "error") == requests_total(before, endpoint, "error")
+
+
 def test_32_concurrent_streams_batch_together(server: ServerProcess) -> None:
     async def run() -> list[tuple[str, str | None]]:
         client = async_openai_client(server)

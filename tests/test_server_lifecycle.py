@@ -61,6 +61,14 @@ def test_api_key_required_on_v1_only(small_server: ServerProcess) -> None:
 
     with pytest.raises(openai.AuthenticationError):
         openai_client(small_server, api_key="nope").models.list()
+    # Wrong keys are `unauthorized` in the metrics, not server errors.
+    before = small_server.metrics()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        assert_openai_error(completion(small_server, {"prompt": "hi", "max_tokens": 1}, headers=headers), 401)
+    after = small_server.metrics()
+    key = 'tokenmill_requests_total{{endpoint="/v1/completions",status="{}"}}'
+    assert after[key.format("unauthorized")] - before[key.format("unauthorized")] == 2
+    assert after[key.format("error")] == before[key.format("error")]
     assert openai_client(small_server, api_key=API_KEY).models.list().data
 
     from tokenmill.server.proto import tokenmill_pb2 as pb

@@ -148,7 +148,7 @@ async def _events(job: Job, gen: Generation, outcome: _StreamOutcome) -> AsyncIt
             yield _sse(chunk)
         outcome.status, outcome.http_status = "ok", 200
     except APIError as err:  # an engine failure after the stream started: report it in-band
-        outcome.status, outcome.http_status, outcome.error = "error", err.status, err.message
+        outcome.status, outcome.http_status, outcome.error = status_of(err), err.status, err.message
         yield _sse(err.body())
     except Exception as exc:
         logger.exception("stream failed")

@@ -13,7 +13,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-REQUEST_STATUSES = ("ok", "error", "rejected", "aborted")
+# `status` of tokenmill_requests_total: ok; invalid (4xx for the request itself); unauthorized (401);
+# rejected (429 queue full, 503 draining/engine down); aborted (client left); error (server failure).
+REQUEST_STATUSES = ("ok", "invalid", "unauthorized", "rejected", "aborted", "error")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)

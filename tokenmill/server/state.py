@@ -37,8 +37,13 @@ class RequestRecord:
 
 
 def status_of(err: APIError) -> str:
-    """Metric status of a failed request: capacity/availability refusals are `rejected`, the rest `error`."""
-    return "rejected" if err.status in (429, 503) else "error"
+    """Metric status of a failed request. Only the server's own failures are `error` (what alerts
+    page on); a client cannot raise that count by sending bad input or a wrong key."""
+    if err.status in (401, 403):
+        return "unauthorized"
+    if err.status in (429, 503):  # capacity or availability: the client may retry elsewhere
+        return "rejected"
+    return "invalid" if err.status < 500 else "error"
 
 
 class ServerState:
