@@ -14,7 +14,9 @@ import uuid
 from typing import AsyncIterator, Callable
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm_engine import EngineStats, LLMEngine, Request, StepStats
+from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.input_processor import InputProcessor, PromptInput
+from tokenmill.engine.llm_engine import EngineStats, LLMEngine, StepStats
 from tokenmill.engine.outputs import RequestOutput
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -44,6 +46,10 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def input_processor(self) -> InputProcessor:
+        return self.engine.input_processor
+
+    @property
     def model_name(self) -> str:
         return self.engine.model_name
 
@@ -63,17 +69,22 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
+    async def generate(self, prompt: str | list[int] | PromptInput, params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs as tokens arrive; closing the iterator early aborts the request."""
+        """Yield cumulative outputs as tokens arrive; closing the iterator early aborts the request.
+        A `PromptInput` (from `input_processor.process`) is queued as it is; text or token ids are
+        processed here first (InvalidRequest on bad input)."""
         if not self.is_alive():
             raise RuntimeError("the engine is not running")
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
-        request: Request = await loop.run_in_executor(None, self.engine.make_request, request_id, prompt, params)
+        if isinstance(prompt, PromptInput):  # already tokenized and checked: only the cheap checks are left
+            request = self.engine.make_request(request_id, prompt, params)
+        else:  # tokenizing a long prompt takes a while: keep it off the event loop
+            request = await loop.run_in_executor(None, self.engine.make_request, request_id, prompt, params)
         stream: asyncio.Queue = asyncio.Queue()
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequest(f"request id {request_id!r} is already in use", code="duplicate_request_id")
         self._streams[request_id] = (loop, stream)
         self._send("add", request)
         finished = False
@@ -121,7 +132,7 @@ class AsyncEngine:
             if kind == "add":
                 try:
                     self.engine.add(payload)  # type: ignore[arg-type]
-                except ValueError as exc:
+                except InvalidRequest as exc:
                     self._deliver(exc, payload.request_id)  # type: ignore[union-attr]
             elif kind == "abort":
                 self.engine.abort(payload)  # type: ignore[arg-type]

@@ -20,7 +20,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1 = off)")
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request seed for reproducible sampling")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--json", action="store_true", help="print a JSON object per prompt instead of plain text")
+    gen.add_argument("--json", action="store_true",
+                     help="print a JSON object per prompt (text, token_ids, finish_reason, prompt_token_ids) instead of plain text")
     EngineConfig.add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -43,14 +44,14 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)
     config = EngineConfig.from_cli_args(args)
     llm = LLM(**vars(config))
-    prompts = args.prompt
-    if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                     add_generation_prompt=True) for p in prompts]
+    prompts: list[str] | list[list[int]] = args.prompt
+    if args.chat:  # the same chat rendering as the server's (token ids: no second BOS)
+        prompts = [llm.engine.input_processor.render_chat([{"role": "user", "content": p}]) for p in prompts]
     for out in llm.generate(prompts, params):
         choice = out.outputs[0]
         if args.json:
-            print(json.dumps({"text": choice.text, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason}))
+            print(json.dumps({"text": choice.text, "token_ids": choice.token_ids, "finish_reason": choice.finish_reason,
+                              "prompt_token_ids": out.prompt_token_ids}))
         else:
             print(choice.text)
     sys.stdout.flush()

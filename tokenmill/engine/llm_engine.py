@@ -15,6 +15,8 @@ import torch
 from tokenmill.engine.config import EngineConfig, parse_memory
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
 from tokenmill.engine.model_runner import ModelRunner, PreparedStep
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -169,6 +171,7 @@ class LLMEngine:
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or self.spec.max_position, self.spec.max_position)
         self._build_cache()
+        self.input_processor = InputProcessor(self.tokenizer, self.spec.vocab_size, self.max_model_len)
         self.eos_token_ids = set(self.spec.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.result_cache = ResultCache(config.result_cache_size)
@@ -223,40 +226,16 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt token ids")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
-
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def make_request(self, request_id: str, prompt: str | list[int] | PromptInput, params: SamplingParams,
                      arrival_time: float | None = None) -> Request:
         """Validate and tokenize (thread-safe, touches no engine state); `add` queues it."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            text, ids = prompt, self.tokenize(prompt)
-        else:
-            text, ids = None, list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-                raise ValueError("prompt token ids must be integers")
-            if any(t < 0 or t >= self.spec.vocab_size for t in ids):
-                raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and max_tokens is {params.max_tokens} "
-                f"({len(ids) + params.max_tokens} in all): shorten the prompt or lower max_tokens"
-            )
+        checked = self.input_processor.process(prompt, params)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-        return Request(request_id, text, ids, params, metrics)
+        return Request(request_id, checked.prompt, checked.prompt_token_ids, params, metrics)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already running")
+            raise InvalidRequest(f"request id {request.request_id!r} is already running", code="duplicate_request_id")
         params = request.params
         key = self.result_cache.key(request.prompt_token_ids, params)
         if key is not None:
@@ -280,7 +259,7 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.requests[request.request_id] = request
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int] | PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         self.add(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time))
 

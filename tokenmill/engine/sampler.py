@@ -99,8 +99,10 @@ class Sampler:
     def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         cumulative = sorted_probs.cumsum(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
+        # Keep the smallest prefix whose mass reaches top_p. The top token always survives, even when
+        # top_p underflows the dtype to 0 (1e-300 in float32) and the comparison drops everything.
         drop = (cumulative - sorted_probs) >= top_p.unsqueeze(1)
+        drop[:, 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tokenmill.engine.errors import InvalidRequest
+
 # Hard limits that keep one request from exhausting the server (see RELIABILITY.md).
 MAX_N = 16
 MAX_STOP_STRINGS = 64
@@ -40,7 +42,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        try:
+            self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        except (TypeError, ValueError):
+            raise InvalidRequest("logit_bias must map token ids to numbers", param="logit_bias") from None
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
@@ -51,7 +56,7 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
+            raise InvalidRequest(f"unknown sampling field(s): {', '.join(unknown)}", param=unknown[0])
         return cls(**values)
 
     @property
@@ -64,43 +69,45 @@ class SamplingParams:
         return self.greedy or self.seed is not None
 
     def validate(self) -> None:
-        def number(name: str, value: Any, lo: float, hi: float) -> None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {type(value).__name__}")
-            if not math.isfinite(value) or not lo <= value <= hi:
-                raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        """Raises InvalidRequest naming the field (`param`) of the first bad value."""
 
-        def integer(name: str, value: Any, lo: int, hi: int) -> None:
+        def number(name: str, value: Any, lo: float, hi: float, param: str | None = None) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidRequest(f"{name} must be a number, got {type(value).__name__}", param=param or name)
+            if not math.isfinite(value) or not lo <= value <= hi:
+                raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {value}", param=param or name)
+
+        def integer(name: str, value: Any, lo: int, hi: int, param: str | None = None) -> None:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+                raise InvalidRequest(f"{name} must be an integer, got {type(value).__name__}", param=param or name)
             if not lo <= value <= hi:
-                raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+                raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {value}", param=param or name)
 
         integer("max_tokens", self.max_tokens, 1, 1 << 20)
         number("temperature", self.temperature, 0.0, 100.0)
         number("top_p", self.top_p, 0.0, 1.0)
         if self.top_p <= 0.0:
-            raise ValueError("top_p must be in (0, 1]")
+            raise InvalidRequest("top_p must be in (0, 1]", param="top_p")
         integer("top_k", self.top_k, -1, 1 << 20)
         number("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             integer("seed", self.seed, -(1 << 63), (1 << 64) - 1)
         integer("n", self.n, 1, MAX_N)
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}")
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}", param="stop")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError("stop strings must be non-empty strings")
+                raise InvalidRequest("stop strings must be non-empty strings", param="stop")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters")
+                raise InvalidRequest(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters", param="stop")
         for t in self.stop_token_ids:
-            integer("stop_token_ids entry", t, 0, 1 << 31)
+            integer("stop_token_ids entry", t, 0, 1 << 31, param="stop_token_ids")
         number("repetition_penalty", self.repetition_penalty, 0.01, 100.0)
         number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed")
+            raise InvalidRequest(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed", param="logit_bias")
         for v in self.logit_bias.values():
-            number("logit_bias value", v, -100.0, 100.0)
+            number("logit_bias value", v, -100.0, 100.0, param="logit_bias")
         if self.logprobs is not None:
             integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)

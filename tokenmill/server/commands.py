@@ -39,6 +39,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=parse_memory, default=1 << 20, help="largest accepted request body, e.g. 1MiB")
     g.add_argument("--log-format", choices=["json", "text"], default="json", help="log line format")
     g.add_argument("--log-prompts", action="store_true", help="include prompt text in request logs (off: prompts are never logged)")
+    add_special_token_args(g)
+
+
+def add_special_token_args(g: argparse._ArgumentGroup) -> None:
+    """Chat role-injection defence (see tokenmill.engine.input_processor), shared with serve-ray."""
+    g.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                   help="parse special-token strings inside chat message contents (e.g. <|im_start|>) as control "
+                        "tokens; off by default, where they are plain text so no message can forge a turn. Only "
+                        "for trusted clients")
+    g.add_argument("--escape-special-tokens-in-prompts", action="store_true",
+                   help="tokenize special-token strings inside /v1/completions and gRPC prompts as plain text "
+                        "(off by default: a raw prompt is the caller's own template)")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -52,6 +64,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         log_format=args.log_format,
         log_prompts=args.log_prompts,
+        allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        escape_special_tokens_in_prompts=args.escape_special_tokens_in_prompts,
         max_num_seqs=args.max_num_seqs,
     )
 

@@ -6,6 +6,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from tokenmill.engine.errors import InvalidRequest
+
 # OpenAI's `type` values by status; clients (and the official SDK) key their exception classes off the status.
 _TYPES = {
     400: "invalid_request_error",
@@ -47,3 +49,8 @@ def error_response(err: APIError) -> JSONResponse:
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def from_invalid_request(exc: InvalidRequest) -> APIError:
+    """The engine's typed input error as a 400, with its param and code."""
+    return APIError(400, exc.message, param=exc.param, code=exc.code)

@@ -8,9 +8,11 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.input_processor import PromptInput
 from tokenmill.engine.sampling_params import SamplingParams
 
-from .errors import APIError
+from .errors import APIError, from_invalid_request
 from .state import RequestRecord, ServerState
 
 logger = logging.getLogger(__name__)
@@ -21,9 +23,9 @@ _END = object()
 class Generation:
     """Submits every prompt of a request and yields `(prompt_index, RequestOutput)` as tokens arrive.
 
-    `start()` pulls the first output of each prompt before the caller commits to a response, so that
-    input errors the engine only finds on submission (context length, empty prompt) still become a
-    clean 400 instead of a broken stream. `aclose()` closes the engine generators, which aborts
+    Prompts come checked by the input processor; `start()` still pulls the first output of each
+    prompt before the caller commits to a response, so that a failure on submission becomes a clean
+    error instead of a broken stream. `aclose()` closes the engine generators, which aborts
     unfinished requests and frees their KV blocks; it is safe to call more than once.
     """
 
@@ -35,7 +37,7 @@ class Generation:
         self._iter: Any = None
         self._closed = False
 
-    async def start(self, prompts: list[str | list[int]], params: SamplingParams) -> None:
+    async def start(self, prompts: list[PromptInput], params: SamplingParams) -> None:
         engine = self.state.engine
         self._gens = [
             engine.generate(p, params, request_id=self.state.engine_request_id(self.record, i))
@@ -51,8 +53,8 @@ class Generation:
     async def _first(self, gen: AsyncIterator[Any]) -> Any:
         try:
             return await gen.__anext__()
-        except ValueError as exc:  # the engine's contract for bad input
-            raise APIError(400, str(exc), code=_error_code(str(exc))) from None
+        except InvalidRequest as exc:  # the engine's contract for bad input
+            raise from_invalid_request(exc) from None
         except StopAsyncIteration:
             raise APIError(500, "The engine returned no output for this request.", code="engine_error") from None
         except (asyncio.CancelledError, APIError):
@@ -148,9 +150,3 @@ def failure_of(out: Any) -> str | None:
         return "the engine aborted this request"
     return None
 
-
-def _error_code(message: str) -> str | None:
-    lowered = message.lower()
-    if "max_model_len" in lowered or "context" in lowered:
-        return "context_length_exceeded"
-    return None

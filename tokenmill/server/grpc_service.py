@@ -16,9 +16,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.sampling_params import SamplingParams
 
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, from_invalid_request
 from .generation import Generation, failure_of
 from .proto import tokenmill_pb2 as pb
 from .state import GRPC_GENERATE, GRPC_GENERATE_STREAM, RequestRecord, ServerState, status_of
@@ -118,10 +119,15 @@ class GenerationService:
         if _REQUEST_ID_OK.match(request.request_id):
             record.request_id = request.request_id
         await context.send_initial_metadata((("x-request-id", record.request_id),))
-        prompt = _prompt_of(request)
-        params = _sampling_params(request)
+        escape = self.state.settings.escape_special_tokens_in_prompts
+        try:
+            params = _sampling_params(request)
+            prompt = await asyncio.to_thread(self.state.engine.input_processor.process, _prompt_of(request), params,
+                                             escape_special=escape)
+        except InvalidRequest as exc:
+            raise from_invalid_request(exc) from None
         if self.state.settings.log_prompts:
-            record.prompt_text = repr(prompt)
+            record.prompt_text = repr(prompt.prompt if prompt.prompt is not None else prompt.prompt_token_ids)
         self.state.admit(record, params.n)
         gen = Generation(self.state, record)
         await gen.start([prompt], params)
@@ -143,11 +149,11 @@ def _decode(raw: bytes, record: RequestRecord) -> pb.GenerateRequest:
 
 def _prompt_of(request: pb.GenerateRequest) -> str | list[int]:
     if request.prompt and request.prompt_token_ids:
-        raise bad_request("set either prompt or prompt_token_ids, not both", param="prompt")
+        raise InvalidRequest("set either prompt or prompt_token_ids, not both", param="prompt")
     if request.prompt_token_ids:
-        return list(request.prompt_token_ids)  # range-checked by the engine
+        return list(request.prompt_token_ids)
     if not request.prompt:
-        raise bad_request("prompt must not be empty", param="prompt")
+        raise InvalidRequest("prompt must not be empty", param="prompt")
     return request.prompt
 
 
@@ -157,10 +163,7 @@ def _sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     for name in ("temperature", "top_p", "top_k", "seed"):
         if request.HasField(name):
             values[name] = getattr(request, name)
-    try:
-        return SamplingParams.from_dict(values)
-    except ValueError as exc:
-        raise bad_request(str(exc)) from None
+    return SamplingParams.from_dict(values)
 
 
 def _raise_on_failure(out: Any) -> None:

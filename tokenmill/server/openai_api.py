@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.input_processor import PromptInput, render_chat
 from tokenmill.engine.sampling_params import SamplingParams
 
-from .errors import APIError, bad_request
+from .errors import APIError, from_invalid_request
 from .generation import Generation, failure_of
 from .protocol import (
     AssistantMessage,
@@ -28,7 +30,6 @@ from .protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     ChatStreamChoice,
     CompletionChoice,
     CompletionChunk,
@@ -42,6 +43,9 @@ from .protocol import (
 )
 from .state import RequestRecord, ServerState
 
+__all__ = ["ChatJob", "CompletionJob", "Job", "prepare_chat", "prepare_completion", "render_chat"]
+
+T = TypeVar("T")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -74,7 +78,7 @@ def usage_of(record: RequestRecord) -> Usage:
 class Job:
     """What the HTTP layer needs from a validated request."""
 
-    prompts: list[str | list[int]]
+    prompts: list[PromptInput]
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -162,27 +166,21 @@ class CompletionJob(Job):
         return lp, offset
 
 
-def _vocab_size(engine: Any) -> int | None:
-    spec = getattr(getattr(engine, "engine", None), "spec", None)  # AsyncEngine -> LLMEngine -> ModelSpec
-    size = getattr(spec, "vocab_size", None)
-    return size if isinstance(size, int) else None
-
-
-def _check_token_ids(state: ServerState, params: SamplingParams) -> None:
-    """logit_bias keys outside the vocabulary are a client error (OpenAI: 400), not something to ignore."""
-    vocab = _vocab_size(state.engine)
-    if vocab is not None and params.logit_bias and max(params.logit_bias) >= vocab:
-        raise bad_request(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
-
-
-def prepare_completion(state: ServerState, record: RequestRecord, raw: bytes) -> CompletionJob:
+async def prepare_completion(state: ServerState, record: RequestRecord, raw: bytes) -> CompletionJob:
     req: CompletionRequest = parse_request(CompletionRequest, raw)
     state.check_model(req.model)
     req.check_unsupported()
-    prompts = req.prompts()  # token ids are range-checked by the engine (it knows the model's vocab)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs)
-    _check_token_ids(state, params)
+    batch = req.prompts()
+    processor = state.engine.input_processor
+    escape = state.settings.escape_special_tokens_in_prompts
+
+    def process() -> list[PromptInput]:
+        return [processor.process(p, params, escape_special=escape) for p in batch]
+
+    # Tokenizing a batch of long prompts takes a while: keep it off the event loop.
+    prompts = await _checked(asyncio.to_thread(process))
     if state.settings.log_prompts:
         record.prompt_text = repr(req.prompt)
     return CompletionJob(
@@ -190,6 +188,14 @@ def prepare_completion(state: ServerState, record: RequestRecord, raw: bytes) ->
         model=state.engine.model_name, response_id=f"cmpl-{record.request_id}",
         tokens=TokenStrings(state.engine.tokenizer) if req.logprobs is not None else None,
     )
+
+
+async def _checked(work: Awaitable[T]) -> T:
+    """The input processor's typed errors as OpenAI 400s."""
+    try:
+        return await work
+    except InvalidRequest as exc:
+        raise from_invalid_request(exc) from None
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -254,38 +260,23 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
     state.check_model(req.model)
     logprobs = req.engine_logprobs()
+    processor = state.engine.input_processor
+    trusted = state.settings.allow_special_tokens_in_messages
     # Templating + tokenizing a 1 MiB conversation takes a while: keep it off the event loop.
-    prompt_ids = await asyncio.to_thread(render_chat, state.engine.tokenizer, req.messages)
-    context = state.engine.max_model_len
-    if len(prompt_ids) >= context:
-        raise bad_request(f"The conversation is {len(prompt_ids)} tokens; this model's context length is {context}.",
-                          param="messages", code="context_length_exceeded")
+    prompt_ids = await _checked(asyncio.to_thread(processor.render_chat, req.messages,
+                                                  special_tokens_in_content=trusted))
     requested = req.requested_max_tokens()
-    max_tokens = context - len(prompt_ids) if requested is None else requested  # OpenAI: default is "the rest"
+    try:  # OpenAI's default max_tokens is "the rest of the context"
+        max_tokens = processor.remaining_context(len(prompt_ids)) if requested is None else requested
+    except InvalidRequest as exc:
+        raise from_invalid_request(exc) from None
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
-    _check_token_ids(state, params)
+    prompt = await _checked(asyncio.to_thread(processor.process, prompt_ids, params, param="messages"))
     if state.settings.log_prompts:
         record.prompt_text = repr([m.model_dump(exclude_none=True) for m in req.messages])
     return ChatJob(
-        prompts=[prompt_ids], params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
+        prompts=[prompt], params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
         model=state.engine.model_name, response_id=f"chatcmpl-{record.request_id}",
         tokens=TokenStrings(state.engine.tokenizer) if logprobs is not None else None,
         top_logprobs=logprobs or 0,
     )
-
-
-def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    """The model's chat template (or a plain `role: content` fallback) -> prompt token ids."""
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # templates raise on e.g. non-alternating roles: the client's to fix
-            raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from None
-    else:
-        text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
-    # The template already placed any special tokens; adding BOS again would change the prompt.
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if not ids:
-        raise bad_request("messages render to an empty prompt", param="messages")
-    return list(ids)

@@ -11,9 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.sampling_params import SamplingParams
 
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, from_invalid_request
 
 MAX_BATCH_PROMPTS = 256
 
@@ -70,13 +71,11 @@ class _SamplingRequest(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Translate to engine params; SamplingParams' own validation messages become 400s."""
+        """Translate to engine params; SamplingParams' own validation errors become 400s."""
         try:
             logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         except ValueError:
             raise bad_request("logit_bias keys must be token ids", param="logit_bias") from None
-        if any(k < 0 for k in logit_bias):  # the sampler would silently skip them
-            raise bad_request("logit_bias keys must be non-negative token ids", param="logit_bias")
         values: dict[str, Any] = dict(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -97,11 +96,8 @@ class _SamplingRequest(_Strict):
         )
         try:
             return SamplingParams.from_dict(values)
-        except ValueError as exc:
-            message = str(exc)
-            # SamplingParams messages start with the field name ("top_p must be ..."): report it as `param`.
-            head = message.split(" ", 1)[0]
-            raise bad_request(message, param=head if head in values else None) from None
+        except InvalidRequest as exc:
+            raise from_invalid_request(exc) from None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -132,10 +128,7 @@ class CompletionRequest(_SamplingRequest):
             batch = list(p)  # type: ignore[arg-type]
         if len(batch) > MAX_BATCH_PROMPTS:
             raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request", param="prompt")
-        for item in batch:
-            if isinstance(item, str) and not item or isinstance(item, list) and not item:
-                raise bad_request("prompt must not be empty", param="prompt")
-        return batch
+        return batch  # each one is checked by the input processor
 
 
 class TextContentPart(_Strict):
@@ -147,13 +140,6 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_SamplingRequest):

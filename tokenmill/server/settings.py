@@ -16,6 +16,12 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     log_format: str = "json"  # json | text
     log_prompts: bool = False  # prompt text is never logged unless this is set
+    # Chat role injection: special-token strings inside message contents are plain text unless this
+    # is set (trusted clients only: it lets a message forge system/assistant turns).
+    allow_special_tokens_in_messages: bool = False
+    # Raw /v1/completions prompts are the caller's own template: special-token strings in them are
+    # control tokens unless this is set.
+    escape_special_tokens_in_prompts: bool = False
     # Sequences the engine runs at once; requests beyond it count as waiting for back-pressure.
     max_num_seqs: int = 128
 
