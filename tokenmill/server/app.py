@@ -85,19 +85,28 @@ class SSEResponse(StreamingResponse):
             await self._on_close()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over --max-body-bytes without buffering it all."""
+async def read_body(request: Request, settings: ServerSettings) -> bytes:
+    """The request body, refusing anything over --max-body-bytes (413) without buffering it all, and
+    anything that takes longer than --body-timeout to arrive (408: a slow client holds no slot for ever)."""
+    limit = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"Request body is {declared} bytes; the limit is {limit}.", code="request_too_large")
     body = bytearray()
-    try:
+
+    async def receive_all() -> None:
         async for chunk in request.stream():
-            body += chunk
+            body.extend(chunk)
             if len(body) > limit:
                 raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+
+    try:
+        await asyncio.wait_for(receive_all(), settings.body_timeout)
     except ClientDisconnect:  # the client left mid-body: an abort (499), not a server error with a traceback
         raise ClientDisconnected() from None
+    except asyncio.TimeoutError:  # not the builtin on 3.10
+        raise APIError(408, f"The request body did not arrive within {settings.body_timeout:g} s.",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     return bytes(body)
 
 
@@ -166,7 +175,7 @@ async def _serve_generation(request: Request, endpoint: str,
     gen: Generation | None = None
     streaming = False
     try:
-        raw = await read_body(request, state.settings.max_body_bytes)
+        raw = await read_body(request, state.settings)
         job = prepare(state, record, raw)
         if asyncio.iscoroutine(job):
             job = await job

@@ -37,6 +37,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--api-key", default=None, help=f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV})")
     g.add_argument("--max-body-bytes", type=parse_memory, default=1 << 20, help="largest accepted request body, e.g. 1MiB")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client gets to send a request's headers, counted from the connection opening "
+                   "(or the previous response); slower connections are closed (slowloris)")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client gets to send the whole request body once its headers are in; slower "
+                   "requests get 408")
+    g.add_argument("--max-connections", type=int, default=1024,
+                   help="open HTTP connections at most; connections beyond it are closed at once")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive HTTP connection stays open")
     g.add_argument("--log-format", choices=["json", "text"], default="json", help="log line format")
     g.add_argument("--log-prompts", action="store_true", help="include prompt text in request logs (off: prompts are never logged)")
     add_special_token_args(g)
@@ -62,6 +72,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         drain_timeout=args.drain_timeout,
         api_key=args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV),
         max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        keep_alive_timeout=args.keep_alive_timeout,
         log_format=args.log_format,
         log_prompts=args.log_prompts,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,

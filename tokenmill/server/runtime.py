@@ -13,6 +13,7 @@ import prometheus_client
 import uvicorn
 
 from .app import build_app
+from .connections import limited_http_protocol
 from .settings import ServerSettings
 from .state import ServerState
 
@@ -84,8 +85,9 @@ async def serve(engine: Any, settings: ServerSettings) -> int:
     state: ServerState = app.state.server
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+        http=limited_http_protocol(settings.header_timeout, settings.max_connections),
         # After the drain, anything still open gets this long before uvicorn cancels it.
-        timeout_graceful_shutdown=5, timeout_keep_alive=5, lifespan="off",
+        timeout_graceful_shutdown=5, timeout_keep_alive=settings.keep_alive_timeout, lifespan="off",
     )
     http = _Uvicorn(config)
     grpc_server = None

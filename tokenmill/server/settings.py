@@ -14,6 +14,14 @@ class ServerSettings:
     drain_timeout: float = 30.0  # seconds to let in-flight requests finish after SIGTERM
     api_key: str | None = None  # Bearer token for /v1/* (and gRPC); None = open
     max_body_bytes: int = 1 << 20
+    # Slow clients (slowloris): a request head must arrive within header_timeout seconds of the
+    # connection opening (or of the previous response), its body within body_timeout of the head;
+    # at most max_connections sockets are open at once; idle keep-alive connections close after
+    # keep_alive_timeout.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 1024
+    keep_alive_timeout: float = 5.0
     log_format: str = "json"  # json | text
     log_prompts: bool = False  # prompt text is never logged unless this is set
     # Chat role injection: special-token strings inside message contents are plain text unless this
@@ -32,6 +40,12 @@ class ServerSettings:
             raise ValueError("--drain-timeout must be >= 0")
         if self.max_body_bytes <= 0:
             raise ValueError("--max-body-bytes must be > 0")
+        for flag, value in (("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout),
+                            ("--keep-alive-timeout", self.keep_alive_timeout)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0 seconds")
+        if self.max_connections < 1:
+            raise ValueError("--max-connections must be >= 1")
         if self.log_format not in ("json", "text"):
             raise ValueError("--log-format must be json or text")
         if self.api_key == "":
