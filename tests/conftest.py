@@ -15,11 +15,51 @@ def pytest_addoption(parser) -> None:
                      help="run the full-size stress tests in tests/stress (>10 minutes); default: short versions")
 
 
-def _save_random_model(config, tokenizer_dir: Path, target: Path, seed: int) -> Path:
+# HF's random init (std 0.02) makes attention nearly uniform, so a wrong scale, mask or bias in
+# attention barely moves the output. Exactness fixtures rescale the random weights so attention is
+# sharp (logits of std ~GAIN**2: the top key takes ~60% of the weight) and such bugs change
+# greedy tokens; vectors (biases, norm weights) get noise so that they matter too.
+SHARPEN_GAIN = 2.0
+SHARPEN_NOISE = 0.2
+
+
+def sharpen_weights(model: torch.nn.Module, seed: int = 0, gain: float = SHARPEN_GAIN,
+                    noise: float = SHARPEN_NOISE) -> torch.nn.Module:
+    """Any HF model, in place: every matrix (embeddings too) scaled from the init std to
+    gain / sqrt(hidden_size); N(0, noise) added to other vectors. q/k RMSNorm weights (Qwen3,
+    Gemma3, ...) alone set how sharp attention is (they fix |q| and |k|), so they are scaled to ~gain."""
+    config = model.config.get_text_config()
+    matrix_scale = gain / (config.hidden_size**0.5 * getattr(config, "initializer_range", 0.02))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied parameters appear once
+            if param.dim() >= 2:
+                param.mul_(matrix_scale)
+                continue
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Standard RMSNorm weights start at 1; Gemma's (1 + w) ones at 0.
+                param.add_(gain - 1) if param.abs().mean() < 0.5 else param.mul_(gain)
+            param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * noise)
+    return model
+
+
+def sharpen_saved_model(model_dir: Path, seed: int = 0) -> Path:
+    """Load a saved HF model, sharpen its weights and save it back over the same directory."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sharpen_weights(model, seed).save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+def save_random_model(config, tokenizer_dir: Path, target: Path, seed: int, sharpen: bool = True) -> Path:
+    """A random-init HF model of `config` (sharpened unless told otherwise) with the given tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    if sharpen:
+        sharpen_weights(model, seed)
     model.save_pretrained(target, safe_serialization=True)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(target)
     return target
@@ -34,6 +74,8 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, request) -> Path:
+    """`tokenmill make-tiny-model` (HF default init: soft attention, soft logits), for tests of engine
+    and server behaviour (penalties, stop strings, ...). Exactness tests use `sharp_tiny_model_dir`."""
     from tokenmill.models.hub import make_tiny_model
 
     # $TOKENMILL_TEST_TOKENIZER: a tokenizer directory, for machines without the bundled model
@@ -43,12 +85,21 @@ def tiny_model_dir(tmp_path_factory, request) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sharp_tiny_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny Llama with sharpened weights (see `sharpen_weights`), for exactness tests."""
+    import shutil
+
+    target = Path(shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("sharp-tiny-llama") / "model"))
+    return sharpen_saved_model(target)
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory, default_model_dir) -> Path:
     from transformers import GPT2Config
 
     config = GPT2Config(vocab_size=49152, n_positions=1024, n_embd=128, n_layer=3, n_head=4,
                         bos_token_id=1, eos_token_id=2)
-    return _save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-gpt2"), seed=1)
+    return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-gpt2"), seed=1)
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +110,28 @@ def tiny_qwen2_dir(tmp_path_factory, default_model_dir) -> Path:
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                          rope_scaling={"rope_type": "linear", "factor": 2.0})
-    return _save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
+    return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bias_dir(tmp_path_factory, default_model_dir) -> Path:
+    """Llama with attention_bias (HF: biases on q, k, v *and* o_proj) and mlp_bias."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         attention_bias=True, mlp_bias=True, bos_token_id=1, eos_token_id=2)
+    return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-llama-bias"), seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_unscaled_dir(tmp_path_factory, default_model_dir) -> Path:
+    """GPT-2 without the 1/sqrt(d) attention scale, scaled by 1/(layer + 1) instead."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(vocab_size=49152, n_positions=512, n_embd=64, n_layer=3, n_head=4, bos_token_id=1,
+                        eos_token_id=2, scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True)
+    return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-gpt2-unscaled"), seed=4)
 
 
 def mixed_prompts(count: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

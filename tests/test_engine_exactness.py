@@ -14,7 +14,8 @@ def _engine_outputs(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_gpt2_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("fixture", ["sharp_tiny_model_dir", "tiny_gpt2_dir", "tiny_qwen2_dir", "tiny_llama_bias_dir",
+                                     "tiny_gpt2_unscaled_dir"])
 def test_greedy_matches_hf_random_models(request, fixture):
     model_dir = request.getfixturevalue(fixture)
     llm = LLM(str(model_dir), progress=False, kv_cache_memory="64MiB")
@@ -37,9 +38,9 @@ def test_greedy_matches_hf_default_model(default_model_dir):
     assert "Paris" in outs[0].outputs[0].text
 
 
-def test_32_mixed_prompts_staggered_arrival(tiny_model_dir):
+def test_32_mixed_prompts_staggered_arrival(sharp_tiny_model_dir):
     """Requests join the running batch at different steps; chunked prefill splits the long ones."""
-    llm = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="128MiB", max_num_batched_tokens=128)
+    llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="128MiB", max_num_batched_tokens=128)
     engine = llm.engine
     prompts = mixed_prompts(32, 1, 300, seed=7)
     pending = list(enumerate(prompts))
@@ -56,48 +57,48 @@ def test_32_mixed_prompts_staggered_arrival(tiny_model_dir):
         max_batch = max(max_batch, len(engine.scheduler.running))
     assert max_batch > 4  # it really batched
     for i, p in enumerate(prompts):
-        assert results[str(i)] == hf_greedy(tiny_model_dir, p, 16), f"prompt {i} ({len(p)} tokens)"
+        assert results[str(i)] == hf_greedy(sharp_tiny_model_dir, p, 16), f"prompt {i} ({len(p)} tokens)"
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
-def test_preemption_under_tiny_kv_budget(tiny_model_dir):
+def test_preemption_under_tiny_kv_budget(sharp_tiny_model_dir):
     # 40 usable blocks of 16 tokens for 12 sequences that need up to ~10 blocks each: preemption is forced.
     from tokenmill.engine.kv_cache import bytes_per_block
     import torch
 
-    llm = LLM(str(tiny_model_dir), progress=False, max_num_batched_tokens=256, max_model_len=256,
+    llm = LLM(str(sharp_tiny_model_dir), progress=False, max_num_batched_tokens=256, max_model_len=256,
               kv_cache_memory=str(41 * bytes_per_block(16, 6, 2, 64, torch.float32)))
     prompts = mixed_prompts(12, 60, 120, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = _engine_outputs(llm, prompts, params)
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, got in zip(prompts, outs):
-        assert got == hf_greedy(tiny_model_dir, prompt, 32)[: len(got)]
+        assert got == hf_greedy(sharp_tiny_model_dir, prompt, 32)[: len(got)]
         assert len(got) == 32
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
 
 
-def test_prefix_caching_gives_identical_outputs(tiny_model_dir):
+def test_prefix_caching_gives_identical_outputs(sharp_tiny_model_dir):
     system = mixed_prompts(1, 200, 200, seed=11)[0]
     prompts = [system + suffix for suffix in mixed_prompts(20, 3, 12, seed=12)]
-    cached = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="128MiB", enable_prefix_caching=True)
-    plain = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="128MiB", enable_prefix_caching=False)
+    cached = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="128MiB", enable_prefix_caching=True)
+    plain = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="128MiB", enable_prefix_caching=False)
     first = _engine_outputs(cached, prompts[:1])  # warm the cache with the shared prefix
     rest = _engine_outputs(cached, prompts[1:])
     assert first + rest == _engine_outputs(plain, prompts)
     assert cached.engine.stats().prefix_cache_hit_rate > 0.8
     for prompt, got in zip(prompts[:3], first + rest):
-        assert got == hf_greedy(tiny_model_dir, prompt, 16)
+        assert got == hf_greedy(sharp_tiny_model_dir, prompt, 16)
 
 
-def test_prefix_cache_eviction_stays_correct(tiny_model_dir):
+def test_prefix_cache_eviction_stays_correct(sharp_tiny_model_dir):
     from tokenmill.engine.kv_cache import bytes_per_block
     import torch
 
-    llm = LLM(str(tiny_model_dir), progress=False, max_model_len=256,
+    llm = LLM(str(sharp_tiny_model_dir), progress=False, max_model_len=256,
               kv_cache_memory=str(30 * bytes_per_block(16, 6, 2, 64, torch.float32)))
     prompts = mixed_prompts(10, 100, 150, seed=5)
     for round_ in range(2):  # second round: some blocks were evicted, some revived
         outs = _engine_outputs(llm, prompts)
         for prompt, got in zip(prompts, outs):
-            assert got == hf_greedy(tiny_model_dir, prompt, 16), f"round {round_}"
+            assert got == hf_greedy(sharp_tiny_model_dir, prompt, 16), f"round {round_}"

@@ -10,6 +10,7 @@ import sys
 # Modules that expose `register(subparsers)`; each adds its subcommands with their own --help.
 COMMAND_MODULES = [
     "tokenmill.engine.commands",
+    "tokenmill.models.commands",
     "tokenmill.server.commands",
     "tokenmill.bench.commands",
     "tokenmill.deploy.commands",

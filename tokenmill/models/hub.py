@@ -90,6 +90,9 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        from tokenmill.models.loader import resolve_architecture
+
+        resolve_architecture(path)  # a bad config.json fails here, before anything else reads it
         return path
     # A name under the model cache volume (e.g. /models or $HF_HOME/tokenmill/models/NAME).
     cached = cache_root() / "models" / str(model)

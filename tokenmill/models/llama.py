@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from transformers.activations import ACT2FN
 
 from tokenmill.models.attention import AttentionMetadata, paged_attention
 from tokenmill.models.lm_head import project_to_vocab
 from tokenmill.models.parallel import NO_TP, TPInfo, all_reduce
-from tokenmill.models.spec import ModelSpec
+from tokenmill.models.registry import Architecture, register
+from tokenmill.models.spec import ModelSpec, rope_parameters
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -45,8 +47,8 @@ class LlamaAttention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         # q, k and v fused into one GEMM.
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
@@ -65,15 +67,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.tp = tp
-        if spec.activation != "silu":
-            raise ValueError(f"unsupported activation {spec.activation!r} for the Llama family")
+        self.act = ACT2FN[spec.activation]  # transformers' own activation, so outputs match exactly
         self.intermediate = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return all_reduce(self.down_proj(F.silu(gate) * up), self.tp)
+        return all_reduce(self.down_proj(self.act(gate) * up), self.tp)
 
 
 class LlamaLayer(nn.Module):
@@ -91,6 +92,8 @@ class LlamaLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     supports_tensor_parallel = True
+    ignored_checkpoint_tensors = ("rotary_emb.inv_freq",)  # old checkpoints saved the RoPE buffer
+    tied_weights = {"lm_head.weight": "embed_tokens.weight"}
 
     def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
         super().__init__()
@@ -135,3 +138,57 @@ class LlamaForCausalLM(nn.Module):
             if f"mlp.{proj}." in name:
                 return name.replace(proj, "gate_up_proj"), i, "gate_up"
         return name, None, None
+
+
+LLAMA_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "vocab_size", "rms_norm_eps", "max_position_embeddings")
+
+
+def llama_spec(config, *, qkv_bias: bool, o_bias: bool) -> ModelSpec:
+    """The spec of a Llama-shaped decoder (RMSNorm, RoPE, GQA, gated MLP)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    inv_freq, scaling = rope_parameters(config, head_dim)
+    max_position = config.max_position_embeddings
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        # We attend over the full context, which equals sliding-window attention only within the window.
+        max_position = min(max_position, int(window))
+    return ModelSpec(
+        model_type=config.model_type,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        max_position=max_position,
+        norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        activation=getattr(config, "hidden_act", "silu"),
+        rope_inv_freq=inv_freq,
+        rope_scaling=scaling,
+        eos_token_ids=[],
+        bos_token_id=getattr(config, "bos_token_id", None),
+        hf_config=config,
+    )
+
+
+def _llama(config) -> ModelSpec:
+    # HF LlamaAttention: `attention_bias` puts a bias on all four projections, o_proj included.
+    bias = bool(getattr(config, "attention_bias", False))
+    return llama_spec(config, qkv_bias=bias, o_bias=bias)
+
+
+register(Architecture("llama", ("LlamaForCausalLM",), LlamaForCausalLM, _llama, LLAMA_REQUIRED_KEYS,
+                      features="RoPE (+ scaling), GQA, optional attention/MLP biases"))
+register(Architecture("mistral", ("MistralForCausalLM",), LlamaForCausalLM,
+                      lambda c: llama_spec(c, qkv_bias=False, o_bias=False), LLAMA_REQUIRED_KEYS,
+                      features="Llama + sliding window (context capped at the window for now)"))
+register(Architecture("qwen2", ("Qwen2ForCausalLM",), LlamaForCausalLM,
+                      lambda c: llama_spec(c, qkv_bias=True, o_bias=False), LLAMA_REQUIRED_KEYS,
+                      features="Llama + q/k/v biases (sliding window: context capped for now)"))

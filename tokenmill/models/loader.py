@@ -1,107 +1,227 @@
-"""Load a local Hugging Face model directory into tokenmill's own model code."""
+"""Load a local Hugging Face model directory into tokenmill's own model code.
+
+Strict by design: a model tokenmill cannot run exactly fails with one line naming the file and
+the problem (`ModelLoadError`), never with silently wrong tokens. A config key the architecture
+needs must be present (transformers would default it), every checkpoint tensor must be consumed
+(except the derived buffers a model class lists in `ignored_checkpoint_tensors`), every weight
+must be found, and shapes must agree with the config.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from tokenmill.models.gpt2 import GPT2ForCausalLM
-from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.models.parallel import NO_TP, TPInfo, check_shardable, local_spec, shard_state
-from tokenmill.models.spec import ModelSpec, spec_from_hf_config
+from tokenmill.models.registry import Architecture, lookup
+from tokenmill.models.spec import ModelSpec, as_list
 
 logger = logging.getLogger(__name__)
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "gpt2": GPT2ForCausalLM}
+FUSED_PARTS = {"qkv": 3, "gate_up": 2}  # fused group -> number of checkpoint tensors concatenated
+
+
+class ModelLoadError(ValueError):
+    """A model directory that cannot be loaded; the message is one line naming the file."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: file is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: invalid JSON ({_one_line(exc)})") from None
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def resolve_architecture(model_dir: Path) -> tuple[Architecture, dict[str, Any]]:
+    """The architecture serving the directory's config.json, checked for the keys it requires."""
+    path = model_dir / "config.json"
+    raw = read_config(model_dir)
+    model_type = raw.get("model_type")
+    if not model_type:
+        raise ModelLoadError(f"{path}: missing required key 'model_type'")
+    try:
+        arch = lookup(model_type)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    missing = [key for key in arch.required_keys if raw.get(key) is None]
+    if missing:
+        keys = ", ".join(repr(k) for k in missing)
+        raise ModelLoadError(f"{path}: missing required key{'s' if len(missing) > 1 else ''} {keys} "
+                             f"for model_type {model_type!r}")
+    return arch, raw
 
 
 def load_spec(model_dir: Path) -> ModelSpec:
+    return _architecture_and_spec(model_dir)[1]
+
+
+def _architecture_and_spec(model_dir: Path) -> tuple[Architecture, ModelSpec]:
     from transformers import AutoConfig
 
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"{model_dir}/config.json is missing")
-    config = AutoConfig.from_pretrained(model_dir)
-    eos: list[int] | None = None
+    arch, _ = resolve_architecture(model_dir)
+    path = model_dir / "config.json"
+    try:
+        spec = arch.build_spec(AutoConfig.from_pretrained(model_dir))
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
+        raise ModelLoadError(f"{path}: {_one_line(exc)}") from None
+    eos = None
     gen_path = model_dir / "generation_config.json"
     if gen_path.exists():
-        value = json.loads(gen_path.read_text()).get("eos_token_id")
-        eos = value if isinstance(value, list) else ([value] if value is not None else None)
-    return spec_from_hf_config(config, eos)
+        gen = read_json(gen_path)
+        eos = as_list(gen.get("eos_token_id")) if isinstance(gen, dict) else None
+    spec.eos_token_ids = [int(e) for e in (eos or as_list(getattr(spec.hf_config, "eos_token_id", None)))]
+    return arch, spec
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / s for s in shards]
+        content = read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: no 'weight_map' object")
+        files = [model_dir / s for s in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise ModelLoadError(f"{f}: shard listed in {index.name} is missing")
+        return files
     single = model_dir / "model.safetensors"
     if single.exists():
         return [single]
     bins = sorted(model_dir.glob("pytorch_model*.bin"))
     if bins:
         return bins
-    raise FileNotFoundError(f"no weights in {model_dir}: expected model.safetensors or pytorch_model.bin")
+    raise ModelLoadError(f"{model_dir}: no weights (expected model.safetensors, a sharded index or pytorch_model.bin)")
 
 
-def _iter_tensors(files: list[Path]):
-    from safetensors import safe_open
+def _unreadable(path: Path, exc: BaseException) -> ModelLoadError:
+    return ModelLoadError(f"{path}: unreadable weights file ({_one_line(exc)})")
+
+
+def _count_tensors(files: list[Path]) -> int | None:
+    """Open every safetensors header up front, so that a truncated or corrupt file fails before any
+    work (and before the progress bar); the tensor count, when no .bin file hides its own."""
+    from safetensors import SafetensorError, safe_open
+
+    total = 0
+    for path in files:
+        if path.suffix != ".safetensors":
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                total += len(f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise _unreadable(path, exc) from None
+    return total
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    import pickle
+
+    from safetensors import SafetensorError, safe_open
 
     for path in files:
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        else:
-            for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
-                yield name, tensor
+        try:
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            else:
+                for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+                    yield name, tensor
+        except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            raise _unreadable(path, exc) from None
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool = True,
-               tp: TPInfo = NO_TP) -> tuple[nn.Module, ModelSpec]:
-    """The model (this rank's shard of it under tensor parallelism) and the spec of its shapes."""
+def _is_ignored(name: str, cls: type) -> bool:
+    return name.endswith(tuple(getattr(cls, "ignored_checkpoint_tensors", ())))
+
+
+def _read_state(model_dir: Path, cls: type, expected: dict[str, torch.Tensor], dtype: torch.dtype,
+                progress: bool) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor renamed (and fused) into the model's names; unknown tensors are an error."""
     from tqdm.auto import tqdm
 
-    full_spec = load_spec(model_dir)
-    check_shardable(full_spec, tp.world_size)
-    spec = local_spec(full_spec, tp)
-    cls = MODEL_CLASSES[spec.family]
-    with torch.device("meta"):
-        model = cls(spec, tp) if tp.enabled else cls(spec)  # (only the Llama family takes tp)
     transposed = getattr(cls, "transposed_weights", ())
-    expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     fused: dict[str, list[torch.Tensor | None]] = {}
-    fused_parts = {"qkv": 3, "gate_up": 2}
+    unexpected: list[str] = []
     files = _weight_files(model_dir)
-    for hf_name, tensor in tqdm(_iter_tensors(files), desc=f"Loading {model_dir.name}", unit=" tensors", disable=not progress):
+    total = _count_tensors(files)
+    for hf_name, tensor in tqdm(_iter_tensors(files), desc=f"Loading {model_dir.name}", total=total, unit=" tensors",
+                                disable=not progress):
         name, part, group = cls.hf_to_local(hf_name)
         if name not in expected:
-            continue  # e.g. attn.bias masks in old GPT-2 checkpoints, rotary inv_freq
+            if not _is_ignored(hf_name, cls):
+                unexpected.append(hf_name)
+            continue
         if name.endswith(transposed) and tensor.dim() == 2:
             tensor = tensor.t()
         tensor = tensor.to(dtype=dtype).contiguous()
         if group is None:
             state[name] = tensor
             continue
-        slots = fused.setdefault(name, [None] * fused_parts[group])
+        slots = fused.setdefault(name, [None] * FUSED_PARTS[group])
         slots[part] = tensor
         if all(t is not None for t in slots):
             state[name] = torch.cat(slots, dim=0)
             del fused[name]
-    if spec.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        state.pop("lm_head.weight", None)
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise ModelLoadError(f"{model_dir}: checkpoint tensors the {cls.__name__} code does not use: "
+                             f"{', '.join(unexpected[:5])}{more} (config and weights disagree?)")
+    return state
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool = True,
+               tp: TPInfo = NO_TP) -> tuple[nn.Module, ModelSpec]:
+    """The model (this rank's shard of it under tensor parallelism) and the spec of its shapes."""
+    arch, full_spec = _architecture_and_spec(model_dir)
+    check_shardable(full_spec, tp.world_size)
+    spec = local_spec(full_spec, tp)
+    cls = arch.model_class
+    with torch.device("meta"):
+        model = cls(spec, tp) if tp.enabled else cls(spec)
+    expected = dict(model.state_dict())
+    state = _read_state(model_dir, cls, expected, dtype, progress)
+    tied = getattr(cls, "tied_weights", {}) if spec.tie_word_embeddings else {}
+    for name in tied:  # the tied copy (if the checkpoint has one) is the embedding, as in HF
+        expected.pop(name, None)
+        state.pop(name, None)
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise FileNotFoundError(f"weights missing from {model_dir}: {', '.join(missing[:8])}")
+        more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {', '.join(missing[:8])}{more}")
     state = shard_state(state, full_spec, tp)
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ModelLoadError(f"{model_dir}: weight {name} has shape {tuple(tensor.shape)}, the config "
+                                 f"implies {tuple(expected[name].shape)}")
     model.load_state_dict(state, strict=False, assign=True)
-    if spec.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight if spec.family == "llama" else model.wte.weight
+    for name, source in tied.items():
+        module_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf, model.get_parameter(source))
     model.rebuild_buffers()
     model.to(device)
     model.eval()

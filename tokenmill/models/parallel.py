@@ -39,8 +39,13 @@ def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
 def check_shardable(spec: ModelSpec, world_size: int) -> None:
     if world_size == 1:
         return
-    if spec.family != "llama":
-        raise ValueError(f"--tensor-parallel-size > 1 supports the Llama family (llama, qwen2, mistral), not {spec.model_type}")
+    from tokenmill.models.registry import architectures, lookup
+
+    if not getattr(lookup(spec.model_type).model_class, "supports_tensor_parallel", False):
+        capable = ", ".join(a.model_type for a in architectures()
+                            if getattr(a.model_class, "supports_tensor_parallel", False))
+        raise ValueError(f"--tensor-parallel-size > 1 supports the Llama family and its kin ({capable}), "
+                         f"not {spec.model_type}")
     for what, value in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads),
                         ("MLP intermediate size", spec.intermediate_size)):
         if value % world_size:
