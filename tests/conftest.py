@@ -134,6 +134,33 @@ def tiny_gpt2_unscaled_dir(tmp_path_factory, default_model_dir) -> Path:
     return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-gpt2-unscaled"), seed=4)
 
 
+# Sliding-window fixtures: windows far shorter than the test prompts (up to ~60-90 tokens).
+TEST_WINDOW = 12
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory, default_model_dir) -> Path:
+    """Mistral: a sliding window on every layer."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           sliding_window=TEST_WINDOW, bos_token_id=1, eos_token_id=2)
+    return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-mistral"), seed=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_window_dir(tmp_path_factory, default_model_dir) -> Path:
+    """Qwen2 with use_sliding_window: layers >= max_window_layers slide, the ones below attend fully."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         use_sliding_window=True, sliding_window=TEST_WINDOW, max_window_layers=1,
+                         bos_token_id=1, eos_token_id=2)
+    return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-qwen2-window"), seed=7)
+
+
 def mixed_prompts(count: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     """Token-id prompts of mixed lengths (ids from the common range of the SmolLM2 vocabulary)."""
     rng = random.Random(seed)

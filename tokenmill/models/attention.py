@@ -47,6 +47,32 @@ class AttentionMetadata:
     num_decodes: int = 0
 
 
+def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """True where a key is within the sliding window of a query, as HF masks it: q - k < window."""
+    return key_pos[None, :] > query_pos[:, None] - window
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """Attention of q [B, H, Lq, D] over k/v [B, Hkv, Lk, D]; mask (True = attend) broadcasts to
+    [B, H, Lq, Lk], None means causal. Logit softcapping (Gemma 2) is not something SDPA can do:
+    with a softcap the scores are computed explicitly, in HF's op order."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 @torch.compiler.disable  # data-dependent Python over segments: torch.compile graphs stop here
 def paged_attention(
     q: torch.Tensor,  # [T, heads, dim]
@@ -56,22 +82,36 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache and attend; returns [T, heads * dim]."""
+    """Write this step's K/V into the cache and attend; returns [T, heads * dim].
+
+    `window`: sliding-window attention, each query sees only the keys of the last `window`
+    positions (itself included). `softcap`: attention logits become softcap * tanh(logits / softcap).
+    """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
     for seg in meta.prefills:
+        n = seg.end - seg.start
         qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if seg.context_slots is None:
-            ks = k[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
-            vs = v[seg.start : seg.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        if seg.context_slots is None:  # the chunk starts its sequence: keys are the fresh K/V
+            ks, vs, mask = k[seg.start : seg.end], v[seg.start : seg.end], None
+            if window is not None and n > window:
+                positions = torch.arange(n, device=q.device)
+                mask = (positions[None, :] <= positions[:, None]) & _window_mask(positions, positions, window)
         else:
-            ks = k_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)
-            vs = v_cache[seg.context_slots].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.causal_mask, scale=scale, enable_gqa=gqa)
+            slots, mask = seg.context_slots, seg.causal_mask
+            if window is not None:
+                # Keys are positions 0..ctx-1 and the chunk's queries the last n of them; keys before
+                # the first query's window are never seen: do not gather them.
+                ctx = slots.shape[0]
+                first = max(0, ctx - n - window + 1)
+                key_pos = torch.arange(first, ctx, device=q.device)
+                slots, mask = slots[first:], mask[:, first:] & _window_mask(key_pos[-n:], key_pos, window)
+            ks, vs = k_cache[slots], v_cache[slots]
+        o = _attend(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
     k_blocks = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])
     v_blocks = v_cache.view(-1, meta.block_size, *v_cache.shape[1:])
@@ -81,6 +121,11 @@ def paged_attention(
         qd = q[start:end].unsqueeze(2)  # [B, H, 1, D]
         kd = k_blocks.index_select(0, group.blocks).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_blocks.index_select(0, group.blocks).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+        mask = group.mask
+        if window is not None:
+            # The valid keys are a prefix of each row (its context length); keep its last `window`.
+            ctx_lens = mask.sum(-1, keepdim=True)
+            mask = mask & (torch.arange(ctx, device=q.device) >= ctx_lens - window)
+        o = _attend(qd, kd, vd, mask, scale, softcap)
         out[start:end] = o.squeeze(2)
     return out.flatten(1)

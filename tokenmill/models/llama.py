@@ -11,7 +11,7 @@ from tokenmill.models.attention import AttentionMetadata, paged_attention
 from tokenmill.models.lm_head import project_to_vocab
 from tokenmill.models.parallel import NO_TP, TPInfo, all_reduce
 from tokenmill.models.registry import Architecture, register
-from tokenmill.models.spec import ModelSpec, rope_parameters
+from tokenmill.models.spec import ModelSpec, layer_windows, rope_parameters
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -38,9 +38,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaAttention(nn.Module):
     """`spec` holds this rank's shapes: with tensor parallelism, its share of the heads."""
 
-    def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.tp = tp
+        self.window = spec.window(layer_idx)
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -59,7 +60,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
         return all_reduce(self.o_proj(out), self.tp)
 
 
@@ -78,10 +79,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.self_attn = LlamaAttention(spec, tp)
+        self.self_attn = LlamaAttention(spec, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.mlp = LlamaMLP(spec, tp)
 
@@ -99,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(spec, tp) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(spec, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -144,16 +145,11 @@ LLAMA_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", 
                        "vocab_size", "rms_norm_eps", "max_position_embeddings")
 
 
-def llama_spec(config, *, qkv_bias: bool, o_bias: bool) -> ModelSpec:
+def llama_spec(config, *, qkv_bias: bool, o_bias: bool, uniform_window: bool = False) -> ModelSpec:
     """The spec of a Llama-shaped decoder (RMSNorm, RoPE, GQA, gated MLP)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     inv_freq, scaling = rope_parameters(config, head_dim)
-    max_position = config.max_position_embeddings
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        # We attend over the full context, which equals sliding-window attention only within the window.
-        max_position = min(max_position, int(window))
     return ModelSpec(
         model_type=config.model_type,
         hidden_size=config.hidden_size,
@@ -163,7 +159,7 @@ def llama_spec(config, *, qkv_bias: bool, o_bias: bool) -> ModelSpec:
         head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         vocab_size=config.vocab_size,
-        max_position=max_position,
+        max_position=config.max_position_embeddings,
         norm_eps=config.rms_norm_eps,
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -175,6 +171,7 @@ def llama_spec(config, *, qkv_bias: bool, o_bias: bool) -> ModelSpec:
         eos_token_ids=[],
         bos_token_id=getattr(config, "bos_token_id", None),
         hf_config=config,
+        layer_windows=layer_windows(config, config.num_hidden_layers, uniform=uniform_window),
     )
 
 
@@ -187,8 +184,8 @@ def _llama(config) -> ModelSpec:
 register(Architecture("llama", ("LlamaForCausalLM",), LlamaForCausalLM, _llama, LLAMA_REQUIRED_KEYS,
                       features="RoPE (+ scaling), GQA, optional attention/MLP biases"))
 register(Architecture("mistral", ("MistralForCausalLM",), LlamaForCausalLM,
-                      lambda c: llama_spec(c, qkv_bias=False, o_bias=False), LLAMA_REQUIRED_KEYS,
-                      features="Llama + sliding window (context capped at the window for now)"))
+                      lambda c: llama_spec(c, qkv_bias=False, o_bias=False, uniform_window=True),
+                      LLAMA_REQUIRED_KEYS, features="Llama + sliding-window attention on every layer"))
 register(Architecture("qwen2", ("Qwen2ForCausalLM",), LlamaForCausalLM,
                       lambda c: llama_spec(c, qkv_bias=True, o_bias=False), LLAMA_REQUIRED_KEYS,
-                      features="Llama + q/k/v biases (sliding window: context capped for now)"))
+                      features="Llama + q/k/v biases, sliding window on layers >= max_window_layers"))

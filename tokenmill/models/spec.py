@@ -35,6 +35,11 @@ class ModelSpec:
     eos_token_ids: list[int]
     bos_token_id: int | None
     hf_config: Any
+    # Per layer: the sliding window (attend to the last N positions) or None for full attention.
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer_idx: int) -> int | None:
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -64,3 +69,19 @@ def rope_parameters(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         raise ValueError(f"unsupported RoPE scaling type {rope_type!r}")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
+
+
+def layer_windows(config: Any, num_layers: int, uniform: bool = False) -> tuple[int | None, ...]:
+    """Sliding windows per layer as HF applies them: `sliding_window` on the layers that
+    `layer_types` marks "sliding_attention" (Qwen2 derives these from use_sliding_window and
+    max_window_layers, Gemma 2/3 alternate them), or on every layer when `uniform` (Mistral,
+    whose modeling code ignores layer_types)."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return ()
+    if uniform:
+        return (int(window),) * num_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
