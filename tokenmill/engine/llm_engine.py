@@ -163,7 +163,8 @@ class LLMEngine:
             self.tp_group = TensorParallelGroup(config, self.device)  # workers load their shards meanwhile
         try:
             self.model, self.spec = load_model(self.model_dir, self.dtype, self.device, progress=progress,
-                                               tp=TPInfo(0, config.tensor_parallel_size))
+                                               tp=TPInfo(0, config.tensor_parallel_size),
+                                               max_model_len=config.max_model_len)
             prepare_model(self.model, config, self.device)
         except BaseException:
             self.close()

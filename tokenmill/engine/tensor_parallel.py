@@ -123,7 +123,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str) -> None:
     dtype = resolve_dtype(config.dtype, device)
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
                             timeout=_INIT_TIMEOUT)
-    model, spec = load_model(resolve_model(config.model), dtype, device, progress=False, tp=TPInfo(rank, world))
+    model, spec = load_model(resolve_model(config.model), dtype, device, progress=False, tp=TPInfo(rank, world),
+                             max_model_len=config.max_model_len)
     prepare_model(model, config, device)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)

@@ -1,17 +1,21 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral): RMSNorm, RoPE, GQA, SwiGLU, paged attention."""
+"""Llama-shaped decoders: RMSNorm, RoPE, GQA paged attention, gated MLP.
+
+Llama, Mistral and Qwen2 are served by these classes as they are; Qwen3, Gemma 1/2/3 and Phi-3
+subclass them (class attributes choose the norm, the q/k norm and the layer; spec fields carry
+the rest: windows, softcaps, attention and embedding scales, per-layer RoPE).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
 from transformers.activations import ACT2FN
 
 from tokenmill.models.attention import AttentionMetadata, paged_attention
 from tokenmill.models.lm_head import project_to_vocab
 from tokenmill.models.parallel import NO_TP, TPInfo, all_reduce
 from tokenmill.models.registry import Architecture, register
-from tokenmill.models.spec import ModelSpec, layer_windows, rope_parameters
+from tokenmill.models.spec import ModelSpec, layer_windows, rope_from_config
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -35,13 +39,26 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by cos/sin [T, 1, rotary_dim]; a partial rotary_dim (Phi-3's
+    partial_rotary_factor) rotates the leading dims and passes the rest through."""
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
 class LlamaAttention(nn.Module):
     """`spec` holds this rank's shapes: with tensor parallelism, its share of the heads."""
+
+    qk_norm_class: type[nn.Module] | None = None  # RMSNorm over each head's q and k (Qwen3, Gemma 3)
 
     def __init__(self, spec: ModelSpec, layer_idx: int, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.tp = tp
         self.window = spec.window(layer_idx)
+        self.softcap = spec.attn_softcap
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -50,7 +67,10 @@ class LlamaAttention(nn.Module):
         # q, k and v fused into one GEMM.
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.scale = self.head_dim**-0.5
+        self.scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
+        if self.qk_norm_class is not None:
+            self.q_norm = self.qk_norm_class(spec.head_dim, spec.norm_eps)
+            self.k_norm = self.qk_norm_class(spec.head_dim, spec.norm_eps)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
@@ -58,9 +78,10 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
+        if self.qk_norm_class is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window, self.softcap)
         return all_reduce(self.o_proj(out), self.tp)
 
 
@@ -79,12 +100,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaLayer(nn.Module):
+    norm_class: type[nn.Module] = RMSNorm
+    attention_class: type[nn.Module] = LlamaAttention
+    mlp_class: type[nn.Module] = LlamaMLP
+
     def __init__(self, spec: ModelSpec, layer_idx: int, tp: TPInfo = NO_TP) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.self_attn = LlamaAttention(spec, layer_idx, tp)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.mlp = LlamaMLP(spec, tp)
+        self.input_layernorm = self.norm_class(spec.hidden_size, spec.norm_eps)
+        self.self_attn = self.attention_class(spec, layer_idx, tp)
+        self.post_attention_layernorm = self.norm_class(spec.hidden_size, spec.norm_eps)
+        self.mlp = self.mlp_class(spec, tp)
 
     def forward(self, x, cos, sin, kv, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
@@ -95,42 +120,60 @@ class LlamaForCausalLM(nn.Module):
     supports_tensor_parallel = True
     ignored_checkpoint_tensors = ("rotary_emb.inv_freq",)  # old checkpoints saved the RoPE buffer
     tied_weights = {"lm_head.weight": "embed_tokens.weight"}
+    layer_class: type[nn.Module] = LlamaLayer
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(spec, i, tp) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(spec, i, tp) for i in range(spec.num_layers))
+        self.norm = self.norm_class(spec.hidden_size, spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Which RoPE table each layer reads: 1 = the local one of sliding layers (Gemma 3).
+        self.layer_rope = [int(spec.local_rope is not None and spec.window(i) is not None)
+                           for i in range(spec.num_layers)]
         self.rebuild_buffers()
 
     def rebuild_buffers(self, device: torch.device | str | None = None) -> None:
-        """cos/sin table for every position, computed like transformers' LlamaRotaryEmbedding."""
+        """cos/sin tables for every position, computed like transformers' rotary embeddings."""
         device = device or "cpu"  # explicit: construction may run under a meta-device context
-        positions = torch.arange(self.spec.max_position, dtype=torch.float, device=device)
-        freqs = positions[:, None] * self.spec.rope_inv_freq.to(device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos() * self.spec.rope_scaling, persistent=False)
-        self.register_buffer("rope_sin", emb.sin() * self.spec.rope_scaling, persistent=False)
+        ropes = [self.spec.rope] + ([self.spec.local_rope] if self.spec.local_rope is not None else [])
+        for i, rope in enumerate(ropes):
+            cos, sin = rope.table(self.spec.context_len or self.spec.max_position, device)
+            suffix = f"_{i}" if i else ""
+            self.register_buffer("rope_cos" + suffix, cos, persistent=False)
+            self.register_buffer("rope_sin" + suffix, sin, persistent=False)
+
+    def _rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [T, 1, rotary_dim] of each RoPE table, broadcast over heads."""
+        tables = [(self.rope_cos, self.rope_sin)]
+        if self.spec.local_rope is not None:
+            tables.append((self.rope_cos_1, self.rope_sin_1))
+        return [(cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)) for cos, sin in tables]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCache, meta: AttentionMetadata):
         """input_ids/positions: [T]. Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)  # [T, 1, D], broadcast over heads
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
+        if self.spec.embed_scale is not None:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)  # HF rounds the scale to the dtype first
+        rope = self._rope_at(positions, x.dtype)
+        for layer, kv, table in zip(self.layers, kv_caches, self.layer_rope):
+            x = layer(x, *rope[table], kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return project_to_vocab(self.lm_head, hidden)
+        logits = project_to_vocab(self.lm_head, hidden)
+        if self.spec.final_softcap is not None:
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return logits
 
     @staticmethod
     def hf_to_local(name: str) -> tuple[str, int | None, str | None]:
-        """Map a HF weight name to (local name, shard index, fused group) for loading."""
+        """Map a HF weight name to (local name, shard index, fused group) for loading. Checkpoints
+        that already fuse them (Phi-3's qkv_proj / gate_up_proj) pass through unchanged."""
         name = name.removeprefix("model.")
         for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
             if f"self_attn.{proj}." in name:
@@ -145,11 +188,12 @@ LLAMA_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", 
                        "vocab_size", "rms_norm_eps", "max_position_embeddings")
 
 
-def llama_spec(config, *, qkv_bias: bool, o_bias: bool, uniform_window: bool = False) -> ModelSpec:
-    """The spec of a Llama-shaped decoder (RMSNorm, RoPE, GQA, gated MLP)."""
+def llama_spec(config, *, qkv_bias: bool, o_bias: bool, uniform_window: bool = False,
+               activation: str | None = None) -> ModelSpec:
+    """The spec of a Llama-shaped decoder (RMSNorm, RoPE, GQA, gated MLP); families change fields
+    of it (dataclasses.replace) for what they add."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    inv_freq, scaling = rope_parameters(config, head_dim)
     return ModelSpec(
         model_type=config.model_type,
         hidden_size=config.hidden_size,
@@ -165,9 +209,8 @@ def llama_spec(config, *, qkv_bias: bool, o_bias: bool, uniform_window: bool = F
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        activation=getattr(config, "hidden_act", "silu"),
-        rope_inv_freq=inv_freq,
-        rope_scaling=scaling,
+        activation=activation or getattr(config, "hidden_act", "silu"),
+        rope=rope_from_config(config, head_dim),
         eos_token_ids=[],
         bos_token_id=getattr(config, "bos_token_id", None),
         hf_config=config,
@@ -182,7 +225,7 @@ def _llama(config) -> ModelSpec:
 
 
 register(Architecture("llama", ("LlamaForCausalLM",), LlamaForCausalLM, _llama, LLAMA_REQUIRED_KEYS,
-                      features="RoPE (+ scaling), GQA, optional attention/MLP biases"))
+                      features="RoPE (+ linear/YaRN/Llama-3/LongRoPE scaling), GQA, optional attention/MLP biases"))
 register(Architecture("mistral", ("MistralForCausalLM",), LlamaForCausalLM,
                       lambda c: llama_spec(c, qkv_bias=False, o_bias=False, uniform_window=True),
                       LLAMA_REQUIRED_KEYS, features="Llama + sliding-window attention on every layer"))

@@ -195,9 +195,12 @@ def _read_state(model_dir: Path, cls: type, expected: dict[str, torch.Tensor], d
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool = True,
-               tp: TPInfo = NO_TP) -> tuple[nn.Module, ModelSpec]:
-    """The model (this rank's shard of it under tensor parallelism) and the spec of its shapes."""
+               tp: TPInfo = NO_TP, max_model_len: int | None = None) -> tuple[nn.Module, ModelSpec]:
+    """The model (this rank's shard of it under tensor parallelism) and the spec of its shapes,
+    built for contexts of up to `max_model_len` tokens (default: the model's maximum)."""
     arch, full_spec = _architecture_and_spec(model_dir)
+    if max_model_len:
+        full_spec.context_len = min(max_model_len, full_spec.max_position)
     check_shardable(full_spec, tp.world_size)
     spec = local_spec(full_spec, tp)
     cls = arch.model_class

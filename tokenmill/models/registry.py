@@ -29,6 +29,11 @@ from tokenmill.models.spec import ModelSpec
 # Modules that register architectures when imported.
 FAMILY_MODULES = [
     "tokenmill.models.llama",
+    "tokenmill.models.qwen3",
+    "tokenmill.models.gemma",
+    "tokenmill.models.gemma2",
+    "tokenmill.models.gemma3",
+    "tokenmill.models.phi3",
     "tokenmill.models.gpt2",
 ]
 
