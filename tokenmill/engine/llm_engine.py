@@ -18,13 +18,13 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
-from tokenmill.engine.model_runner import ModelRunner, PreparedStep
+from tokenmill.engine.model_runner import ModelRunner, StepInput
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.engine.result_cache import CacheKey, ResultCache
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from tokenmill.engine.sequence import Sequence, placeholder
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.sequence import Sequence
 from tokenmill.models.hub import resolve_model
 from tokenmill.models.loader import load_model, load_spec
 from tokenmill.models.parallel import TPInfo, check_shardable
@@ -58,20 +58,9 @@ class Request:
 
 
 @dataclass
-class SeqSnapshot:
-    """A scheduled sequence as it was before its step was launched (to complete or take it back)."""
-
-    epoch: int
-    num_computed: int
-    num_tokens: int
-
-
-@dataclass
 class LaunchedStep:
-    batch: SchedulerOutput
-    items: list[ScheduledSeq]  # batch.all, in the prepared order
-    snapshots: list[SeqSnapshot]  # one per item
-    prepared: PreparedStep
+    scheduled: SchedulerOutput  # what the scheduling thread planned (live sequences: this thread only)
+    step_input: StepInput  # what the model thread runs
     future: Future  # -> (SamplerOutput | None, model-thread seconds)
 
 
@@ -81,9 +70,9 @@ def _init_model_thread(num_threads: int, device: torch.device) -> None:
         torch.cuda.set_device(device)  # so is the current CUDA device
 
 
-def _timed(fn: Callable[[PreparedStep], Any], prepared: PreparedStep) -> tuple[Any, float]:
+def _timed(fn: Callable[[StepInput], Any], step: StepInput) -> tuple[Any, float]:
     start = time.perf_counter()
-    return fn(prepared), time.perf_counter() - start
+    return fn(step), time.perf_counter() - start
 
 
 @dataclass
@@ -207,7 +196,8 @@ class LLMEngine:
             self.tp_group.broadcast(num_blocks)  # every rank's cache has the same block ids
         self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
         self.kv_cache = KVCache(spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
-        self.scheduler = Scheduler(self.allocator, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1))
+        self.scheduler = Scheduler(self.allocator, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1),
+                                   self.max_model_len, spec.eos_token_ids)
         self.sampler = Sampler(spec.vocab_size, self.config.seed, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device, self.tp_group,
                                   self._decode_graphs())
@@ -245,17 +235,12 @@ class LLMEngine:
                 self._cached_outputs.append(self._cached_output(request, cached))
                 return
             request.result_cache_key = key
+        prompt = tuple(request.prompt_token_ids)  # shared by the choices, never changed
         for i in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed((params.seed + i) % (1 << 64))
             detok = None
             if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
-                                               params.include_stop_str_in_output)
-            seq = Sequence(next(self._seq_ids), request.request_id, i, request.prompt_token_ids, params, detok,
-                           request.metrics, generator)
+                detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
+            seq = Sequence(next(self._seq_ids), request.request_id, i, prompt, params, detok, request.metrics)
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request.request_id] = request
@@ -277,10 +262,7 @@ class LLMEngine:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
-                seq.finish(reason)
-                seq.error = error
-                seq.drop_pending()
-                self.scheduler.finish(seq)
+                self.scheduler.finish(seq, reason, error=error)
         return self._output(request)
 
     def close(self) -> None:
@@ -321,27 +303,18 @@ class LLMEngine:
         return cached + outputs
 
     def _launch(self) -> LaunchedStep | None:
-        batch = self.scheduler.schedule()
-        if not batch:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
             return None
-        prepared = self.runner.prepare(batch, self.allocator.take_fresh())
-        items = batch.all
-        snapshots = [SeqSnapshot(i.seq.epoch, i.seq.num_computed_tokens, i.seq.num_tokens) for i in items]
-        for item in items:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        for row, item in enumerate(prepared.sampled):
-            seq = item.seq
-            seq.append_pending(placeholder(row))
-            if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finishing = True  # known to end with this token: nothing to schedule after it
-        return LaunchedStep(batch, items, snapshots, prepared, self._submit(prepared))
+        step_input = self.runner.prepare(scheduled, self.allocator.take_fresh(), self.scheduler.take_released())
+        return LaunchedStep(scheduled, step_input, self._submit(step_input))
 
-    def _submit(self, prepared: PreparedStep) -> Future:
+    def _submit(self, step: StepInput) -> Future:
         if self._model_thread is not None:
-            return self._model_thread.submit(_timed, self.runner.run, prepared)
+            return self._model_thread.submit(_timed, self.runner.run, step)
         future: Future = Future()
         try:
-            future.set_result(_timed(self.runner.run, prepared))
+            future.set_result(_timed(self.runner.run, step))
         except Exception as exc:  # noqa: BLE001 - handed to _complete like the model thread's errors
             future.set_exception(exc)
         return future
@@ -351,25 +324,13 @@ class LLMEngine:
             result, seconds = step.future.result()
         except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the engine
             return self._recover(step, exc)
-        touched: dict[str, Request] = {}
-        for item, snap in zip(step.items, step.snapshots):
-            seq = item.seq
-            if seq.is_finished:  # aborted, or stopped a step earlier than the scheduler knew
-                continue
-            if seq.epoch == snap.epoch:  # (not preempted since: the blocks are the ones computed)
-                self.scheduler.register_full_blocks(seq, snap.num_computed + item.num_new_tokens)
-            request = self.requests.get(seq.request_id)
-            if request is not None:
-                touched[seq.request_id] = request
-        if result is not None:
-            for item, token, logprob in zip(step.prepared.sampled, result.tokens, result.logprobs):
-                if not item.seq.is_finished:
-                    self._append(item.seq, token, logprob)
+        tokens, logprobs = (result.tokens, result.logprobs) if result is not None else (None, None)
+        touched = self.scheduler.update_from_output(step.scheduled, tokens, logprobs)
         self.num_steps += 1
-        batch = step.batch
-        self._notify(StepStats(len(step.items), sum(i.num_new_tokens for i in batch.prefills),
-                               len(batch.decodes), seconds))
-        return [self._output(r) for r in touched.values()]
+        batch = step.scheduled
+        self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills), len(batch.decodes), seconds))
+        requests = {seq.request_id: self.requests[seq.request_id] for seq in touched if seq.request_id in self.requests}
+        return [self._output(r) for r in requests.values()]
 
     def _recover(self, failed: LaunchedStep, exc: Exception) -> list[RequestOutput]:
         """A step failed: take it and every later launched step back (the model thread skips those),
@@ -382,44 +343,15 @@ class LLMEngine:
             except Exception:  # noqa: BLE001 - StepSkipped, expected
                 pass
         for step in reversed([failed, *later]):
-            self._take_back(step)
+            self.allocator.fresh.extend(step.step_input.fresh_blocks)  # not zeroed yet
+            self.scheduler.take_back(step.scheduled)
         self.runner.recover()
         if isinstance(exc, RequestFailed):
             ids, message = exc.request_ids, str(exc)
         else:
             logger.error("model step failed", exc_info=exc)
-            ids, message = {item.seq.request_id for item in failed.items}, f"internal error in the model step: {exc}"
+            ids, message = {row.request_id for row in failed.step_input.rows}, f"internal error in the model step: {exc}"
         return [o for rid in sorted(ids) if (o := self.fail(rid, message)) is not None]
-
-    def _take_back(self, step: LaunchedStep) -> None:
-        self.allocator.fresh.extend(step.prepared.fresh_blocks)  # not zeroed yet
-        for item, snap in zip(reversed(step.items), reversed(step.snapshots)):
-            seq = item.seq
-            if seq.is_finished:
-                continue
-            if seq.epoch == snap.epoch:
-                seq.num_computed_tokens = snap.num_computed
-            seq.drop_pending(seq.num_tokens - snap.num_tokens)
-            seq.finishing = False
-
-    def _append(self, seq: Sequence, token: int, logprob: tuple[float, dict[int, float]] | None) -> None:
-        seq.resolve(token)
-        if logprob is not None and seq.logprobs is not None:
-            seq.logprobs.append(logprob)
-        params = seq.params
-        stop_string = seq.detokenizer.add_token(token) if seq.detokenizer else None
-        if token in params.stop_token_ids:
-            seq.finish("stop", token)
-        elif not params.ignore_eos and token in self.eos_token_ids:
-            seq.finish("stop", None)
-        elif stop_string is not None:
-            seq.finish("stop", stop_string)
-        elif (len(seq.output_token_ids) - seq.num_pending >= params.max_tokens
-              or seq.num_resolved_tokens >= self.max_model_len):
-            seq.finish("length")
-        if seq.is_finished:
-            seq.drop_pending()  # tokens a later step is sampling for it are not wanted
-            self.scheduler.finish(seq)
 
     def _output(self, request: Request) -> RequestOutput:
         finished = request.finished

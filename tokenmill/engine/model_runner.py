@@ -1,7 +1,8 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, and samples.
 
 `prepare` runs on the scheduling thread and builds host tensors only; `run` runs on the model
-thread (the same thread without overlap scheduling). They meet in a `PreparedStep`. With overlap
+thread (the same thread without overlap scheduling). They meet in a `StepInput`, the only thing the
+model thread reads. With overlap
 scheduling the next step is prepared while the previous one runs, so its decode inputs are not
 known yet: they are placeholders (see `sequence.placeholder`) that `run` replaces with the
 previous step's sampled tokens, on the device, without a round trip through Python.
@@ -16,9 +17,8 @@ import torch
 
 from tokenmill.engine.cuda_graphs import DecodeGraphs, GraphInputs
 from tokenmill.engine.kv_cache import KVCache
-from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingBatch
-from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
-from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingInput
+from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.engine.tensors import to_device
 from tokenmill.models.attention import AttentionMetadata, DecodeGroup, PrefillSegment
 
@@ -61,19 +61,28 @@ class StepSkipped(Exception):
     """A step launched after a failed one is not run: it may read tokens or K/V that never came."""
 
 
-@dataclass
-class PreparedStep:
-    """One step's inputs, on the host, built from the scheduler's output."""
+@dataclass(frozen=True)
+class RowRef:
+    """Which sequence a scheduled row belongs to (for hooks and error reports; not the sequence)."""
 
-    seqs: list[Sequence]  # every scheduled sequence (for the fault-injection hook)
-    sampled: list[ScheduledSeq]  # the items that sample a token, in the order of the result rows
-    fresh_blocks: list[int]  # blocks allocated for this step: zeroed before it runs
+    seq_id: int
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step, as the model thread sees it: tensors on the host and plain values, built by the
+    scheduling thread from the scheduler's output. Nothing in it is shared with live sequences."""
+
+    rows: tuple[RowRef, ...]  # every scheduled sequence, in the order of the step's tokens
+    fresh_blocks: tuple[int, ...]  # blocks allocated for this step: zeroed before it runs
     input_ids: torch.Tensor  # may hold placeholders of the previous step's tokens
     positions: torch.Tensor
     meta: AttentionMetadata | None  # None for a CUDA-graph step
     sample_rows: torch.Tensor  # rows of the hidden states (or of the graph's logits) to sample from
-    sampling: SamplingBatch
+    sampling: SamplingInput | None  # None when no row samples
     graph: GraphInputs | None = None
+    released_seq_ids: tuple[int, ...] = ()  # sequences ended since the last step (the sampler drops their RNGs)
 
     @property
     def has_placeholders(self) -> bool:
@@ -90,7 +99,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.graphs = graphs
-        # Test hook (fault injection): a callable(list[Sequence]) run before the forward pass.
+        # Test hook (fault injection): a callable(rows: tuple[RowRef, ...]) run before the forward pass.
         self.before_forward = None
         # Model-thread state: the last step's sampled tokens (placeholders index them), and whether a
         # step failed since the engine last recovered (later steps are then skipped).
@@ -103,49 +112,52 @@ class ModelRunner:
     def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _decode_groups(self, seqs: list, ctx_lens: torch.Tensor) -> list[DecodeGroup]:
+    def _decode_groups(self, tables: list[list[int]], ctx_lens: torch.Tensor) -> list[DecodeGroup]:
         """Decodes (sorted by context) in length groups, each padded only to its own longest table."""
         bs = self.block_size
         groups = []
-        for start, end in split_by_length([len(s.block_table) for s in seqs]):
-            members = seqs[start:end]
-            width = max(len(s.block_table) for s in members)
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in members], dtype=torch.long)
+        for start, end in split_by_length([len(t) for t in tables]):
+            members = tables[start:end]
+            width = max(len(t) for t in members)
+            padded = torch.tensor([t + [0] * (width - len(t)) for t in members], dtype=torch.long)
             # Unused tail slots of a sequence's last block were zeroed when the block was allocated
             # and padded table entries are the zero block: masked positions never hold NaN garbage.
             valid = torch.arange(width * bs)[None, :] < ctx_lens[start:end, None]
-            groups.append(DecodeGroup(start, end, tables.flatten(), valid.view(end - start, 1, 1, -1)))
+            groups.append(DecodeGroup(start, end, padded.flatten(), valid.view(end - start, 1, 1, -1)))
         return groups
 
-    def prepare(self, batch: SchedulerOutput, fresh_blocks: list[int]) -> PreparedStep:
-        """Flatten the step's tokens (prefill chunks first, then decodes) and build attention metadata."""
-        if batch.decodes:
-            # Shortest block table first, so that length groups are contiguous runs of the decodes.
-            batch.decodes.sort(key=lambda item: len(item.seq.block_table))
-        sampled = [item for item in batch.prefills if item.samples] + [item for item in batch.decodes if item.samples]
-        sampling = SamplingBatch([item.seq for item in sampled], [len(item.seq.output_token_ids) for item in sampled])
-        seqs = [item.seq for item in batch.all]
+    def prepare(self, batch: SchedulerOutput, fresh_blocks: list[int], released_seq_ids: list[int]) -> StepInput:
+        """Flatten the step's tokens (prefill chunks first, then decodes) and build attention metadata.
+        Reads the scheduled sequences (block tables, token ids) without changing anything."""
+        sampled = batch.sampled
+        sampling = None
+        if sampled:
+            sampling = SamplingInput.of([item.seq for item in sampled],
+                                        [item.num_tokens_before - len(item.seq.prompt_token_ids) for item in sampled],
+                                        self.sampler.vocab_size)
+        common = dict(rows=tuple(RowRef(item.seq.seq_id, item.seq.request_id) for item in batch.all),
+                      fresh_blocks=tuple(fresh_blocks), sampling=sampling, released_seq_ids=tuple(released_seq_ids))
         graph = self._prepare_graph(batch)
         if graph is not None:
             rows = [j for j, item in enumerate(batch.decodes) if item.samples]
-            return PreparedStep(seqs, sampled, fresh_blocks, graph.input_ids, graph.positions, None,
-                                torch.tensor(rows, dtype=torch.long), sampling, graph)
+            return StepInput(input_ids=graph.input_ids, positions=graph.positions, meta=None,
+                             sample_rows=torch.tensor(rows, dtype=torch.long), graph=graph, **common)
         input_ids, positions, meta, sample_rows = self._prepare_eager(batch)
-        return PreparedStep(seqs, sampled, fresh_blocks, input_ids, positions, meta,
-                            torch.tensor(sample_rows, dtype=torch.long), sampling)
+        return StepInput(input_ids=input_ids, positions=positions, meta=meta,
+                         sample_rows=torch.tensor(sample_rows, dtype=torch.long), **common)
 
     def _prepare_graph(self, batch: SchedulerOutput) -> GraphInputs | None:
         """Padded inputs of a decode-only step that a CUDA graph can run, else None."""
         if self.graphs is None or batch.prefills or not batch.decodes:
             return None
-        seqs = [item.seq for item in batch.decodes]
-        if not self.graphs.fits(len(seqs), max(len(s.block_table) for s in seqs)):
+        tables = [item.seq.block_table for item in batch.decodes]
+        if not self.graphs.fits(len(tables), max(len(t) for t in tables)):
             return None
         bs = self.block_size
-        positions = [s.num_computed_tokens for s in seqs]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        return self.graphs.pad([s.token_ids[p] for s, p in zip(seqs, positions)], [p + 1 for p in positions],
-                               slots, [s.block_table for s in seqs])
+        positions = [item.num_computed_before for item in batch.decodes]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
+        return self.graphs.pad([item.seq.token_ids[p] for item, p in zip(batch.decodes, positions)],
+                               [p + 1 for p in positions], slots, tables)
 
     def _prepare_eager(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -156,7 +168,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         for item in batch.prefills:
             seq, n = item.seq, item.num_new_tokens
-            start, c = len(ids), seq.num_computed_tokens
+            start, c = len(ids), item.num_computed_before
             ids.extend(seq.token_ids[c : c + n])
             table = torch.tensor(seq.block_table, dtype=torch.long)
             positions = torch.arange(c, c + n)
@@ -175,15 +187,16 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs, prefills=segments,
                                  num_prefill_tokens=num_prefill)
         if batch.decodes:
-            seqs = [item.seq for item in batch.decodes]
-            ctx_lens = torch.tensor([s.num_computed_tokens + 1 for s in seqs])
+            tables = [item.seq.block_table for item in batch.decodes]
+            computed = [item.num_computed_before for item in batch.decodes]
+            ctx_lens = torch.tensor([c + 1 for c in computed])
             positions = ctx_lens - 1  # each decode's new token
-            last_blocks = torch.tensor([s.block_table[p // bs] for s, p in zip(seqs, positions.tolist())], dtype=torch.long)
+            last_blocks = torch.tensor([t[c // bs] for t, c in zip(tables, computed)], dtype=torch.long)
             pos_chunks.append(positions)
             slot_chunks.append(last_blocks * bs + positions % bs)
-            ids.extend(s.token_ids[s.num_computed_tokens] for s in seqs)
-            meta.decode_groups = self._decode_groups(seqs, ctx_lens)
-            meta.num_decodes = len(seqs)
+            ids.extend(item.seq.token_ids[c] for item, c in zip(batch.decodes, computed))
+            meta.decode_groups = self._decode_groups(tables, ctx_lens)
+            meta.num_decodes = len(tables)
             sample_rows.extend(num_prefill + j for j, item in enumerate(batch.decodes) if item.samples)
 
         meta.slot_mapping = torch.cat(slot_chunks)
@@ -197,7 +210,7 @@ class ModelRunner:
         self._last_tokens = self._last_token_list = None
 
     @torch.inference_mode()
-    def run(self, step: PreparedStep) -> SamplerOutput | None:
+    def run(self, step: StepInput) -> SamplerOutput | None:
         """Zero the step's new blocks, run the model and sample; None when nothing samples."""
         if self._failed:
             raise StepSkipped("an earlier step failed")
@@ -207,9 +220,10 @@ class ModelRunner:
             self._failed = True
             raise
 
-    def _run(self, step: PreparedStep) -> SamplerOutput | None:
+    def _run(self, step: StepInput) -> SamplerOutput | None:
+        self.sampler.release(step.released_seq_ids)
         if self.before_forward is not None:
-            self.before_forward(step.seqs)
+            self.before_forward(step.rows)
         input_ids = self._resolve_placeholders(step)
         self.kv_cache.zero_blocks(step.fresh_blocks)
         if step.graph is not None:
@@ -222,17 +236,15 @@ class ModelRunner:
             if self.tp_group is not None:
                 self.tp_group.broadcast((step.fresh_blocks, input_ids, positions, meta))
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
-            logits = None
-            if step.sampled:
-                logits = self.model.compute_logits(hidden[step.sample_rows.to(self.device)])
-        if logits is None:
+            logits = None if step.sampling is None else self.model.compute_logits(hidden[step.sample_rows.to(self.device)])
+        if step.sampling is None:
             self._last_tokens = self._last_token_list = None
             return None
         result = self.sampler(logits, step.sampling, self._last_token_list)
         self._last_tokens, self._last_token_list = result.token_tensor, result.tokens
         return result
 
-    def _resolve_placeholders(self, step: PreparedStep) -> torch.Tensor:
+    def _resolve_placeholders(self, step: StepInput) -> torch.Tensor:
         input_ids = step.input_ids.to(self.device, non_blocking=True)
         if not step.has_placeholders:
             return input_ids

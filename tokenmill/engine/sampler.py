@@ -1,99 +1,168 @@
-"""Token selection for a whole batch at once: penalties, temperature, top-k/top-p/min-p, seeds."""
+"""Token selection for a whole batch at once: penalties, temperature, top-k/top-p/min-p, seeds.
+
+The scheduling thread describes a step's sampling rows once, as an immutable `SamplingInput`
+(`SamplingInput.of`); the sampler, on the model thread, reads only that. Per-row options are
+independent, so a new per-row transform (a grammar's allowed-token mask, a logits processor) is
+one more optional column here and one more stage in `Sampler.__call__`, applied before the
+temperature like logit_bias.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.sequence import Sequence, placeholder_row
+from tokenmill.engine.sequence import Logprob, Sequence, placeholder_row
 
 _NEG_INF = float("-inf")
 
 
-@dataclass
-class SamplingBatch:
-    """The rows one step samples, fixed when the step is launched."""
+@dataclass(frozen=True)
+class Penalties:
+    """Repetition/presence/frequency penalties of the rows of a step (present when any row has one)."""
 
-    seqs: list[Sequence]
-    # Per row: how many output tokens precede the one being sampled (the penalties' history). The
-    # last of them may still be a placeholder for the previous step's token.
-    num_outputs: list[int]
+    # Per row: the output tokens before the one being sampled. The last may still be a placeholder
+    # for the previous step's token (resolved by the sampler with that step's tokens).
+    histories: tuple[tuple[int, ...], ...]
+    prompts: tuple[tuple[int, ...] | None, ...]  # per row: the prompt, for rows with a repetition penalty
+    repetition: tuple[float, ...]
+    presence: tuple[float, ...]
+    frequency: tuple[float, ...]
 
 
-def _resolved(tokens: list[int], prev_tokens: list[int] | None) -> list[int]:
-    """`tokens` (a copy) with a trailing placeholder replaced by the previous step's token."""
-    if tokens and tokens[-1] < 0:
-        if prev_tokens is None:
-            raise RuntimeError("a placeholder token without the previous step's tokens")
-        tokens[-1] = prev_tokens[placeholder_row(tokens[-1])]
-    return tokens
+@dataclass(frozen=True)
+class SamplingInput:
+    """What the sampler needs about the rows of one step, fixed when the step is launched."""
+
+    seq_ids: tuple[int, ...]  # keys of the per-sequence RNGs
+    greedy: tuple[bool, ...]
+    temperature: tuple[float, ...]  # 1.0 on greedy rows
+    top_k: tuple[int, ...]  # 0 = off
+    top_p: tuple[float, ...]  # 1.0 = off
+    min_p: tuple[float, ...]  # 0.0 = off
+    seeds: tuple[int | None, ...]  # per-row RNG seed; None = the engine's shared RNG
+    logit_bias: tuple[tuple[int, int, float], ...]  # (row, token, bias)
+    penalties: Penalties | None
+    num_logprobs: tuple[int | None, ...]  # top alternatives to report; None = no logprobs
+
+    @classmethod
+    def of(cls, seqs: Seq[Sequence], num_outputs: Seq[int], vocab_size: int) -> SamplingInput:
+        """The rows `seqs`, each sampling its output token number `num_outputs[i]`."""
+        params = [s.params for s in seqs]
+        penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
+        penalties = None
+        if penalised:
+            penalties = Penalties(
+                histories=tuple(tuple(s.output_token_ids[:n]) for s, n in zip(seqs, num_outputs)),
+                prompts=tuple(tuple(s.prompt_token_ids) if s.params.repetition_penalty != 1.0 else None for s in seqs),
+                repetition=tuple(p.repetition_penalty for p in params),
+                presence=tuple(p.presence_penalty for p in params),
+                frequency=tuple(p.frequency_penalty for p in params),
+            )
+        return cls(
+            seq_ids=tuple(s.seq_id for s in seqs),
+            greedy=tuple(p.greedy for p in params),
+            temperature=tuple(1.0 if p.greedy else p.temperature for p in params),
+            top_k=tuple(max(p.top_k, 0) for p in params),
+            top_p=tuple(p.top_p for p in params),
+            min_p=tuple(p.min_p for p in params),
+            # Choice i of a seeded request draws from seed + i, so the n choices differ.
+            seeds=tuple(None if p.seed is None else (p.seed + s.index) % (1 << 64) for s, p in zip(seqs, params)),
+            logit_bias=tuple((row, token, bias) for row, p in enumerate(params)
+                             for token, bias in p.logit_bias.items() if 0 <= token < vocab_size),
+            penalties=penalties,
+            num_logprobs=tuple(p.logprobs for p in params),
+        )
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
 
 
 @dataclass
 class SamplerOutput:
     tokens: list[int]
-    # Per row: (logprob of the chosen token, {token: logprob} of the top-k), only when asked for.
-    logprobs: list[tuple[float, dict[int, float]] | None]
+    logprobs: list[Logprob | None]  # per row, only when asked for
     token_tensor: torch.Tensor | None = None  # `tokens` on the device (the next step's placeholders read it)
 
 
+def _resolved(tokens: tuple[int, ...], prev_tokens: list[int] | None) -> list[int]:
+    """`tokens` with a trailing placeholder replaced by the previous step's token."""
+    out = list(tokens)
+    if out and out[-1] < 0:
+        if prev_tokens is None:
+            raise RuntimeError("a placeholder token without the previous step's tokens")
+        out[-1] = prev_tokens[placeholder_row(out[-1])]
+    return out
+
+
 class Sampler:
+    """Lives on the model thread; holds the RNGs (the engine's, and one per seeded sequence)."""
+
     def __init__(self, vocab_size: int, seed: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._seeded: dict[int, torch.Generator] = {}  # seq id -> its RNG
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, prev_tokens: list[int] | None = None) -> SamplerOutput:
-        """logits: [len(batch.seqs), V] float32 of the last position of each sequence; `prev_tokens`:
-        the previous step's sampled tokens, for placeholders still in the penalties' history."""
-        seqs = batch.seqs
+    def release(self, seq_ids: Iterable[int]) -> None:
+        """Forget the RNGs of sequences that ended."""
+        for seq_id in seq_ids:
+            self._seeded.pop(seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingInput, prev_tokens: list[int] | None = None) -> SamplerOutput:
+        """logits: [len(batch), V] float32 of the last position of each row; `prev_tokens`: the
+        previous step's sampled tokens, for placeholders still in the penalties' history."""
         logits = logits[:, : self.vocab_size]
         raw = logits
-        params = [s.params for s in seqs]
-        if any(p.logit_bias for p in params):
-            logits = self._apply_logit_bias(logits.clone(), seqs)
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params):
-            history = [_resolved(s.output_token_ids[:n], prev_tokens) for s, n in zip(seqs, batch.num_outputs)]
-            logits = self._apply_penalties(logits if logits is not raw else logits.clone(), seqs, history)
+        if batch.logit_bias:
+            rows, tokens, bias = zip(*batch.logit_bias)
+            logits = logits.index_put((torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)),
+                                      torch.tensor(bias, device=logits.device, dtype=logits.dtype), accumulate=True)
+        if batch.penalties is not None:
+            logits = self._apply_penalties(logits, batch.penalties, prev_tokens)
 
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        if len(greedy_rows) == len(seqs):
+        if all(batch.greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, seqs)
+            tokens = self._sample(logits, batch)
+            greedy_rows = [i for i, g in enumerate(batch.greedy) if g]
             if greedy_rows:
                 rows = torch.tensor(greedy_rows, device=logits.device)
                 tokens[rows] = logits[rows].argmax(dim=-1)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(raw, seqs, tokens), tokens)
+        return SamplerOutput(tokens.tolist(), self._logprobs(raw, batch.num_logprobs, tokens), tokens)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        params = [s.params for s in seqs]
+    def _sample(self, logits: torch.Tensor, batch: SamplingInput) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
-        logits = logits / temps.unsqueeze(1)
-        if any(p.top_k > 0 for p in params):
-            k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=dev)
-            k = k.clamp(max=logits.shape[1])
+        logits = logits / torch.tensor(batch.temperature, device=dev).unsqueeze(1)
+        if any(batch.top_k):
+            k = torch.tensor([k or self.vocab_size for k in batch.top_k], device=dev).clamp(max=logits.shape[1])
             kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
             logits = logits.masked_fill(logits < kth, _NEG_INF)
         probs = logits.softmax(dim=-1)
-        if any(p.top_p < 1.0 for p in params):
-            probs = self._top_p(probs, torch.tensor([p.top_p for p in params], device=dev))
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+        if any(p < 1.0 for p in batch.top_p):
+            probs = self._top_p(probs, torch.tensor(batch.top_p, device=dev))
+        if any(batch.min_p):
+            min_p = torch.tensor(batch.min_p, device=dev).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         # Exponential-race sampling (argmax p/q, q ~ Exp(1)) lets each seeded row use its own RNG.
         q = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        unseeded = [i for i, seed in enumerate(batch.seeds) if seed is None]
         if unseeded:
             q[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_(generator=self.generator)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                q[i].exponential_(generator=s.generator)
+        for i, (seq_id, seed) in enumerate(zip(batch.seq_ids, batch.seeds)):
+            if seed is not None:
+                q[i].exponential_(generator=self._generator(seq_id, seed))
         return (probs / q).argmax(dim=-1)
+
+    def _generator(self, seq_id: int, seed: int) -> torch.Generator:
+        generator = self._seeded.get(seq_id)
+        if generator is None:
+            generator = self._seeded[seq_id] = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+        return generator
 
     @staticmethod
     def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -106,45 +175,39 @@ class Sampler:
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
-    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        for i, s in enumerate(seqs):
-            for token, bias in s.params.logit_bias.items():
-                if 0 <= token < logits.shape[1]:
-                    logits[i, token] += bias
-        return logits
-
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence], history: list[list[int]]) -> torch.Tensor:
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, pen: Penalties, prev_tokens: list[int] | None) -> torch.Tensor:
         dev = logits.device
-        rows = len(seqs)
-        vocab = logits.shape[1]
+        rows, vocab = logits.shape
         # Output-token counts per row (presence/frequency) and a seen mask over prompt+output (repetition).
         counts = torch.zeros((rows, vocab), device=dev)
         seen = torch.zeros((rows, vocab), dtype=torch.bool, device=dev)
-        for i, (s, outputs) in enumerate(zip(seqs, history)):
+        for i, (history, prompt) in enumerate(zip(pen.histories, pen.prompts)):
+            outputs = _resolved(history, prev_tokens)
             if outputs:
                 out = torch.tensor(outputs, device=dev)
                 counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
-            if s.params.repetition_penalty != 1.0:
-                seen[i, torch.tensor(s.prompt_token_ids + outputs, device=dev)] = True
-        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev).unsqueeze(1)
+            if prompt is not None:
+                seen[i, torch.tensor(prompt + tuple(outputs), device=dev)] = True
+        rep = torch.tensor(pen.repetition, device=dev).unsqueeze(1)
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
-        presence = torch.tensor([s.params.presence_penalty for s in seqs], device=dev).unsqueeze(1)
-        frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev).unsqueeze(1)
+        presence = torch.tensor(pen.presence, device=dev).unsqueeze(1)
+        frequency = torch.tensor(pen.frequency, device=dev).unsqueeze(1)
         return logits - frequency * counts - presence * (counts > 0).float()
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor):
-        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        result: list[tuple[float, dict[int, float]] | None] = [None] * len(seqs)
+    def _logprobs(raw: torch.Tensor, num_logprobs: tuple[int | None, ...], tokens: torch.Tensor) -> list[Logprob | None]:
+        wanted = [i for i, n in enumerate(num_logprobs) if n is not None]
+        result: list[Logprob | None] = [None] * len(num_logprobs)
         if not wanted:
             return result
         rows = torch.tensor(wanted, device=raw.device)
         logp = raw[rows].log_softmax(dim=-1)
         chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
-        k = max(seqs[i].params.logprobs or 0 for i in wanted)
+        k = max(num_logprobs[i] or 0 for i in wanted)
         top_vals, top_ids = logp.topk(max(k, 1), dim=-1)
         for j, i in enumerate(wanted):
-            n = seqs[i].params.logprobs or 0
+            n = num_logprobs[i] or 0
             result[i] = (chosen[j], dict(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist())))
         return result

@@ -1,42 +1,59 @@
-"""Continuous batching: which sequences run in the next step, and how many tokens each.
+"""Continuous batching: which sequences run in the next step, and how many tokens each; and the one
+place where a step's results advance the sequences.
 
 Every step has a token budget. Running sequences go first (one token each when decoding, the
 next chunk when their prompt is still being prefilled), then waiting ones are admitted in arrival
 order while budget, sequence slots and KV blocks last. When a running sequence needs a block and
 none is free, the newest running sequence is preempted: its blocks are freed and it is recomputed
 later (its generated tokens are kept and prefilled with the prompt).
+
+A scheduled step advances its sequences at once (`schedule`): their computed-token counts move
+past the step's tokens and each sampling sequence gets a placeholder for its next token, so the
+next step can be planned while this one runs. `update_from_output` is where the sampled tokens
+land: placeholders resolved, stop conditions checked, finished sequences freed. `take_back`
+undoes a step that failed.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from tokenmill.engine.kv_cache import BlockAllocator, block_hash
-from tokenmill.engine.sequence import Sequence, SequenceStatus
+from tokenmill.engine.sequence import Logprob, Sequence, SequenceStatus, placeholder
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
-    # Whether this step reaches the end of the sequence's tokens, so a token is sampled (fixed when
-    # scheduled: the engine advances the sequence as soon as the step is launched).
-    samples: bool = field(init=False)
+    # This chunk reaches the end of the sequence's known tokens, so a token is sampled.
+    samples: bool
+    # The sequence as it was before this step advanced it: where the step's tokens start, and what
+    # `take_back` restores when the step fails. `epoch` tells whether its blocks were freed since.
+    epoch: int
+    num_computed_before: int
+    num_tokens_before: int
 
-    def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
-
-@dataclass
+@dataclass(frozen=True)
 class SchedulerOutput:
-    prefills: list[ScheduledSeq]  # chunks of more than one token (prompts, recomputation)
-    decodes: list[ScheduledSeq]  # exactly one new token, attended in one batched call
+    prefills: tuple[ScheduledSeq, ...]  # chunks of more than one token (prompts, recomputation)
+    # Exactly one new token each, attended in one batched call; shortest block table first, so the
+    # runner's length groups are contiguous runs.
+    decodes: tuple[ScheduledSeq, ...]
 
     @property
-    def all(self) -> list[ScheduledSeq]:
+    def all(self) -> tuple[ScheduledSeq, ...]:
+        """Every scheduled sequence, in the order of the step's tokens."""
         return self.prefills + self.decodes
+
+    @property
+    def sampled(self) -> tuple[ScheduledSeq, ...]:
+        """The sequences that sample, in the order of the sampler's rows (placeholder row numbers)."""
+        return tuple(item for item in self.all if item.samples)
 
     @property
     def num_tokens(self) -> int:
@@ -47,22 +64,23 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: Iterable[int] = ()) -> None:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Keep a few blocks free when admitting new sequences so running ones can keep decoding.
         self.watermark_blocks = max(1, allocator.num_blocks // 100)
+        self._released: list[int] = []  # ids of sequences ended since the last step (see take_released)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     # -- block bookkeeping -------------------------------------------------------------------
 
@@ -121,7 +139,7 @@ class Scheduler:
             seq.block_hashes.append(parent)
             self.allocator.register(seq.block_table[i], parent)
 
-    # -- the step ----------------------------------------------------------------------------
+    # -- planning a step -----------------------------------------------------------------------
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -131,9 +149,9 @@ class Scheduler:
         self.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step and advance its sequences as if its tokens were already known."""
         budget = self.max_num_batched_tokens
-        prefills: list[ScheduledSeq] = []
-        decodes: list[ScheduledSeq] = []
+        chunks: list[tuple[Sequence, int]] = []
         scheduled: set[int] = set()
 
         i = 0
@@ -151,8 +169,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                item = ScheduledSeq(seq, n)
-                (decodes if n == 1 else prefills).append(item)
+                chunks.append((seq, n))
                 scheduled.add(seq.seq_id)
                 budget -= n
                 i += 1
@@ -173,14 +190,84 @@ class Scheduler:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
             self.running.append(seq)
-            (decodes if n == 1 else prefills).append(ScheduledSeq(seq, n))
+            chunks.append((seq, n))
             budget -= n
-        return SchedulerOutput(prefills, decodes)
+        return self._advance(chunks)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its blocks at once."""
+    def _advance(self, chunks: list[tuple[Sequence, int]]) -> SchedulerOutput:
+        """Fix the step's order and move its sequences past it (placeholders for the sampled tokens)."""
+        items = [ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens, seq.epoch,
+                              seq.num_computed_tokens, seq.num_tokens) for seq, n in chunks]
+        prefills = tuple(item for item in items if item.num_new_tokens > 1)
+        decodes = tuple(sorted((item for item in items if item.num_new_tokens == 1),
+                               key=lambda item: len(item.seq.block_table)))
+        out = SchedulerOutput(prefills, decodes)
+        for item in items:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        for row, item in enumerate(out.sampled):
+            seq = item.seq
+            seq.append_pending(placeholder(row))
+            if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finishing = True  # known to end with this token: nothing to schedule after it
+        return out
+
+    # -- a step's results ----------------------------------------------------------------------
+
+    def update_from_output(self, step: SchedulerOutput, tokens: list[int] | None,
+                           logprobs: list[Logprob | None] | None) -> list[Sequence]:
+        """Land a finished step: register the blocks it filled, append each sampled token, check
+        stops, end and free finished sequences. Returns the step's sequences that were still live."""
+        touched = []
+        for item in step.all:
+            seq = item.seq
+            if seq.is_finished:  # aborted, or stopped a step earlier than the scheduler knew
+                continue
+            if seq.epoch == item.epoch:  # (not preempted since: the blocks are the ones computed)
+                self.register_full_blocks(seq, item.num_computed_before + item.num_new_tokens)
+            touched.append(seq)
+        if tokens is not None:
+            for item, token, logprob in zip(step.sampled, tokens, logprobs or [None] * len(tokens)):
+                if not item.seq.is_finished:
+                    self._append_token(item.seq, token, logprob)
+        return touched
+
+    def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None) -> None:
+        seq.resolve(token, logprob)
+        params = seq.params
+        stop_string = seq.detokenizer.add_token(token) if seq.detokenizer else None
+        if token in params.stop_token_ids:
+            self.finish(seq, "stop", token)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            self.finish(seq, "stop")
+        elif stop_string is not None:
+            self.finish(seq, "stop", stop_string)
+        elif seq.num_resolved_outputs >= params.max_tokens or seq.num_resolved_tokens >= self.max_model_len:
+            self.finish(seq, "length")
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None,
+               error: str | None = None) -> None:
+        """End a sequence (stopped, aborted or failed) and free its blocks at once."""
+        seq.finish(reason, stop_reason, error)
+        seq.drop_pending()  # tokens a later step is sampling for it are not wanted
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.free(seq)
+        self._released.append(seq.seq_id)
+
+    def take_released(self) -> list[int]:
+        """Sequences ended since the last call: the sampler may forget their per-sequence state."""
+        released, self._released = self._released, []
+        return released
+
+    def take_back(self, step: SchedulerOutput) -> None:
+        """Undo a step that never produced its tokens (it failed, or ran after a failed one)."""
+        for item in reversed(step.all):
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            if seq.epoch == item.epoch:
+                seq.num_computed_tokens = item.num_computed_before
+            seq.drop_pending(seq.num_tokens - item.num_tokens_before)
+            seq.finishing = False

@@ -6,11 +6,13 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.outputs import RequestMetrics
 from tokenmill.engine.sampling_params import SamplingParams
+
+
+# (logprob of the chosen token, {token id: logprob} of the top alternatives), per generated token.
+Logprob = tuple[float, dict[int, float]]
 
 
 def placeholder(row: int) -> int:
@@ -34,11 +36,10 @@ class Sequence:
     seq_id: int
     request_id: str
     index: int  # choice index within the request
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
-    generator: torch.Generator | None = None  # per-request RNG when a seed is given
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or being written by a launched step)
@@ -55,7 +56,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
+    logprobs: list[Logprob] | None = None
     # What the last RequestOutput already reported, so the next one carries only deltas.
     reported_text_len: int = 0
     reported_tokens: int = 0
@@ -75,6 +76,10 @@ class Sequence:
         return len(self.token_ids) - self.num_pending
 
     @property
+    def num_resolved_outputs(self) -> int:
+        return len(self.output_token_ids) - self.num_pending
+
+    @property
     def resolved_output_ids(self) -> list[int]:
         return self.output_token_ids[: len(self.output_token_ids) - self.num_pending]
 
@@ -92,12 +97,14 @@ class Sequence:
         self.token_ids.append(placeholder)
         self.num_pending += 1
 
-    def resolve(self, token: int) -> None:
+    def resolve(self, token: int, logprob: Logprob | None = None) -> None:
         """The oldest pending token is now known."""
         out_index = len(self.output_token_ids) - self.num_pending
         self.output_token_ids[out_index] = token
         self.token_ids[len(self.token_ids) - self.num_pending] = token
         self.num_pending -= 1
+        if logprob is not None and self.logprobs is not None:
+            self.logprobs.append(logprob)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = time.time()
 
@@ -111,7 +118,8 @@ class Sequence:
             del self.token_ids[-drop:]
             self.num_pending -= drop
 
-    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+    def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
+        self.error = error
