@@ -140,7 +140,12 @@ def _unknown_model_type(model_dir: Path) -> str:
     return r"config\.json: unsupported architecture 'no-such-arch'"
 
 
-BREAKAGES = [_truncate_weights, _corrupt_config_json, _drop_hidden_size, _unknown_model_type]
+def _unknown_activation(model_dir: Path) -> str:
+    _edit_config(model_dir, hidden_act="no-such-act")
+    return r"config\.json: unsupported activation 'no-such-act'"
+
+
+BREAKAGES = [_truncate_weights, _corrupt_config_json, _drop_hidden_size, _unknown_model_type, _unknown_activation]
 
 
 @pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda f: f.__name__.strip("_"))

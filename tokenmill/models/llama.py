@@ -194,6 +194,9 @@ def llama_spec(config, *, qkv_bias: bool, o_bias: bool, uniform_window: bool = F
     of it (dataclasses.replace) for what they add."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    activation = activation or getattr(config, "hidden_act", "silu")
+    if activation not in ACT2FN:
+        raise ValueError(f"unsupported activation {activation!r}")
     return ModelSpec(
         model_type=config.model_type,
         hidden_size=config.hidden_size,
@@ -209,7 +212,7 @@ def llama_spec(config, *, qkv_bias: bool, o_bias: bool, uniform_window: bool = F
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        activation=activation or getattr(config, "hidden_act", "silu"),
+        activation=activation,
         rope=rope_from_config(config, head_dim),
         eos_token_ids=[],
         bos_token_id=getattr(config, "bos_token_id", None),
