@@ -56,8 +56,12 @@ def test_api_key_required_on_v1_only(small_server: ServerProcess) -> None:
     assert_openai_error(completion(small_server, {"prompt": "hi", "max_tokens": 1}, headers={}), 401)
     assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
     assert completion(small_server, {"prompt": "hi", "max_tokens": 2}).status_code == 200
-    for open_path in ("/health/live", "/health/ready", "/metrics"):
+    for open_path in ("/health/live", "/health/ready", "/health", "/version", "/metrics", "/openapi.json"):
         assert httpx.get(f"{url}{open_path}").status_code == 200, open_path
+    assert_openai_error(httpx.get(f"{url}/v1/models/anything"), 401, "invalid_api_key")
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert_openai_error(httpx.post(f"{url}{path}", json=body), 401, "invalid_api_key")
+        assert httpx.post(f"{url}{path}", json=body, headers=AUTH).status_code == 200
 
     with pytest.raises(openai.AuthenticationError):
         openai_client(small_server, api_key="nope").models.list()
@@ -144,6 +148,7 @@ def test_sigterm_drains_in_flight_stream_then_exits_0(small_server: ServerProces
         assert time.monotonic() < deadline, "readiness did not turn 503 on SIGTERM"
         time.sleep(0.05)
     assert httpx.get(f"{small_server.base_url}/health/live").status_code == 200
+    assert httpx.get(f"{small_server.base_url}/health").status_code == 503  # vLLM's probe path agrees
     assert_openai_error(completion(small_server, {"prompt": "late", "max_tokens": 2}), 503, "draining")
     # gRPC health agrees with /health/ready: NOT_SERVING for the server and the Generation service.
     assert grpc_health() == grpc_health("tokenmill.v1.Generation") == health_pb2.HealthCheckResponse.NOT_SERVING

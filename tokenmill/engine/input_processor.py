@@ -143,11 +143,13 @@ class InputProcessor:
         """`render_chat` with this model's tokenizer (see there for the options)."""
         return render_chat(self.tokenizer, messages, **options)
 
-    def tokenize(self, text: str, *, escape_special: bool = False, param: str = "prompt") -> list[int]:
-        """A raw prompt's token ids, with the tokenizer's own BOS/EOS additions."""
+    def tokenize(self, text: str, *, escape_special: bool = False, param: str = "prompt",
+                 add_special_tokens: bool = True) -> list[int]:
+        """A raw prompt's token ids, with the tokenizer's own BOS/EOS additions unless turned off."""
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer: pass prompt token ids", param=param)
-        return list(self.tokenizer.encode(text, add_special_tokens=True, split_special_tokens=escape_special))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                          split_special_tokens=escape_special))
 
     def remaining_context(self, num_prompt_tokens: int, param: str = "messages") -> int:
         """How many tokens may follow a prompt of this length (OpenAI chat's default max_tokens)."""

@@ -13,17 +13,37 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill import __version__
+
+from . import openapi, tokenizer_api
 from .errors import APIError, bad_request, error_body, error_response
 from .generation import Generation
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openai_api import Job, prepare_chat, prepare_completion
-from .protocol import ModelCard, ModelList
+from .protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizePromptRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
 from .settings import ServerSettings
 from .state import GENERATION_ENDPOINTS, RequestRecord, ServerState, status_of
 
@@ -224,47 +244,99 @@ def _require_api_key(request: Request) -> None:
                        headers={"WWW-Authenticate": "Bearer"})
 
 
+def _require_json(request: Request) -> None:
+    """Bodies are JSON: another declared media type (text/plain, a form) is a 415, not a guess."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json, got {media_type}.", code="unsupported_media_type")
+
+
 def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; `app.state.server` is the shared ServerState (also used by gRPC)."""
     metrics = metrics or ServerMetrics(engine, endpoints=GENERATION_ENDPOINTS)
     engine.add_step_listener(metrics.on_step)
     state = ServerState(engine, settings, metrics)
-    app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM inference", version="0.1.0")
+    app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM inference", version=__version__)
     app.state.server = state
     app.add_middleware(RequestIdMiddleware)
     _add_error_handlers(app)
 
     auth = [Depends(_require_api_key)]
+    json_api = [Depends(_require_api_key), Depends(_require_json)]
 
-    @app.post(COMPLETIONS, dependencies=auth)
+    @app.post(COMPLETIONS, dependencies=json_api, openapi_extra=openapi.json_body(CompletionRequest),
+              responses=openapi.generation_responses(CompletionResponse, CompletionChunk))
     async def completions(request: Request) -> Response:
         return await _serve_generation(request, COMPLETIONS, prepare_completion)
 
-    @app.post(CHAT, dependencies=auth)
+    @app.post(CHAT, dependencies=json_api, openapi_extra=openapi.json_body(ChatCompletionRequest),
+              responses=openapi.generation_responses(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await _serve_generation(request, CHAT, prepare_chat)
 
-    @app.get("/v1/models", dependencies=auth)
+    def model_card() -> ModelCard:
+        return ModelCard(id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
+
+    @app.get("/v1/models", dependencies=auth, responses=openapi.errors(401))
     async def models() -> ModelList:
-        card = ModelCard(id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, responses=openapi.errors(401, 404))
+    async def retrieve_model(model_id: str) -> ModelCard:
+        state.check_model(model_id)
+        return model_card()
+
+    @app.post("/tokenize", dependencies=json_api, response_model=TokenizeResponse,
+              openapi_extra=openapi.json_body(TokenizePromptRequest, TokenizeChatRequest),
+              responses=openapi.errors(400, 401, 404, 408, 413, 415))
+    async def tokenize(request: Request) -> Response:
+        return await _serve_json(request, lambda raw: tokenizer_api.tokenize(state, raw))
+
+    @app.post("/detokenize", dependencies=json_api, response_model=DetokenizeResponse,
+              openapi_extra=openapi.json_body(DetokenizeRequest),
+              responses=openapi.errors(400, 401, 404, 408, 413, 415))
+    async def detokenize(request: Request) -> Response:
+        return await _serve_json(request, lambda raw: tokenizer_api.detokenize(state, raw))
 
     @app.get("/health/live")
-    async def live() -> dict[str, str]:
-        return {"status": "ok"}
+    async def live() -> HealthStatus:
+        return HealthStatus(status="ok")
 
-    @app.get("/health/ready")
-    async def ready() -> JSONResponse:
+    def readiness() -> JSONResponse:
         if state.ready():
             return JSONResponse({"status": "ready"})
         reason = "draining" if state.draining else "engine not running"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
-    @app.get("/metrics")
+    not_ready = {503: {"model": HealthStatus, "description": "Draining, or the engine is not running"}}
+
+    @app.get("/health/ready", response_model=HealthStatus, responses=not_ready)
+    async def ready() -> JSONResponse:
+        return readiness()
+
+    @app.get("/health", response_model=HealthStatus, responses=not_ready)
+    async def health() -> JSONResponse:
+        """vLLM's probe path: 200 when ready to serve, 503 otherwise (the same as /health/ready)."""
+        return readiness()
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    openapi.install(app, [CompletionRequest, ChatCompletionRequest, TokenizePromptRequest, TokenizeChatRequest,
+                          DetokenizeRequest], [CompletionChunk, ChatCompletionChunk])
     return app
+
+
+async def _serve_json(request: Request, handle: Callable[[bytes], Awaitable[BaseModel]]) -> Response:
+    """A small JSON endpoint that reads its own body (same limits and errors as generation)."""
+    raw = await read_body(request, request.app.state.server.settings)
+    return Response((await handle(raw)).model_dump_json(), media_type="application/json")
 
 
 def _add_error_handlers(app: FastAPI) -> None:

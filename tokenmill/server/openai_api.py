@@ -71,7 +71,8 @@ def _finite(x: float) -> float:
 def usage_of(record: RequestRecord) -> Usage:
     outs = record.last_outputs.values()
     return Usage.of(sum(len(o.prompt_token_ids) for o in outs),
-                    sum(len(c.token_ids) for o in outs for c in o.outputs))
+                    sum(len(c.token_ids) for o in outs for c in o.outputs),
+                    cached_tokens=sum(o.num_cached_tokens for o in outs))
 
 
 @dataclass
@@ -263,8 +264,8 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     processor = state.engine.input_processor
     trusted = state.settings.allow_special_tokens_in_messages
     # Templating + tokenizing a 1 MiB conversation takes a while: keep it off the event loop.
-    prompt_ids = await _checked(asyncio.to_thread(processor.render_chat, req.messages,
-                                                  special_tokens_in_content=trusted))
+    prompt_ids = await _checked(asyncio.to_thread(processor.render_chat, req.template_messages(),
+                                                  special_tokens_in_content=trusted, **req.template_options()))
     requested = req.requested_max_tokens()
     try:  # OpenAI's default max_tokens is "the rest of the context"
         max_tokens = processor.remaining_context(len(prompt_ids)) if requested is None else requested
@@ -273,7 +274,7 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
     prompt = await _checked(asyncio.to_thread(processor.process, prompt_ids, params, param="messages"))
     if state.settings.log_prompts:
-        record.prompt_text = repr([m.model_dump(exclude_none=True) for m in req.messages])
+        record.prompt_text = repr(req.template_messages())
     return ChatJob(
         prompts=[prompt], params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
         model=state.engine.model_name, response_id=f"chatcmpl-{record.request_id}",

@@ -1,41 +1,96 @@
-"""OpenAI wire format: request/response models for /v1/completions and /v1/chat/completions.
+"""OpenAI wire format: request/response models for /v1/completions, /v1/chat/completions and the
+tokenizer endpoints.
 
-Requests are strict (no "5" for 5, no unknown fields) because OpenAI rejects those too, and a silently
-ignored misspelt parameter ("max_token") is worse than a clear 400.
+Parsing is tolerant where real clients need it and strict where a mistake would go unnoticed:
+* every field of OpenAI's current request types is accepted (a test compares with the installed
+  `openai` package). Fields that do not apply to a self-hosted model (`store`, `metadata`, `user`,
+  `service_tier`, ...) are ignored and logged once per field;
+* fields tokenmill does not implement yet and that would change the output (`tools`,
+  `response_format`, `guided_json`, ...) get a 400 saying so: never a silent ignore;
+* unknown fields are ignored with a warning, once per name (vLLM's behaviour);
+* known fields are strictly typed (no "5" for 5) and range-checked: those stay 400s.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import time
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
 from tokenmill.engine.errors import InvalidRequest
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 
 from .errors import APIError, bad_request, from_invalid_request
 
+logger = logging.getLogger(__name__)
+
 MAX_BATCH_PROMPTS = 256
+_IGNORED = "x-tokenmill-ignored"
+_NOT_SUPPORTED = "x-tokenmill-not-supported"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+def ignored(why: str = "it does not apply to a self-hosted model") -> Any:
+    """A field accepted for compatibility that changes nothing here (logged once when sent)."""
+    return Field(None, description=f"Accepted and ignored: {why}.", json_schema_extra={_IGNORED: True})
 
 
-class StreamOptions(_Strict):
+def not_supported_yet() -> Any:
+    """A field that would change the output and is not implemented yet: setting it is a 400."""
+    return Field(None, description="Not supported yet: a request that sets it gets 400.",
+                 json_schema_extra={_NOT_SUPPORTED: True})
+
+
+# Values of not-yet-supported fields that ask for nothing beyond the default (clients send them).
+_HARMLESS: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: v == {"type": "text"},
+    "tools": lambda v: v == [],
+    "functions": lambda v: v == [],
+    "tool_calls": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),  # with no tools, both mean "answer in text"
+    "function_call": lambda v: v in ("none", "auto"),
+    "modalities": lambda v: v == ["text"],
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+}
+
+
+class _Lenient(BaseModel):
+    """Known fields strictly typed; unknown ones kept aside in `model_extra` (see `screen_fields`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
+    include_obfuscation: bool | None = ignored("streams are not obfuscated")
 
 
 # Fields that OpenAI's API documents as "... or null" (and vLLM's optional extras): null means the
 # default. The rest (and every value that is not null) stay strict.
 _NULL_MEANS_DEFAULT = frozenset({
     "n", "temperature", "top_p", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo",
-    "top_k", "min_p", "repetition_penalty",
+    "top_k", "min_p", "repetition_penalty", "add_generation_prompt", "continue_final_message",
 })
 
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
-class _SamplingRequest(_Strict):
+
+def _token_id_key(key: str) -> str:
+    # int() would read "1_0" as 10 and " 1", "+1" or "١" as numbers too: only plain decimal digits are ids.
+    if not _TOKEN_ID.fullmatch(key):
+        raise PydanticCustomError("token_id", "keys must be token ids (decimal integers)")
+    return key
+
+
+TokenIdKey = Annotated[str, AfterValidator(_token_id_key), WithJsonSchema({"type": "string", "pattern": "^[0-9]{1,10}$"})]
+
+
+class _SamplingRequest(_Lenient):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM-style extras)."""
 
     @model_validator(mode="before")
@@ -46,7 +101,7 @@ class _SamplingRequest(_Strict):
         return data
 
     model: str | None = None  # optional: a single-model server knows what to serve
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
     max_tokens: int | None = None
@@ -54,10 +109,9 @@ class _SamplingRequest(_Strict):
     top_p: float = 1.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted for compatibility; only ever logged as-is when --log-prompts
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None  # OpenAI sends token ids as JSON object keys
+    logit_bias: dict[TokenIdKey, float] | None = None  # OpenAI sends token ids as JSON object keys
     # Extras beyond the OpenAI API (same names as vLLM so existing clients' extra_body works).
     top_k: int = -1
     min_p: float = 0.0
@@ -65,6 +119,18 @@ class _SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # Accepted, no effect here.
+    user: str | None = ignored("end-user ids are only logged with --log-prompts")
+    store: bool | None = ignored()
+    metadata: dict[str, str] | None = ignored()
+    service_tier: str | None = ignored()
+    # Structured output (OpenAI's and vLLM's spellings): coming, until then a clear 400.
+    response_format: dict[str, Any] | None = not_supported_yet()
+    structured_outputs: dict[str, Any] | None = not_supported_yet()
+    guided_json: str | dict[str, Any] | None = not_supported_yet()
+    guided_regex: str | None = not_supported_yet()
+    guided_choice: list[str] | None = not_supported_yet()
+    guided_grammar: str | None = not_supported_yet()
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -72,10 +138,6 @@ class _SamplingRequest(_Strict):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Translate to engine params; SamplingParams' own validation errors become 400s."""
-        try:
-            logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
-        except ValueError:
-            raise bad_request("logit_bias keys must be token ids", param="logit_bias") from None
         values: dict[str, Any] = dict(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -90,7 +152,7 @@ class _SamplingRequest(_Strict):
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            logit_bias=logit_bias,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -102,16 +164,12 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
-    suffix: str | None = None
+    echo: bool | None = not_supported_yet()
+    suffix: str | None = not_supported_yet()
 
     def check_unsupported(self) -> None:
-        if self.echo:
-            raise bad_request("echo is not supported", param="echo")
-        if self.suffix:
-            raise bad_request("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of must be equal to n (or unset)", param="best_of")
 
@@ -131,22 +189,65 @@ class CompletionRequest(_SamplingRequest):
         return batch  # each one is checked by the input processor
 
 
-class TextContentPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Lenient):
+    """One part of a message's content; the input processor accepts text parts only."""
+
+    type: str
+    text: str | None = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    refusal: str | None = ignored("chat templates do not render it")
+    tool_calls: list[dict[str, Any]] | None = not_supported_yet()
+    tool_call_id: str | None = not_supported_yet()
+    function_call: dict[str, Any] | None = not_supported_yet()
+    audio: dict[str, Any] | None = not_supported_yet()
+
+    def for_template(self) -> dict[str, Any]:
+        """What the chat template sees: the known fields that are set (unknown ones are ignored)."""
+        return self.model_dump(include=set(type(self).model_fields), exclude_none=True)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatTemplateOptions(_Lenient):
+    """vLLM's chat-rendering extras, shared by chat completions and /tokenize."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last (assistant) message open for the model to continue
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    chat_template: str | None = not_supported_yet()  # a client-supplied template: the model's own is used
+
+    def template_options(self) -> dict[str, Any]:
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name for max_tokens; wins when both are set
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Accepted, no effect here.
+    parallel_tool_calls: bool | None = ignored("tool calling is not supported yet; without tools it means nothing")
+    prompt_cache_key: str | None = ignored("prefix caching is automatic")
+    prompt_cache_options: dict[str, Any] | None = ignored("prefix caching is automatic")
+    prompt_cache_retention: str | None = ignored("prefix caching is automatic")
+    safety_identifier: str | None = ignored()
+    reasoning_effort: str | None = ignored()
+    verbosity: str | None = ignored()
+    prediction: dict[str, Any] | None = ignored("predicted outputs only speed up OpenAI's models")
+    # Would change the output; not implemented yet.
+    tools: list[dict[str, Any]] | None = not_supported_yet()
+    tool_choice: str | dict[str, Any] | None = not_supported_yet()
+    functions: list[dict[str, Any]] | None = not_supported_yet()
+    function_call: str | dict[str, Any] | None = not_supported_yet()
+    modalities: list[str] | None = not_supported_yet()
+    audio: dict[str, Any] | None = not_supported_yet()
+    web_search_options: dict[str, Any] | None = not_supported_yet()
+    moderation: dict[str, Any] | None = not_supported_yet()
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -156,19 +257,28 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
 
 # ---------------------------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not recomputed)
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):
@@ -276,15 +386,126 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer endpoints
+
+
+class TokenizePromptRequest(_Lenient):
+    """vLLM's /tokenize body for a raw prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # the tokenizer's own BOS/EOS additions
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatTemplateOptions):
+    """vLLM's /tokenize body for a conversation, rendered exactly as chat completions renders it."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool = False  # the chat template places the special tokens
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = not_supported_yet()
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class HealthStatus(BaseModel):
+    status: str
+    reason: str | None = None
+
+
 # ---------------------------------------------------------------------------------------------- parsing
 
 
-def parse_request(model: type[_Strict], raw: bytes) -> Any:
-    """Validate a JSON body, turning pydantic's errors into one OpenAI-style 400."""
+def parse_request(model: type[_Lenient], raw: bytes) -> Any:
+    """Validate a JSON body (pydantic's errors become one OpenAI-style 400), then screen its fields."""
     try:
-        return model.model_validate_json(raw)
+        request = model.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    screen_fields(request)
+    return request
+
+
+def screen_fields(model: BaseModel, path: str = "") -> None:
+    """400 for a set field that is not supported yet; log ignored and unknown fields (once per name)."""
+    for name in model.model_fields_set:
+        value = getattr(model, name, None)
+        if name in (model.model_extra or {}):
+            _FIELD_LOG.once("unknown", _field_name(path + name))
+            continue
+        marker = type(model).model_fields[name].json_schema_extra or {}
+        where = f"{path}{name}"
+        if value is None:
+            continue
+        if marker.get(_NOT_SUPPORTED) and not _HARMLESS.get(name, lambda _: False)(value):
+            raise bad_request(f"'{where}' is not supported yet", param=where, code="unsupported_parameter")
+        if marker.get(_IGNORED):
+            _FIELD_LOG.once("ignored", _field_name(where))
+        for i, item in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(item, BaseModel):
+                screen_fields(item, f"{where}[{i}]." if isinstance(value, list) else f"{where}.")
+
+
+def _field_name(where: str) -> str:
+    return re.sub(r"\[\d+\]", "[]", where)[:80]  # one log line per field, not per message index
+
+
+class _FieldLog:
+    """Logs each ignored or unknown field name once per process, and at most `limit` names (a
+    client making up new names must not grow memory or the log)."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._seen: set[tuple[str, str]] = set()
+
+    def once(self, kind: str, name: str) -> None:
+        key = (kind, name)
+        if key in self._seen or len(self._seen) >= self.limit:
+            return
+        self._seen.add(key)
+        if kind == "unknown":
+            logger.warning("unknown request field ignored (logged once per field)", extra={"field": name})
+        else:
+            logger.info("request field has no effect here and is ignored (logged once per field)", extra={"field": name})
+
+
+_FIELD_LOG = _FieldLog()
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -295,9 +516,11 @@ def validation_error(exc: ValidationError) -> APIError:
         return bad_request(f"Invalid JSON body: {first['msg'].removeprefix('Invalid JSON: ')}", code="invalid_json")
     if not loc:
         return bad_request("The request body must be a JSON object", code="invalid_json")
+    if loc[-1] == "[key]":  # a bad key of a mapping (logit_bias)
+        param = _param_name(loc[:-2])
+        return bad_request(f"Invalid key {str(loc[-2])!r} in '{param}': {first['msg']}", param=param,
+                           code="invalid_value")
     param = _param_name(loc)
-    if kind == "extra_forbidden":
-        return bad_request(f"Unrecognized request argument supplied: {param}", param=param)
     if kind == "missing":
         return bad_request(f"Missing required parameter: '{param}'", param=param)
     # A union field (prompt, stop, content) fails once per alternative: one message says it better.
