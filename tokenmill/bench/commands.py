@@ -18,6 +18,7 @@ from typing import Any
 OPTIONAL_BENCH_COMMANDS = [
     ("tokenmill.bench.offline", "register_offline"),
     ("tokenmill.bench.features", "register_features"),
+    ("tokenmill.bench.moe_dispatch", "register_moe_dispatch"),
 ]
 
 

@@ -3,6 +3,8 @@
 On CPU the linear layers become torch.ao dynamic-quantized modules: int8 weights with a scale per
 output channel, activations quantized per step, int8 GEMMs from fbgemm (4x fewer weight bytes to
 stream, the bound of decode). On GPU each weight is stored in int8 and dequantised on the fly.
+MoE expert weights are split into one linear per expert first and quantized the same way; MoE
+routers are not linear layers and stay in the model dtype (int8 routing would pick other experts).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import warnings
 
 import torch
 from torch import nn
+
+from tokenmill.models.moe import split_experts
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +37,9 @@ class WeightOnlyInt8Linear(nn.Module):
 
 def _untie_lm_head(model: nn.Module) -> None:
     # The tied lm_head shares the embedding Parameter; quantize a copy so the embedding stays exact.
-    head = model.lm_head
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        return
     head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
 
 
@@ -41,6 +47,7 @@ def quantize_model(model: nn.Module, method: str) -> None:
     if method != "int8":
         raise ValueError(f"unsupported quantization {method!r}; supported: int8")
     _untie_lm_head(model)
+    split_experts(model)
     device = next(model.parameters()).device
     before = _linear_bytes(model)
     if device.type == "cpu":

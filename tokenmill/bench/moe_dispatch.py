@@ -1,0 +1,129 @@
+"""`tokenmill bench moe-dispatch`: the ways tokenmill can run one MoE layer's experts, timed on the
+same routed tokens (batch-1 and batch-64 decode, a 512-token prefill by default).
+
+Each way is the product code of tokenmill.models.moe: the stacked weights through `grouped_mm`,
+a loop over the experts that received tokens on plain (MKL) linears, the same loop on
+oneDNN-packed linears (`--onednn-linear`) and on torch.ao int8 linears (`--quantization int8`).
+Every way is checked against the first before it is timed (fp32: within 1e-4; int8: reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from tokenmill.bench.commands import positive_int
+
+
+@dataclass
+class DispatchRow:
+    tokens: int
+    method: str
+    best_ms: float
+    max_abs_diff: float  # against the first method, on the same tokens
+
+
+def _layer(hidden: int, intermediate: int, experts: int, top_k: int, seed: int):
+    from tokenmill.models.moe import MoEConfig, SparseMoE
+
+    torch.manual_seed(seed)
+    config = MoEConfig(num_experts=experts, top_k=top_k, expert_intermediate_size=intermediate,
+                       normalize_top_k=True, weights_in_model_dtype=False)
+    layer = SparseMoE(hidden, config).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * hidden**-0.5)
+    return layer
+
+
+def _variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """(name, layer) for each way, all with the same weights."""
+    from tokenmill.models.moe import split_experts
+    from tokenmill.models.onednn import onednn_linear_available, pack_linears
+    from tokenmill.models.quant import quantize_model
+
+    def make():
+        return _layer(args.hidden_size, args.intermediate_size, args.num_experts, args.top_k, args.seed)
+
+    grouped = make()
+    loop = make()
+    split_experts(loop)
+    variants = [("grouped_mm", grouped), ("loop, MKL linears", loop)]
+    if onednn_linear_available():
+        packed = make()
+        pack_linears(packed)
+        variants.append(("loop, oneDNN packed", packed))
+    int8 = make()
+    quantize_model(int8, "int8")
+    variants.append(("loop, int8 (torch.ao)", int8))
+    return variants
+
+
+def _best_ms(layer, x: torch.Tensor, reps: int) -> float:
+    layer(x)  # warm-up: oneDNN builds its primitive for the shape
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        layer(x)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def run(args: argparse.Namespace) -> list[DispatchRow]:
+    rows = []
+    variants = _variants(args)
+    with torch.inference_mode():
+        for tokens in args.tokens:
+            x = torch.randn(tokens, args.hidden_size, generator=torch.Generator().manual_seed(tokens))
+            reference = variants[0][1](x)
+            for name, layer in variants:
+                diff = (layer(x) - reference).abs().max().item()
+                if "int8" not in name and diff > 1e-4:
+                    raise RuntimeError(f"{name} disagrees with {variants[0][0]} by {diff:.2e}")
+                rows.append(DispatchRow(tokens, name, _best_ms(layer, x, args.reps), diff))
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    print(f"MoE layer: hidden {args.hidden_size}, expert intermediate {args.intermediate_size}, "
+          f"{args.num_experts} experts, top-{args.top_k}, fp32, {torch.get_num_threads()} threads; "
+          f"best of {args.reps}")
+    rows = run(args)
+    print(f"{'tokens':>7}  {'method':<24}{'ms':>10}  {'vs grouped_mm':>13}  max |diff|")
+    base = {r.tokens: r.best_ms for r in rows if r.method == "grouped_mm"}
+    for r in rows:
+        print(f"{r.tokens:>7}  {r.method:<24}{r.best_ms:>10.2f}  {base[r.tokens] / r.best_ms:>12.2f}x  {r.max_abs_diff:.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"},
+                       "rows": [asdict(r) for r in rows]}, f, indent=2)
+    return 0
+
+
+def register_moe_dispatch(bench_subparsers: Any) -> None:
+    parser = bench_subparsers.add_parser(
+        "moe-dispatch", help="time the ways of running one MoE layer's experts",
+        description="Route random tokens through one mixture-of-experts layer and time each way tokenmill can "
+                    "run its experts: stacked weights through grouped_mm, a loop over the experts that received "
+                    "tokens on MKL linears, on oneDNN-packed linears and on int8 linears.",
+    )
+    parser.add_argument("--hidden-size", type=positive_int, default=1024, help="model width (default: 1024)")
+    parser.add_argument("--intermediate-size", type=positive_int, default=3584,
+                        help="each expert's intermediate size (default: 3584)")
+    parser.add_argument("--num-experts", type=positive_int, default=8, help="experts in the layer (default: 8)")
+    parser.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default: 2)")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 64, 512], metavar="N",
+                        help="token counts to time: decode batch sizes or a prefill length (default: 1 64 512)")
+    parser.add_argument("--reps", type=positive_int, default=10, help="timed repetitions; the best counts (default: 10)")
+    parser.add_argument("--num-threads", type=positive_int, default=None,
+                        help="torch threads (default: torch's default, one per core)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON to PATH")
+    parser.set_defaults(func=main)
