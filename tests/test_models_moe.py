@@ -89,3 +89,122 @@ def test_onednn_packing_and_int8_handle_expert_weights():
         got = int8(x)
     cosine = torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0)
     assert cosine > 0.99, cosine
+
+
+# --- whole models through the engine -------------------------------------------------------------
+
+def _tiny_configs() -> dict:
+    from transformers import MixtralConfig, Qwen2MoeConfig
+
+    common = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    return {
+        "mixtral": MixtralConfig(**common, intermediate_size=96, num_hidden_layers=2, num_local_experts=8,
+                                 num_experts_per_tok=2),
+        # Layers 0 and 2 sparse, layer 1 dense (mlp_only_layers); top-k not renormalised.
+        "qwen2_moe": Qwen2MoeConfig(**common, intermediate_size=96, num_hidden_layers=3, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=80, num_experts=8, num_experts_per_tok=2,
+                                    mlp_only_layers=[1], norm_topk_prob=False),
+    }
+
+
+MOE_TYPES = list(_tiny_configs())
+
+
+@pytest.fixture(scope="module")
+def moe_model_dirs(tmp_path_factory, default_model_dir) -> dict:
+    from tests.conftest import save_random_model
+
+    return {name: save_random_model(config, default_model_dir, tmp_path_factory.mktemp(f"tiny-{name}"), seed=3)
+            for name, config in _tiny_configs().items()}
+
+
+def _hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_greedy_matches_hf_generate(moe_model_dirs, model_type):
+    """Batched mixed-length prompts, chunked prefill (64-token budget) and a prefix-cache hit."""
+    from tests.conftest import hf_greedy, mixed_prompts
+    from tokenmill import LLM, SamplingParams
+
+    model_dir = moe_model_dirs[model_type]
+    llm = LLM(str(model_dir), progress=False, kv_cache_memory="32MiB", max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = mixed_prompts(6, 1, 150, seed=13)
+    assert max(map(len, prompts)) > 64  # some prompts prefill in several chunks
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # Second round: the longest prompt's first 96 tokens (6 cached blocks) with new endings.
+    prefix = max(prompts, key=len)[:96]
+    followups = [prefix + suffix for suffix in mixed_prompts(3, 2, 20, seed=14)]
+    hits_before = llm.engine.stats().prefix_cache_hits_total
+    outs += [o.outputs[0].token_ids for o in llm.generate(followups, params)]
+    assert llm.engine.stats().prefix_cache_hits_total > hits_before
+    for prompt, got in zip(prompts + followups, outs):
+        assert got == hf_greedy(model_dir, prompt, 12), f"{len(prompt)}-token prompt"
+    assert len({tuple(o) for o in outs}) > 1  # not one degenerate output for everything
+
+
+def _save_fused_layout(model_dir, target):
+    """The same model saved with transformers' in-memory names (experts.gate_up_proj [E, 2I, H])."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, target)
+    (target / "model.safetensors").unlink()
+    state = {k: v.contiguous() for k, v in _hf_model(model_dir).state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_loaded_layers_match_hf_layers(moe_model_dirs, tmp_path, model_type, layout):
+    """Every layer's MLP (sparse with its shared expert, or dense) as loaded from either checkpoint
+    layout equals transformers' on random hidden states, each routing path included."""
+    from tokenmill.models.loader import load_model
+    from tokenmill.models.onednn import pack_linears
+
+    model_dir = moe_model_dirs[model_type]
+    if layout == "fused":
+        model_dir = _save_fused_layout(model_dir, tmp_path / "fused")
+    ours, spec = load_model(model_dir, torch.float32, torch.device("cpu"), progress=False)
+    hf = _hf_model(moe_model_dirs[model_type])
+    x = torch.randn(40, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = [layer.mlp(x[None])[0] for layer in hf.model.layers]
+        for ours_layer, want in zip(ours.layers, expected):
+            torch.testing.assert_close(ours_layer.mlp(x), want, atol=1e-5, rtol=0)
+        pack_linears(ours)  # the engine's default CPU form: per-expert oneDNN linears
+        for ours_layer, want in zip(ours.layers, expected):
+            torch.testing.assert_close(ours_layer.mlp(x), want, atol=1e-5, rtol=0)
+    assert [type(layer.mlp).__name__ for layer in ours.layers] == \
+        ["SparseMoE" if sparse else "LlamaMLP" for sparse in spec.sparse_layers]
+
+
+def test_checkpoint_with_an_extra_expert_is_refused(moe_model_dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.models.loader import ModelLoadError, load_model
+
+    target = shutil.copytree(moe_model_dirs["mixtral"], tmp_path / "extra")
+    state = load_file(str(target / "model.safetensors"))
+    state["model.layers.0.block_sparse_moe.experts.8.w1.weight"] = state["model.layers.0.block_sparse_moe.experts.0.w1.weight"].clone()
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"experts\.8\.w1"):
+        load_model(target, torch.float32, torch.device("cpu"), progress=False)
+
+
+def test_tensor_parallel_is_refused_for_moe(moe_model_dirs):
+    from tokenmill.models.loader import load_spec
+    from tokenmill.models.parallel import check_shardable
+
+    with pytest.raises(ValueError, match="mixtral"):
+        check_shardable(load_spec(moe_model_dirs["mixtral"]), 2)

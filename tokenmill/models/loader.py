@@ -24,7 +24,9 @@ from tokenmill.models.spec import ModelSpec, as_list
 
 logger = logging.getLogger(__name__)
 
-FUSED_PARTS = {"qkv": 3, "gate_up": 2}  # fused group -> number of checkpoint tensors concatenated
+# Fused group -> number of checkpoint tensors concatenated (dim 0) into one weight. A model adds its
+# own groups in a `fused_parts` attribute (MoE: one part per expert, stacked into [E, ...]).
+FUSED_PARTS = {"qkv": 3, "gate_up": 2}
 
 
 class ModelLoadError(ValueError):
@@ -158,8 +160,16 @@ def _is_ignored(name: str, cls: type) -> bool:
     return name.endswith(tuple(getattr(cls, "ignored_checkpoint_tensors", ())))
 
 
+def _join_parts(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """A fused group's parts concatenated; per-expert parts [E * rows, cols] viewed as [E, rows, cols]."""
+    joined = torch.cat(parts, dim=0)
+    if joined.dim() != len(shape) and joined.numel() == shape.numel():
+        return joined.view(shape)
+    return joined  # (a wrong size is reported by the shape check)
+
+
 def _read_state(model_dir: Path, cls: type, expected: dict[str, torch.Tensor], dtype: torch.dtype,
-                progress: bool) -> dict[str, torch.Tensor]:
+                progress: bool, fused_parts: dict[str, int]) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor renamed (and fused) into the model's names; unknown tensors are an error."""
     from tqdm.auto import tqdm
 
@@ -182,10 +192,13 @@ def _read_state(model_dir: Path, cls: type, expected: dict[str, torch.Tensor], d
         if group is None:
             state[name] = tensor
             continue
-        slots = fused.setdefault(name, [None] * FUSED_PARTS[group])
+        slots = fused.setdefault(name, [None] * fused_parts[group])
+        if part >= len(slots):  # e.g. an expert beyond the config's count
+            unexpected.append(hf_name)
+            continue
         slots[part] = tensor
         if all(t is not None for t in slots):
-            state[name] = torch.cat(slots, dim=0)
+            state[name] = _join_parts(slots, expected[name].shape)
             del fused[name]
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
@@ -207,7 +220,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, progre
     with torch.device("meta"):
         model = cls(spec, tp) if tp.enabled else cls(spec)
     expected = dict(model.state_dict())
-    state = _read_state(model_dir, cls, expected, dtype, progress)
+    state = _read_state(model_dir, cls, expected, dtype, progress, {**FUSED_PARTS, **getattr(model, "fused_parts", {})})
     tied = getattr(cls, "tied_weights", {}) if spec.tie_word_embeddings else {}
     for name in tied:  # the tied copy (if the checkpoint has one) is the embedding, as in HF
         expected.pop(name, None)

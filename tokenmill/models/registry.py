@@ -35,6 +35,7 @@ FAMILY_MODULES = [
     "tokenmill.models.gemma3",
     "tokenmill.models.phi3",
     "tokenmill.models.gpt2",
+    "tokenmill.models.moe_decoder",
 ]
 
 NATIVE = "native"
