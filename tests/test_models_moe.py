@@ -99,8 +99,9 @@ def _tiny_configs() -> dict:
     common = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     return {
+        # A 48-token sliding window: prompts and outputs run past it.
         "mixtral": MixtralConfig(**common, intermediate_size=96, num_hidden_layers=2, num_local_experts=8,
-                                 num_experts_per_tok=2),
+                                 num_experts_per_tok=2, sliding_window=48),
         # Layers 0 and 2 sparse, layer 1 dense (mlp_only_layers); top-k not renormalised.
         "qwen2_moe": Qwen2MoeConfig(**common, intermediate_size=96, num_hidden_layers=3, moe_intermediate_size=48,
                                     shared_expert_intermediate_size=80, num_experts=8, num_experts_per_tok=2,

@@ -24,8 +24,8 @@ class MoESpec(ModelSpec):
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP
 
 
-def moe_spec(config, *, qkv_bias: bool, o_bias: bool) -> MoESpec:
-    base = llama_spec(config, qkv_bias=qkv_bias, o_bias=o_bias)
+def moe_spec(config, *, qkv_bias: bool, o_bias: bool, uniform_window: bool) -> MoESpec:
+    base = llama_spec(config, qkv_bias=qkv_bias, o_bias=o_bias, uniform_window=uniform_window)
     sparse = tuple(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
     return MoESpec(**{f.name: getattr(base, f.name) for f in fields(base)}, moe=moe_config(config),
                    sparse_layers=sparse)
@@ -74,12 +74,13 @@ def _shared_expert(spec: MoESpec, moe: MoEConfig) -> LlamaMLP | None:
 
 register(Architecture(
     "mixtral", ("MixtralForCausalLM",), MoEForCausalLM,
-    lambda c: moe_spec(c, qkv_bias=False, o_bias=False),
+    lambda c: moe_spec(c, qkv_bias=False, o_bias=False, uniform_window=True),
     LLAMA_REQUIRED_KEYS + ("num_local_experts", "num_experts_per_tok"),
-    features="Llama + sparse MoE (top-k routing, batched expert GEMMs)"))
+    features="Mistral + sparse MoE (top-k routing, batched expert GEMMs), sliding window on every layer"))
 register(Architecture(
     "qwen2_moe", ("Qwen2MoeForCausalLM",), MoEForCausalLM,
-    lambda c: moe_spec(c, qkv_bias=bool(c.qkv_bias), o_bias=False),
+    lambda c: moe_spec(c, qkv_bias=bool(c.qkv_bias), o_bias=False, uniform_window=False),
     LLAMA_REQUIRED_KEYS + ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                            "shared_expert_intermediate_size"),
-    features="Qwen2 + sparse MoE with a sigmoid-gated shared expert, decoder_sparse_step/mlp_only_layers"))
+    features="Qwen2 + sparse MoE with a sigmoid-gated shared expert, decoder_sparse_step/mlp_only_layers, "
+             "sliding window via layer_types"))
