@@ -1,9 +1,9 @@
 """`tokenmill bench moe-dispatch`: the ways tokenmill can run one MoE layer's experts, timed on the
 same routed tokens (batch-1 and batch-64 decode, a 512-token prefill by default).
 
-Each way is the product code of tokenmill.models.moe: the stacked weights through `grouped_mm`,
-a loop over the experts that received tokens on plain (MKL) linears, the same loop on
-oneDNN-packed linears (`--onednn-linear`) and on torch.ao int8 linears (`--quantization int8`).
+Each way is the product code of tokenmill.models.moe: the stacked weights through `grouped_mm`
+(fp32 default), a loop over the experts that received tokens on plain (MKL) linears, the same loop
+on oneDNN-packed linears (PackedLinear) and on torch.ao int8 linears (`--quantization int8`).
 Every way is checked against the first before it is timed (fp32: within 1e-4; int8: reported).
 """
 
@@ -56,6 +56,7 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
     variants = [("grouped_mm", grouped), ("loop, MKL linears", loop)]
     if onednn_linear_available():
         packed = make()
+        split_experts(packed)  # (--onednn-linear itself leaves experts on grouped_mm: see moe.py)
         pack_linears(packed)
         variants.append(("loop, oneDNN packed", packed))
     int8 = make()

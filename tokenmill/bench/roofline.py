@@ -71,6 +71,7 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
     buffers count (weight-only quantization may keep int8 weights and scales as buffers). Embedding
     tables that no Linear layer shares are left out of the streamed bytes: a step reads only one row
     of them per token. A tied embedding is read in full by the lm_head, so it stays in, once.
+    Of a mixture-of-experts layer's experts, a batch-1 step reads only the top-k it routes to.
     """
     seen: dict[int, int] = {}
     linear_ptrs: set[int] = set()
@@ -99,7 +100,19 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
             opaque += q.numel() * q.element_size()
     total = sum(seen.values())
     untied = sum(seen.get(ptr, 0) for ptr in embedding_ptrs - linear_ptrs)
-    return total + opaque, total - untied + opaque
+    return total + opaque, total - untied + opaque - _unrouted_expert_bytes(model)
+
+
+def _unrouted_expert_bytes(model: nn.Module) -> int:
+    """Bytes of the experts a batch-1 step does not route to (E - k of every MoE layer's E)."""
+    from tokenmill.models.moe import SparseMoE
+
+    unread = 0
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            config = module.gate.config
+            unread += model_weight_bytes(module.experts)[0] * (config.num_experts - config.top_k) // config.num_experts
+    return unread
 
 
 def measure_decode_step(llm: Any, prompt_len: int = 32, new_tokens: int = 128, reps: int = 2,

@@ -9,6 +9,7 @@ import sys
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from tokenmill.engine.config import EngineConfig
+    from tokenmill.models.hub import TINY_ARCHITECTURES
 
     gen = subparsers.add_parser("generate", help="generate text for one prompt (offline, no server)",
                                 description="Generate text for a prompt with the engine, in this process.")
@@ -25,13 +26,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     EngineConfig.add_cli_args(gen)
     gen.set_defaults(func=_generate)
 
-    tiny = subparsers.add_parser("make-tiny-model", help="write a small deterministic random-init Llama model for tests",
-                                 description="Write a deterministic random-init Llama-architecture model (~28M params, "
-                                             "SmolLM2 tokenizer) in standard Hugging Face format.")
+    tiny = subparsers.add_parser("make-tiny-model", help="write a small deterministic random-init model for tests",
+                                 description="Write a deterministic random-init model in standard Hugging Face format "
+                                             "(SmolLM2 tokenizer): a Llama (~28M params) or a mixture-of-experts model "
+                                             "of the same width and active size.")
     tiny.add_argument("dir", help="output directory")
     tiny.add_argument("--seed", type=int, default=0, help="weight init seed")
     tiny.add_argument("--tokenizer", metavar="DIR", default=None,
                       help="directory with the tokenizer files to use (default: the bundled SmolLM2's)")
+    tiny.add_argument("--architecture", choices=TINY_ARCHITECTURES, default="llama",
+                      help="model_type to build; the MoE ones have 8 experts, top-2 (default: llama)")
     tiny.set_defaults(func=_make_tiny)
 
 
@@ -61,5 +65,5 @@ def _generate(args: argparse.Namespace) -> int:
 def _make_tiny(args: argparse.Namespace) -> int:
     from tokenmill.models.hub import make_tiny_model
 
-    print(make_tiny_model(args.dir, seed=args.seed, tokenizer_dir=args.tokenizer))
+    print(make_tiny_model(args.dir, seed=args.seed, tokenizer_dir=args.tokenizer, architecture=args.architecture))
     return 0

@@ -103,18 +103,34 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     )
 
 
-def make_tiny_model(target: str | os.PathLike, seed: int = 0, tokenizer_dir: str | os.PathLike | None = None) -> Path:
-    """Write a deterministic random-init Llama model (~28M params) with the SmolLM2 tokenizer (or
-    the one in `tokenizer_dir`, e.g. on a machine without the bundled model)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+# `make_tiny_model` architectures: the tiny Llama, and MoE models of the same width whose active
+# parameters per token (top-2 of 8 experts of width 512) match its dense MLP (width 1024).
+TINY_ARCHITECTURES = ("llama", "mixtral", "qwen2_moe", "qwen3_moe")
+_TINY_MOE = {
+    "mixtral": dict(intermediate_size=512, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(intermediate_size=1024, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                      num_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": dict(intermediate_size=1024, moe_intermediate_size=512, num_experts=8, num_experts_per_tok=2,
+                      head_dim=64, norm_topk_prob=True),
+}
 
+
+def make_tiny_model(target: str | os.PathLike, seed: int = 0, tokenizer_dir: str | os.PathLike | None = None,
+                    architecture: str = "llama") -> Path:
+    """Write a deterministic random-init model (Llama: ~28M params; MoE: ~45M, same active size)
+    with the SmolLM2 tokenizer (or the one in `tokenizer_dir`, e.g. on a machine without the
+    bundled model)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {architecture!r}; choose from {', '.join(TINY_ARCHITECTURES)}")
     target = Path(target)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or default_model_dir())
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        architecture,
         vocab_size=len(tokenizer),
         hidden_size=384,
-        intermediate_size=1024,
         num_hidden_layers=6,
         num_attention_heads=6,
         num_key_value_heads=2,
@@ -124,9 +140,10 @@ def make_tiny_model(target: str | os.PathLike, seed: int = 0, tokenizer_dir: str
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **_TINY_MOE.get(architecture, dict(intermediate_size=1024)),
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)

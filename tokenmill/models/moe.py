@@ -7,16 +7,19 @@ back in (token, k) order, scaled by the routing weights and summed over k (the o
 `grouped_mm` experts path, and deterministic: no scatter-add).
 
 Expert weights load stacked: `gate_up_proj` [E, 2 * I, H] and `down_proj` [E, H, I], HF's own fused
-layout. Two ways run them (`tokenmill bench moe-dispatch` measures both; 2-core AVX-512 EPYC, fp32,
-see bench/README.md):
-- `GroupedExperts`: the stacked weights through `torch.nn.functional.grouped_mm` (one call per
-  projection over all experts; no host sync, so it suits GPUs and `--compile`). On CPU it runs the
-  same MKL GEMMs as a loop over experts (bit-identical results, same speed).
-- `ExpertLinears`: one `nn.Linear` per expert, looped over the experts that received tokens.
-  `--onednn-linear` packs these like every other linear layer, and `--quantization int8` quantizes
-  them; packed, the loop beat `grouped_mm` by 1.4-2.6x on batch-64 decode and 512-token prefill
-  (oneDNN's GEMMs are faster than MKL's here, see onednn.py), and matched it on batch-1 decode.
-  `split_experts` converts the stacked weights into this form at load (views, no copy).
+layout, and run in one of two ways:
+- `GroupedExperts` (default): the stacked weights through `torch.nn.functional.grouped_mm`, one
+  call per projection over all experts, no host sync (suits GPUs and `--compile`).
+- `ExpertLinears`: one `nn.Linear` per expert, looped over the experts that received tokens; the
+  form `--quantization int8` rewrites (`split_experts` makes it at load: views, no copy).
+`tokenmill bench moe-dispatch` times them (fp32, 1 thread, best of 7, on a shared 2-core EPYC; the
+lead's quiet-machine figures go to bench/README.md). Mixtral-like experts (H 1024, I 3584, 8, top-2)
+at 1 / 64 / 512 tokens: grouped_mm 21 / 511 / 969 ms, loop over MKL linears 22 / 504 / 1141 ms,
+over oneDNN-packed linears 37 / 302 / 855 ms, over int8 linears 4 / 84 / 480 ms. Qwen3-MoE-like
+(I 384, 64 experts, top-8): grouped_mm 9 / 220 / 413, MKL loop 14 / 258 / 772, oneDNN loop
+18 / 274 / 782, int8 loop 8 / 84 / 401. So fp32 experts stay on grouped_mm, also under
+`--onednn-linear` (packing won only for few, wide experts at batch 64; lost at batch 1 and with
+many narrow experts), and int8 experts run as the loop (2-6x faster: 4x fewer bytes).
 """
 
 from __future__ import annotations
@@ -119,8 +122,8 @@ class GroupedExperts(nn.Module):
 
 
 class ExpertLinears(nn.Module):
-    """One gate_up and one down nn.Linear per expert: the form oneDNN packing and int8
-    quantization rewrite (they replace the nn.Linear children like any other)."""
+    """One gate_up and one down nn.Linear per expert: the form int8 quantization rewrites (it
+    replaces nn.Linear children like any other)."""
 
     def __init__(self, experts: GroupedExperts) -> None:
         super().__init__()
@@ -191,8 +194,8 @@ class SparseMoE(nn.Module):
 
 
 def split_experts(model: nn.Module) -> int:
-    """Replace every GroupedExperts by ExpertLinears (before oneDNN packing or int8 quantization,
-    which rewrite nn.Linear modules); returns how many layers changed."""
+    """Replace every GroupedExperts by ExpertLinears (before int8 quantization, which rewrites
+    nn.Linear modules); returns how many layers changed."""
     count = 0
     for module in model.modules():
         if isinstance(module, SparseMoE) and isinstance(module.experts, GroupedExperts):

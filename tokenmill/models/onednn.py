@@ -5,7 +5,8 @@ code path: fp32 GEMMs of a decode batch ran at ~155 GFLOP/s. oneDNN with the wei
 into its blocked layout ran the same shapes at ~400 GFLOP/s (2.5x), and the lm_head 3x faster
 (microbenchmarks of the model's GEMM shapes; the end-to-end effect is in bench/README.md). The math stays fp32 (or
 bf16 for bf16 weights): only the blocking and accumulation order differ, like any other BLAS.
-MoE expert weights are split into one linear per expert and packed too (see moe.py).
+MoE expert weights are not nn.Linear modules and stay stacked on `grouped_mm` (faster than packed
+per-expert linears for most expert shapes, see moe.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import logging
 
 import torch
 from torch import nn
-
-from tokenmill.models.moe import split_experts
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +60,6 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every plain nn.Linear of a CPU fp32/bf16 model by a PackedLinear; returns how many."""
-    split_experts(model)
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
