@@ -95,7 +95,7 @@ def test_onednn_packing_leaves_experts_and_int8_quantizes_them():
 # --- whole models through the engine -------------------------------------------------------------
 
 def _tiny_configs() -> dict:
-    from transformers import MixtralConfig, Qwen2MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -107,6 +107,10 @@ def _tiny_configs() -> dict:
         "qwen2_moe": Qwen2MoeConfig(**common, intermediate_size=96, num_hidden_layers=3, moe_intermediate_size=48,
                                     shared_expert_intermediate_size=80, num_experts=8, num_experts_per_tok=2,
                                     mlp_only_layers=[1], norm_topk_prob=False),
+        # Layer 0 dense, layer 1 sparse (decoder_sparse_step 2); q/k norms; top-k renormalised.
+        "qwen3_moe": Qwen3MoeConfig(**common, intermediate_size=96, num_hidden_layers=2, moe_intermediate_size=48,
+                                    num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2, head_dim=16,
+                                    norm_topk_prob=True),
     }
 
 

@@ -1,7 +1,10 @@
 """Llama-shaped decoders whose feed-forward is a mixture of experts: Mixtral, Qwen2-MoE, Qwen3-MoE.
 
-Attention, norms, RoPE and dense MLPs are the Llama family's (llama.py); the MLP of each sparse
-layer is a `moe.SparseMoE` (top-k routing, batched expert dispatch). Checkpoints load in either
+Attention, norms, RoPE and dense MLPs are the Llama family's (llama.py; Qwen3-MoE's attention is
+Qwen3's, with q/k norms); the MLP of each sparse layer is a `moe.SparseMoE` (top-k routing,
+batched expert dispatch). Qwen3-MoE configs name the expert count `num_experts` or (as
+transformers 5 saves them) `num_local_experts`, so it is not a required key: a checkpoint with
+another count fails the loader's shape or name checks. Checkpoints load in either
 layout: the per-expert tensors that transformers' `save_pretrained` writes (`experts.N.w1/w2/w3` in
 Mixtral, `experts.N.gate_proj/up_proj/down_proj` in Qwen-MoE), stacked into [E, ...] at load, or
 the fused `experts.gate_up_proj` / `experts.down_proj` tensors of transformers' modules.
@@ -12,8 +15,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields, replace
 
-from tokenmill.models.llama import LLAMA_REQUIRED_KEYS, LlamaForCausalLM, LlamaMLP, llama_spec
+from tokenmill.models.llama import LLAMA_REQUIRED_KEYS, LlamaForCausalLM, LlamaLayer, LlamaMLP, llama_spec
 from tokenmill.models.moe import MoEConfig, SparseMoE, is_sparse_layer, moe_config
+from tokenmill.models.parallel import NO_TP, TPInfo
+from tokenmill.models.qwen3 import Qwen3Attention
 from tokenmill.models.registry import Architecture, register
 from tokenmill.models.spec import ModelSpec
 
@@ -36,18 +41,28 @@ _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_p
 _GATE_UP_PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 
 
+class MoELayer(LlamaLayer):
+    """A Llama layer whose MLP, on the config's sparse layers, is a mixture of experts."""
+
+    def __init__(self, spec: MoESpec, layer_idx: int, tp: TPInfo = NO_TP) -> None:
+        super().__init__(spec, layer_idx, tp)  # (its dense MLP is built on the meta device: free)
+        if spec.sparse_layers[layer_idx]:
+            self.mlp = SparseMoE(spec.hidden_size, spec.moe, _shared_expert(spec, spec.moe))
+
+
+class Qwen3MoELayer(MoELayer):
+    attention_class = Qwen3Attention  # q/k RMSNorm per head
+
+
 class MoEForCausalLM(LlamaForCausalLM):
     # Experts are not sharded: --tensor-parallel-size > 1 is refused for these models.
     supports_tensor_parallel = False
+    layer_class = MoELayer
 
-    def __init__(self, spec: MoESpec) -> None:
-        super().__init__(spec)
-        moe = spec.moe
-        for layer, sparse in zip(self.layers, spec.sparse_layers):
-            if sparse:
-                layer.mlp = SparseMoE(spec.hidden_size, moe, _shared_expert(spec, moe))
+    def __init__(self, spec: MoESpec, tp: TPInfo = NO_TP) -> None:
+        super().__init__(spec, tp)
         # Loader groups: each expert's checkpoint tensors stack into one [E, ...] weight.
-        self.fused_parts = {"experts.gate_up": 2 * moe.num_experts, "experts.down": moe.num_experts}
+        self.fused_parts = {"experts.gate_up": 2 * spec.moe.num_experts, "experts.down": spec.moe.num_experts}
 
     @staticmethod
     def hf_to_local(name: str) -> tuple[str, int | None, str | None]:
@@ -63,6 +78,10 @@ class MoEForCausalLM(LlamaForCausalLM):
                 if f".{proj}." in name:
                     return name.replace(proj, "gate_up_proj"), i, "gate_up"
         return LlamaForCausalLM.hf_to_local(name)
+
+
+class Qwen3MoEForCausalLM(MoEForCausalLM):
+    layer_class = Qwen3MoELayer
 
 
 def _shared_expert(spec: MoESpec, moe: MoEConfig) -> LlamaMLP | None:
@@ -84,3 +103,9 @@ register(Architecture(
                            "shared_expert_intermediate_size"),
     features="Qwen2 + sparse MoE with a sigmoid-gated shared expert, decoder_sparse_step/mlp_only_layers, "
              "sliding window via layer_types"))
+register(Architecture(
+    "qwen3_moe", ("Qwen3MoeForCausalLM",), Qwen3MoEForCausalLM,
+    # HF Qwen3MoeAttention: `attention_bias` on all four projections, the window on every layer.
+    lambda c: moe_spec(c, qkv_bias=bool(c.attention_bias), o_bias=bool(c.attention_bias), uniform_window=True),
+    LLAMA_REQUIRED_KEYS + ("num_experts_per_tok", "moe_intermediate_size"),
+    features="Qwen3 (q/k norm) + sparse MoE, norm_topk_prob, decoder_sparse_step/mlp_only_layers"))
