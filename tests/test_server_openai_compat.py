@@ -271,3 +271,18 @@ def test_openapi_documents_the_real_schemas(server: ServerProcess) -> None:
     assert list(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert not [p for p, ops in spec["paths"].items() for op in ops.values() if "422" in op["responses"]]
     assert "HTTPValidationError" not in schemas
+
+
+def test_tokenizer_endpoints_survive_a_client_leaving_mid_body(server: ServerProcess) -> None:
+    import socket
+
+    before = len(server.log_records())
+    head = (b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
+            b'{"prompt": "')
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(head)
+        time.sleep(0.3)
+    time.sleep(0.5)
+    records = server.log_records()[before:]
+    assert not [r for r in records if r["level"] in ("error", "critical") or "exc" in r], records
+    assert post(server, "/tokenize", {"prompt": "still fine"}).status_code == 200

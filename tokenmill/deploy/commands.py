@@ -55,9 +55,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _settings(args: argparse.Namespace) -> ServerSettings:
-    # The same settings as `tokenmill serve`, without gRPC (Ray's proxy carries HTTP only); Ray drains.
+    # The same settings as `tokenmill serve`, without gRPC (Ray's proxy carries HTTP only); Ray drains,
+    # and its proxy owns the client connections (so tokenmill's slow-client limits stay at their defaults).
     args.grpc_port = 0
-    args.drain_timeout = ServerSettings.drain_timeout
+    for name in ("drain_timeout", "header_timeout", "body_timeout", "max_connections", "keep_alive_timeout"):
+        setattr(args, name, getattr(ServerSettings, name))
     return settings_from_args(args)
 
 

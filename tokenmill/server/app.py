@@ -335,7 +335,10 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
 
 async def _serve_json(request: Request, handle: Callable[[bytes], Awaitable[BaseModel]]) -> Response:
     """A small JSON endpoint that reads its own body (same limits and errors as generation)."""
-    raw = await read_body(request, request.app.state.server.settings)
+    try:
+        raw = await read_body(request, request.app.state.server.settings)
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; uvicorn drops it
     return Response((await handle(raw)).model_dump_json(), media_type="application/json")
 
 
@@ -361,6 +364,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         err = bad_request(f"Invalid request: {first.get('msg', 'validation failed')}", param=param)
         count(request, err)
         return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        # A bug: logged with its traceback once, answered in the OpenAI shape like everything else.
+        logger.error("request %s failed", getattr(request.state, "request_id", "-"), exc_info=exc)
+        return error_response(APIError(500, "Internal server error", code="internal_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
