@@ -159,6 +159,8 @@ def test_cli_parsing():
     assert args.model == "tiny" and args.max_num_seqs == 32 and args.json == "x.json"
     assert (args.num_prompts, args.min_input, args.max_input, args.min_output, args.max_output) == (64, 4, 200, 16, 128)
     assert args.hf_batch_size == 16 and args.kv_cache_memory == offline.DEFAULT_KV_CACHE
+    impls = build_parser().parse_args(["bench", "offline", "--compare", "model-impl"])
+    assert impls.compare == "model-impl" and impls.model_impl == "auto"
     defaults = build_parser().parse_args(["bench", "offline"])
     assert defaults.compare is None and not defaults.sweep and not defaults.roofline
     with pytest.raises(SystemExit):

@@ -5,6 +5,8 @@ so every run produces exactly the requested number of tokens. Options add, in th
 
 - `--compare hf`: Hugging Face `generate` in padded static batches on the same prompts (the naive
   baseline), its padding waste, the tokenmill/HF throughput ratio and greedy agreement;
+- `--compare model-impl`: the workload on the native path and on the generic transformers path
+  (`--model-impl native` / `transformers`), each in a fresh process: the generic path's cost;
 - `--sweep`: the workload at several concurrency limits (max_num_seqs), latency vs throughput;
 - `--roofline`: copy bandwidth, weight bytes and the batch-1 decode bound vs the measured step.
 """
@@ -462,6 +464,24 @@ def environment() -> dict[str, Any]:
 # Command
 
 
+def compare_model_impls(args: argparse.Namespace, model_dir: Path, workload: Sequence[OfflineRequest],
+                        progress: bool) -> dict[str, Any]:
+    """The workload on the native path, then on the generic transformers path, each in a fresh
+    process; prints both and returns them with the throughput ratio and greedy agreement."""
+    runs = [in_fresh_process(tokenmill_run, engine_kwargs(args, model_dir, model_impl=impl), workload,
+                             f"tokenmill --model-impl {impl}", progress)
+            for impl in ("native", "transformers")]
+    native, generic = runs
+    ratio = generic.output_throughput / native.output_throughput
+    agreement = greedy_agreement(native.token_ids, generic.token_ids)
+    print(format_runs(runs))
+    print(f"generic (transformers) / native useful tok/s: {ratio:.2f}x")
+    print(f"greedy agreement: {agreement['exact_match_fraction'] * 100:.1f}% of {agreement['requests']} requests "
+          f"match exactly; mean matching prefix {agreement['mean_matching_prefix_fraction'] * 100:.1f}%")
+    return {"native": native.to_dict(), "transformers": generic.to_dict(),
+            "throughput_ratio_transformers_over_native": ratio, "greedy_agreement": agreement}
+
+
 def parse_values(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -495,10 +515,14 @@ def main(args: argparse.Namespace) -> int:
     print(describe_workload(workload), file=sys.stderr)
     report["environment"]["num_threads"] = torch.get_num_threads()
 
-    # The engine of this process serves the main run and the roofline; sweep points build their own.
-    llm = make_llm(args, model_dir) if not args.skip_main or args.roofline else None
+    # The engine of this process serves the main run and the roofline; sweep points and the
+    # model-impl comparison build their own.
+    main_here = not args.skip_main and args.compare != "model-impl"
+    llm = make_llm(args, model_dir) if main_here or args.roofline else None
     runs: list[RunResult] = []
-    if not args.skip_main:  # first, in this process: no other heavy run has gone before it
+    if args.compare == "model-impl":
+        report["model_impl"] = compare_model_impls(args, model_dir, workload, progress)
+    if main_here:  # first, in this process: no other heavy run has gone before it
         warmup(llm, workload)
         main_run = run_tokenmill(llm, workload, use_tqdm=progress)
         runs.append(main_run)
@@ -575,8 +599,11 @@ def register_offline(bench_subparsers: Any) -> None:
     group.add_argument("--max-output", type=positive_int, default=128, metavar="TOKENS",
                        help="longest output (default: 128)")
     bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--compare", choices=["hf"], default=None,
-                       help="also run Hugging Face generate in static left-padded batches on the same prompts")
+    bench.add_argument("--compare", choices=["hf", "model-impl"], default=None,
+                       help="hf: also run Hugging Face generate in static left-padded batches on the same "
+                            "prompts; model-impl: run the workload with --model-impl native and with "
+                            "--model-impl transformers (the generic path), each in a fresh process, instead "
+                            "of the main run")
     bench.add_argument("--hf-batch-size", type=positive_int, default=16, metavar="N",
                        help="static batch size of the HF baseline (default: 16)")
     bench.add_argument("--sweep", action="store_true", help="rerun the workload at each --sweep-values max_num_seqs")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 class EngineConfig:
     model: str | None = None  # local HF directory; None = the bundled default model
     served_model_name: str | None = None  # name reported by /v1/models (default: directory name)
+    model_impl: str = "auto"  # auto | native | transformers (the generic path over HF's modeling code)
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: fp32 on CPU, bf16/fp16 on GPU)
     device: str = "auto"  # auto | cpu | cuda
     quantization: str | None = None  # None | "int8" (weight-only, per output channel)
@@ -35,6 +36,7 @@ class EngineConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=None, help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
+        g.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"], help="model code: native = tokenmill's own fast paths (listed by `tokenmill models`), transformers = the generic path running HF's modeling code with tokenmill's paged attention, auto = native when the architecture has one, else transformers")
         g.add_argument("--served-model-name", default=None, help="model name reported by the API (default: the directory name)")
         g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="weight/activation dtype; auto = fp32 on CPU, bf16 (or fp16) on GPU")
         g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run; auto picks CUDA when available")

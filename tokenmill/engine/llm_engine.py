@@ -26,7 +26,8 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.sequence import Sequence
 from tokenmill.models.hub import resolve_model
-from tokenmill.models.loader import load_model, load_spec
+from tokenmill.models.loader import load_model, load_spec, resolve_architecture
+from tokenmill.models.registry import NATIVE
 from tokenmill.models.parallel import TPInfo, check_shardable
 
 logger = logging.getLogger(__name__)
@@ -147,13 +148,17 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             from tokenmill.engine.tensor_parallel import TensorParallelGroup, rank_device
 
-            check_shardable(load_spec(self.model_dir), config.tensor_parallel_size)  # before any process starts
+            # Before any process starts: the architecture must be native and split evenly.
+            if resolve_architecture(self.model_dir, config.model_impl)[0].path != NATIVE:
+                raise ValueError("--tensor-parallel-size > 1 needs the native path (`tokenmill models`), "
+                                 "not the generic transformers path")
+            check_shardable(load_spec(self.model_dir), config.tensor_parallel_size)
             self.device = rank_device(self.device, 0)
             self.tp_group = TensorParallelGroup(config, self.device)  # workers load their shards meanwhile
         try:
             self.model, self.spec = load_model(self.model_dir, self.dtype, self.device, progress=progress,
                                                tp=TPInfo(0, config.tensor_parallel_size),
-                                               max_model_len=config.max_model_len)
+                                               max_model_len=config.max_model_len, model_impl=config.model_impl)
             prepare_model(self.model, config, self.device)
         except BaseException:
             self.close()

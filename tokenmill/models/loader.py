@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.parallel import NO_TP, TPInfo, check_shardable, local_spec, shard_state
-from tokenmill.models.registry import Architecture, lookup
+from tokenmill.models.registry import GENERIC, NATIVE, Architecture, lookup
 from tokenmill.models.spec import ModelSpec, as_list
 
 logger = logging.getLogger(__name__)
@@ -55,17 +55,19 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     return raw
 
 
-def resolve_architecture(model_dir: Path) -> tuple[Architecture, dict[str, Any]]:
-    """The architecture serving the directory's config.json, checked for the keys it requires."""
+MODEL_IMPLS = ("auto", "native", "transformers")
+
+
+def resolve_architecture(model_dir: Path, model_impl: str = "auto") -> tuple[Architecture, dict[str, Any]]:
+    """The architecture serving the directory's config.json, checked for the keys it requires.
+    `model_impl`: auto = the native path when the model type has one, else the generic
+    (transformers) path; native or transformers force one path."""
     path = model_dir / "config.json"
     raw = read_config(model_dir)
     model_type = raw.get("model_type")
     if not model_type:
         raise ModelLoadError(f"{path}: missing required key 'model_type'")
-    try:
-        arch = lookup(model_type)
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from None
+    arch = _select(path, model_type, model_impl)
     missing = [key for key in arch.required_keys if raw.get(key) is None]
     if missing:
         keys = ", ".join(repr(k) for k in missing)
@@ -74,26 +76,50 @@ def resolve_architecture(model_dir: Path) -> tuple[Architecture, dict[str, Any]]
     return arch, raw
 
 
-def load_spec(model_dir: Path) -> ModelSpec:
-    return _architecture_and_spec(model_dir)[1]
+def _select(path: Path, model_type: str, model_impl: str) -> Architecture:
+    if model_impl not in MODEL_IMPLS:
+        raise ModelLoadError(f"unknown model implementation {model_impl!r}; choose one of {', '.join(MODEL_IMPLS)}")
+    if model_impl == "transformers":
+        from tokenmill.models.transformers_backend import generic_architecture
+
+        arch = generic_architecture(model_type)
+        if arch is None:
+            raise ModelLoadError(f"{path}: transformers does not know model_type {model_type!r}")
+        return arch
+    try:
+        arch = lookup(model_type)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
+    if model_impl == "native" and arch.path != NATIVE:
+        raise ModelLoadError(f"{path}: model_type {model_type!r} has no native path (`tokenmill models`); "
+                             "use --model-impl auto or transformers")
+    return arch
 
 
-def _architecture_and_spec(model_dir: Path) -> tuple[Architecture, ModelSpec]:
+def load_spec(model_dir: Path, model_impl: str = "auto") -> ModelSpec:
+    return _architecture_and_spec(model_dir, model_impl)[1]
+
+
+def _architecture_and_spec(model_dir: Path, model_impl: str = "auto") -> tuple[Architecture, ModelSpec]:
     from transformers import AutoConfig
 
-    arch, _ = resolve_architecture(model_dir)
+    arch, _ = resolve_architecture(model_dir, model_impl)
     path = model_dir / "config.json"
     try:
         spec = arch.build_spec(AutoConfig.from_pretrained(model_dir))
     except (ValueError, TypeError, KeyError, AttributeError, OSError) as exc:
         raise ModelLoadError(f"{path}: {_one_line(exc)}") from None
-    eos = None
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        gen = read_json(gen_path)
-        eos = as_list(gen.get("eos_token_id")) if isinstance(gen, dict) else None
-    spec.eos_token_ids = [int(e) for e in (eos or as_list(getattr(spec.hf_config, "eos_token_id", None)))]
+    spec.eos_token_ids = [int(e) for e in (generation_eos(model_dir) or as_list(getattr(spec.hf_config, "eos_token_id", None)))]
     return arch, spec
+
+
+def generation_eos(model_dir: Path) -> list[int] | None:
+    """eos ids of generation_config.json (they take precedence over config.json's), if any."""
+    gen_path = model_dir / "generation_config.json"
+    if not gen_path.exists():
+        return None
+    gen = read_json(gen_path)
+    return as_list(gen.get("eos_token_id")) if isinstance(gen, dict) else None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -208,12 +234,20 @@ def _read_state(model_dir: Path, cls: type, expected: dict[str, torch.Tensor], d
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, progress: bool = True,
-               tp: TPInfo = NO_TP, max_model_len: int | None = None) -> tuple[nn.Module, ModelSpec]:
+               tp: TPInfo = NO_TP, max_model_len: int | None = None,
+               model_impl: str = "auto") -> tuple[nn.Module, ModelSpec]:
     """The model (this rank's shard of it under tensor parallelism) and the spec of its shapes,
     built for contexts of up to `max_model_len` tokens (default: the model's maximum)."""
-    arch, full_spec = _architecture_and_spec(model_dir)
+    arch, full_spec = _architecture_and_spec(model_dir, model_impl)
     if max_model_len:
         full_spec.context_len = min(max_model_len, full_spec.max_position)
+    if arch.path == GENERIC:
+        from tokenmill.models.transformers_backend import load_generic_model
+
+        if tp.enabled:
+            raise ModelLoadError(f"{model_dir}: --tensor-parallel-size > 1 needs the native path; "
+                                 f"{full_spec.model_type!r} runs on the generic transformers path")
+        return load_generic_model(model_dir, full_spec, dtype, device)
     check_shardable(full_spec, tp.world_size)
     spec = local_spec(full_spec, tp)
     cls = arch.model_class

@@ -47,9 +47,11 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # e.g. [1, T, in] from HF modules (the generic path): rows are rows
+            return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
         padded = padded_rows(rows)
-        if x.dim() != 2 or padded == rows:
+        if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:rows]

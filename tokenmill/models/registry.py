@@ -36,6 +36,7 @@ FAMILY_MODULES = [
     "tokenmill.models.phi3",
     "tokenmill.models.gpt2",
     "tokenmill.models.moe_decoder",
+    "tokenmill.models.transformers_backend",  # generic: after the native families, which take precedence
 ]
 
 NATIVE = "native"
@@ -55,14 +56,16 @@ class Architecture:
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}
+_GENERIC: dict[str, Architecture] = {}  # generic-path entries, shadowed by a native one of the same type
 _RESOLVERS: list[Callable[[str], Architecture | None]] = []
 _loaded = False
 
 
 def register(arch: Architecture) -> None:
-    if arch.model_type in _ARCHITECTURES and _ARCHITECTURES[arch.model_type] != arch:
+    table = _ARCHITECTURES if arch.path == NATIVE else _GENERIC
+    if arch.model_type in table and table[arch.model_type] != arch:
         raise ValueError(f"architecture {arch.model_type!r} registered twice")
-    _ARCHITECTURES[arch.model_type] = arch
+    table[arch.model_type] = arch
 
 
 def register_resolver(resolver: Callable[[str], Architecture | None]) -> None:
@@ -80,16 +83,17 @@ def _ensure_loaded() -> None:
 
 
 def architectures() -> list[Architecture]:
-    """Every registered architecture, sorted by model type."""
+    """Every registered architecture (a native one where both paths registered it), sorted by model type."""
     _ensure_loaded()
-    return sorted(_ARCHITECTURES.values(), key=lambda a: a.model_type)
+    return sorted(({**_GENERIC, **_ARCHITECTURES}).values(), key=lambda a: a.model_type)
 
 
 def lookup(model_type: str | None) -> Architecture:
     """The architecture serving `model_type`; ValueError naming the supported ones if none does."""
     _ensure_loaded()
-    if model_type in _ARCHITECTURES:
-        return _ARCHITECTURES[model_type]
+    for table in (_ARCHITECTURES, _GENERIC):
+        if model_type in table:
+            return table[model_type]
     for resolver in _RESOLVERS:
         arch = resolver(model_type) if model_type else None
         if arch is not None:
