@@ -78,7 +78,7 @@ def test_tools_tool_calls_and_template_options(tokenizer):
         "{% if tools %}<|im_start|>system\nTOOLS {{ tools | map(attribute='function.name') | join(',') }}"
         "<|im_end|>\n{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-        "{% if m.tool_calls %}CALL {{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments }})"
+        "{% if m.tool_calls %}CALL {{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments | tojson }})"
         "{% elif m.role == 'tool' %}RESULT[{{ m.tool_call_id }}] {{ m.content }}{% else %}{{ m.content }}{% endif %}"
         "{% if not (loop.last and continue_final) %}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>{{ persona | default('assistant') }}\n{% endif %}")

@@ -82,7 +82,7 @@ def test_fields_current_clients_send_are_accepted_and_ignored(server: ServerProc
                                      user="u-2", extra_body={"store": False, "metadata": {"k": "v"}})
     assert text.usage.completion_tokens == 4
     time.sleep(0.2)
-    for field in ("store", "metadata", "service_tier", "user", "parallel_tool_calls", "prompt_cache_key",
+    for field in ("store", "metadata", "service_tier", "user", "prompt_cache_key",
                   "safety_identifier", "reasoning_effort", "verbosity"):
         lines = log_lines(server, "ignored", field)
         assert len(lines) == 1 and lines[0]["level"] == "info", (field, lines)
@@ -130,18 +130,15 @@ def test_bodies_must_be_json(server: ServerProcess) -> None:
 def test_what_would_change_the_output_is_not_silently_ignored(server: ServerProcess) -> None:
     """Not implemented yet, would change the output: 400 `unsupported_parameter` naming the field.
     Values that ask for nothing beyond the default are accepted."""
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     rejected = [
-        ("/v1/chat/completions", {"tools": [tool]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
         ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
         ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, "chat_template"),
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
-        ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, *MSG]},
-         "messages[0].tool_calls"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "function_call": {
+            "name": "f", "arguments": "{}"}}, *MSG]}, "messages[0].function_call"),
         ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, "guided_regex"),
         ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),

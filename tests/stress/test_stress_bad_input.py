@@ -108,7 +108,9 @@ CURATED: list[tuple[str, bytes] | tuple[str, bytes, str]] = [  # (path, body[, c
     (COMPLETIONS, _raw({"prompt": "x", "echo": True})),
     (COMPLETIONS, _raw({"prompt": "x", "suffix": "y"})),
     (COMPLETIONS, _raw({"prompt": "x", "response_format": {"type": "json_object"}})),  # not supported yet
-    (CHAT, _raw({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]})),
+    (CHAT, _raw({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f g"}}]})),
+    (CHAT, _raw({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]})),
+    (CHAT, _raw({"messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}})),
     (CHAT, _raw({"messages": MSG, "store": "yes", "max_tokens": 2})),  # ignored, but typed
     (COMPLETIONS, _raw({"prompt": "x", "logit_bias": {"1_0": 1}})),
     (COMPLETIONS, b'{"prompt": "x", "max_tokens": 2}', "text/plain"),

@@ -9,7 +9,7 @@ import signal
 import threading
 
 from tokenmill.engine.config import EngineConfig, parse_memory
-from tokenmill.server.commands import API_KEY_ENV, add_special_token_args, settings_from_args
+from tokenmill.server.commands import API_KEY_ENV, add_special_token_args, add_tool_call_args, settings_from_args
 from tokenmill.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--log-format", choices=["json", "text"], default="text", help="log line format of this (driver) process")
     g.add_argument("--log-prompts", action="store_true", help="include prompt text in request logs")
     add_special_token_args(g)
+    add_tool_call_args(g)
     r = parser.add_argument_group("ray")
     r.add_argument("--num-replicas", type=int, default=1, help="replicas (the initial count with --max-replicas)")
     r.add_argument("--max-replicas", type=int, default=None,

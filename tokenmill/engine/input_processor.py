@@ -15,6 +15,7 @@ unless `escape_special=True` (server: --escape-special-tokens-in-prompts).
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +100,25 @@ def _normalized_message(message: Message | Any, index: int) -> dict[str, Any]:
         turn["content"] = "".join(texts)
     elif content is None and not turn.get("tool_calls"):
         turn["content"] = ""  # templates concatenate it
+    if turn.get("tool_calls"):
+        turn["tool_calls"] = [_template_tool_call(call) for call in turn["tool_calls"]]
     return turn
+
+
+def _template_tool_call(call: Any) -> Any:
+    """OpenAI sends a call's arguments as JSON text; chat templates expect the object (Qwen, Llama 3
+    and Hermes render `arguments | tojson`), as vLLM passes them. Text that is no JSON object stays text."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        decoded = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(decoded, dict):
+        return call
+    return {**call, "function": {**function, "arguments": decoded}}
 
 
 def _apply_template(tokenizer: Any, turns: list[dict[str, Any]], tools: list[dict] | None,

@@ -10,6 +10,7 @@ import os
 from tokenmill.engine.config import EngineConfig, parse_memory
 
 from .settings import ServerSettings
+from .tools.parsers import PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-format", choices=["json", "text"], default="json", help="log line format")
     g.add_argument("--log-prompts", action="store_true", help="include prompt text in request logs (off: prompts are never logged)")
     add_special_token_args(g)
+    add_tool_call_args(g)
+
+
+def add_tool_call_args(g: argparse._ArgumentGroup) -> None:
+    """How tool calls are read from outputs, shared with serve-ray."""
+    g.add_argument("--tool-call-parser", choices=["auto", "none", *PARSERS], default="auto",
+                   help="how tool_choice \"auto\" outputs become tool_calls: hermes (<tool_call>{...}</tool_call>: "
+                        "Qwen 2.5/3, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.1/3.2); "
+                        "auto picks from the chat template (hermes if it writes <tool_call>, llama3_json for Llama 3 "
+                        "tool templates, else none); none: always plain text. tool_choice \"required\" and named "
+                        "functions do not depend on it")
 
 
 def add_special_token_args(g: argparse._ArgumentGroup) -> None:
@@ -80,6 +92,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         log_prompts=args.log_prompts,
         allow_special_tokens_in_messages=args.allow_special_tokens_in_messages,
         escape_special_tokens_in_prompts=args.escape_special_tokens_in_prompts,
+        tool_call_parser=args.tool_call_parser,
         max_num_seqs=args.max_num_seqs,
     )
 

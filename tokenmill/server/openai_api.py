@@ -20,7 +20,7 @@ from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.input_processor import PromptInput, render_chat
 from tokenmill.engine.sampling_params import SamplingParams
 
-from .errors import APIError, from_invalid_request
+from .errors import APIError, bad_request, from_invalid_request
 from .generation import Generation, failure_of
 from .protocol import (
     AssistantMessage,
@@ -42,6 +42,8 @@ from .protocol import (
     parse_request,
 )
 from .state import RequestRecord, ServerState
+from .tools.plan import ToolPlan, plan_tools
+from .tools.response import StreamedToolCalls, finish_reason, parsed_message
 
 __all__ = ["ChatJob", "CompletionJob", "Job", "prepare_chat", "prepare_completion", "render_chat"]
 
@@ -206,14 +208,18 @@ async def _checked(work: Awaitable[T]) -> T:
 class ChatJob(Job):
     tokens: TokenStrings | None = None
     top_logprobs: int = 0
+    tools: ToolPlan | None = None  # set when the output is read as tool calls
 
     async def full(self, gen: Generation) -> ChatCompletionResponse:
         finals = await _final_outputs(gen)
-        choices = [
-            ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
-                       logprobs=self._logprobs(o.token_ids, o.logprobs), finish_reason=o.finish_reason)
-            for o in finals[0].outputs
-        ]
+        choices = []
+        for o in finals[0].outputs:
+            message, reason = AssistantMessage(content=o.text), o.finish_reason
+            if self.tools is not None:
+                message = parsed_message(self.tools.new_parser(), o.text)
+                reason = finish_reason(o.finish_reason, called=bool(message.tool_calls))
+            choices.append(ChatChoice(index=o.index, message=message, finish_reason=reason,
+                                      logprobs=self._logprobs(o.token_ids, o.logprobs)))
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                       choices=choices, usage=usage_of(gen.record))
 
@@ -221,6 +227,7 @@ class ChatJob(Job):
         # OpenAI opens every choice with a role-only delta; clients rely on it to start a message.
         for k in range(self.params.n):
             yield self._chunk(ChatStreamChoice(index=k, delta=ChatDelta(role="assistant", content="")))
+        calls = {k: StreamedToolCalls(self.tools.new_parser()) for k in range(self.params.n)} if self.tools else {}
         reported: set[int] = set()
         async for _, out in gen.outputs():
             _raise_on_failure(out)
@@ -230,11 +237,30 @@ class ChatJob(Job):
                 if o.finish_reason:
                     reported.add(o.index)
                 logprobs = self._logprobs(o.token_ids_delta, o.logprobs_delta) if o.logprobs_delta else None
+                if o.index in calls:
+                    for choice in self._tool_choices(calls[o.index], o, logprobs):
+                        yield self._chunk(choice)
+                    continue
                 yield self._chunk(ChatStreamChoice(index=o.index, delta=ChatDelta(content=o.text_delta),
                                                    logprobs=logprobs, finish_reason=o.finish_reason))
         if self.include_usage:
             yield ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
                                       usage=usage_of(gen.record))
+
+    @staticmethod
+    def _tool_choices(calls: StreamedToolCalls, o: Any, logprobs: ChatLogprobs | None) -> list[ChatStreamChoice]:
+        """A parsed step as OpenAI streams it: content, then each call piece in its own chunk; the
+        step's logprobs ride on the first chunk, the finish reason on the last (an empty delta
+        carries them when the parser holds everything back)."""
+        content, pieces = calls.step(o.text_delta, finished=o.finish_reason is not None)
+        deltas = ([ChatDelta(content=content)] if content else []) + [ChatDelta(tool_calls=[p]) for p in pieces]
+        if not deltas and (logprobs is not None or o.finish_reason):
+            deltas = [ChatDelta()]
+        choices = [ChatStreamChoice(index=o.index, delta=d) for d in deltas]
+        if choices:
+            choices[0].logprobs = logprobs
+            choices[-1].finish_reason = finish_reason(o.finish_reason, calls.called)
+        return choices
 
     def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice])
@@ -261,11 +287,16 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
     state.check_model(req.model)
     logprobs = req.engine_logprobs()
+    tools = plan_tools(req, state.tool_parser)
+    if tools is not None and tools.output_schema is not None:
+        raise bad_request(f"tool_choice {_choice_name(req)} needs structured output, which is not supported yet",
+                          param="tool_choice", code="unsupported_parameter")
     processor = state.engine.input_processor
     trusted = state.settings.allow_special_tokens_in_messages
     # Templating + tokenizing a 1 MiB conversation takes a while: keep it off the event loop.
     prompt_ids = await _checked(asyncio.to_thread(processor.render_chat, req.template_messages(),
-                                                  special_tokens_in_content=trusted, **req.template_options()))
+                                                  tools=req.template_tools(), special_tokens_in_content=trusted,
+                                                  **req.template_options()))
     requested = req.requested_max_tokens()
     try:  # OpenAI's default max_tokens is "the rest of the context"
         max_tokens = processor.remaining_context(len(prompt_ids)) if requested is None else requested
@@ -279,5 +310,9 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
         prompts=[prompt], params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
         model=state.engine.model_name, response_id=f"chatcmpl-{record.request_id}",
         tokens=TokenStrings(state.engine.tokenizer) if logprobs is not None else None,
-        top_logprobs=logprobs or 0,
+        top_logprobs=logprobs or 0, tools=tools,
     )
+
+
+def _choice_name(req: ChatCompletionRequest) -> str:
+    return repr(req.tool_choice) if isinstance(req.tool_choice, str) else "naming a function"

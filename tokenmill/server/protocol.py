@@ -5,8 +5,8 @@ Parsing is tolerant where real clients need it and strict where a mistake would 
 * every field of OpenAI's current request types is accepted (a test compares with the installed
   `openai` package). Fields that do not apply to a self-hosted model (`store`, `metadata`, `user`,
   `service_tier`, ...) are ignored and logged once per field;
-* fields tokenmill does not implement yet and that would change the output (`tools`,
-  `response_format`, `guided_json`, ...) get a 400 saying so: never a silent ignore;
+* fields tokenmill does not implement yet and that would change the output (`response_format`,
+  `guided_json`, ...) get a 400 saying so: never a silent ignore;
 * unknown fields are ignored with a warning, once per name (vLLM's behaviour);
 * known fields are strictly typed (no "5" for 5) and range-checked: those stay 400s.
 """
@@ -19,13 +19,24 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 
 from .errors import APIError, bad_request, from_invalid_request
+from .tools.definitions import check_function_name, check_parameters_schema
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +59,7 @@ def not_supported_yet() -> Any:
 # Values of not-yet-supported fields that ask for nothing beyond the default (clients send them).
 _HARMLESS: dict[str, Callable[[Any], bool]] = {
     "response_format": lambda v: v == {"type": "text"},
-    "tools": lambda v: v == [],
     "functions": lambda v: v == [],
-    "tool_calls": lambda v: v == [],
-    "tool_choice": lambda v: v in ("none", "auto"),  # with no tools, both mean "answer in text"
     "function_call": lambda v: v in ("none", "auto"),
     "modalities": lambda v: v == ["text"],
     "echo": lambda v: v is False,
@@ -75,6 +83,7 @@ class StreamOptions(_Lenient):
 _NULL_MEANS_DEFAULT = frozenset({
     "n", "temperature", "top_p", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo",
     "top_k", "min_p", "repetition_penalty", "add_generation_prompt", "continue_final_message",
+    "parallel_tool_calls",
 })
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
@@ -196,19 +205,73 @@ class ContentPart(_Lenient):
     text: str | None = None
 
 
+class FunctionCall(_Lenient):
+    """A call an assistant made, as a history message carries it (`arguments`: JSON text)."""
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends text; some clients send the object
+
+
+class MessageToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        call = {"type": self.type, "function": self.function.model_dump(include={"name", "arguments"})}
+        return call if self.id is None else {"id": self.id, **call}
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     refusal: str | None = ignored("chat templates do not render it")
-    tool_calls: list[dict[str, Any]] | None = not_supported_yet()
-    tool_call_id: str | None = not_supported_yet()
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (content may be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: dict[str, Any] | None = not_supported_yet()
     audio: dict[str, Any] | None = not_supported_yet()
 
     def for_template(self) -> dict[str, Any]:
         """What the chat template sees: the known fields that are set (unknown ones are ignored)."""
-        return self.model_dump(include=set(type(self).model_fields), exclude_none=True)
+        message = self.model_dump(include=set(type(self).model_fields) - {"tool_calls"}, exclude_none=True)
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        return message
+
+
+MAX_TOOLS = 128
+
+
+class FunctionDefinition(_Lenient):
+    name: Annotated[str, AfterValidator(check_function_name)]
+    description: str | None = None
+    # A JSON schema of type object (checked with jsonschema); absent: the function takes no arguments.
+    parameters: Annotated[dict[str, Any], AfterValidator(check_parameters_schema)] | None = None
+    strict: bool | None = None  # arguments are schema-checked only when tool_choice forces the call
+
+
+class ToolDefinition(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(
+            include={"name", "description", "parameters"}, exclude_none=True)}
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    """`{"type": "function", "function": {"name": ...}}`: call exactly this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatTemplateOptions(_Lenient):
@@ -230,8 +293,10 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateOptions):
     max_completion_tokens: int | None = None  # the newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True  # false: at most one call per choice
     # Accepted, no effect here.
-    parallel_tool_calls: bool | None = ignored("tool calling is not supported yet; without tools it means nothing")
     prompt_cache_key: str | None = ignored("prefix caching is automatic")
     prompt_cache_options: dict[str, Any] | None = ignored("prefix caching is automatic")
     prompt_cache_retention: str | None = ignored("prefix caching is automatic")
@@ -239,9 +304,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateOptions):
     reasoning_effort: str | None = ignored()
     verbosity: str | None = ignored()
     prediction: dict[str, Any] | None = ignored("predicted outputs only speed up OpenAI's models")
-    # Would change the output; not implemented yet.
-    tools: list[dict[str, Any]] | None = not_supported_yet()
-    tool_choice: str | dict[str, Any] | None = not_supported_yet()
+    # Would change the output; not implemented (the deprecated predecessors of tools/tool_choice).
     functions: list[dict[str, Any]] | None = not_supported_yet()
     function_call: str | dict[str, Any] | None = not_supported_yet()
     modalities: list[str] | None = not_supported_yet()
@@ -259,6 +322,10 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateOptions):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tool definitions the chat template renders (also with tool_choice "none", as vLLM)."""
+        return [t.for_template() for t in self.tools] if self.tools else None
 
 
 # ---------------------------------------------------------------------------------------------- responses
@@ -319,9 +386,16 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = Field(default_factory=list)
 
 
+class ToolCall(BaseModel):
+    id: str  # call_...: a tool message answers it by tool_call_id
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # null when the model only called tools
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -341,9 +415,33 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class _OmitUnset(BaseModel):
+    """Serialized without null fields, as OpenAI sends tool-call deltas (only what this piece has)."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OmitUnset):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitUnset):
+    """A streamed piece of call `index`: the first has id, type, name and arguments ""; later ones
+    carry argument fragments only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -418,10 +516,13 @@ class TokenizeChatRequest(ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     add_special_tokens: bool = False  # the chat template places the special tokens
     return_token_strs: bool = False
-    tools: list[dict[str, Any]] | None = not_supported_yet()
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.for_template() for t in self.tools] if self.tools else None
 
 
 class TokenizeResponse(BaseModel):

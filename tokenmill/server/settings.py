@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .tools.parsers import PARSERS
+
 
 @dataclass
 class ServerSettings:
@@ -32,6 +34,9 @@ class ServerSettings:
     escape_special_tokens_in_prompts: bool = False
     # Sequences the engine runs at once; requests beyond it count as waiting for back-pressure.
     max_num_seqs: int = 128
+    # How tool_choice "auto" outputs are read as calls: a parser name, "auto" (picked from the
+    # chat template) or "none" (always text). See tokenmill/server/tools.
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
@@ -48,5 +53,7 @@ class ServerSettings:
             raise ValueError("--max-connections must be >= 1")
         if self.log_format not in ("json", "text"):
             raise ValueError("--log-format must be json or text")
+        if self.tool_call_parser not in ("auto", "none", *PARSERS):
+            raise ValueError(f"--tool-call-parser must be auto, none or one of {', '.join(PARSERS)}")
         if self.api_key == "":
             self.api_key = None

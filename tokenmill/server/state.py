@@ -13,6 +13,7 @@ from typing import Any
 from .errors import APIError
 from .metrics import ServerMetrics
 from .settings import ServerSettings
+from .tools.plan import resolve_auto_parser
 
 request_log = logging.getLogger("tokenmill.server.requests")
 
@@ -58,6 +59,9 @@ class ServerState:
         self._idle.set()
         self._engine_ids = itertools.count()
         self.started_at = int(time.time())
+        # The parser that reads tool_choice "auto" outputs (None: they stay text).
+        self.tool_parser = resolve_auto_parser(settings.tool_call_parser,
+                                               getattr(engine.tokenizer, "chat_template", None))
 
     # ------------------------------------------------------------------ health / admission
 

@@ -40,7 +40,7 @@ async def tokenize(state: ServerState, raw: bytes) -> TokenizeResponse:
         if req.add_special_tokens:
             raise bad_request("add_special_tokens is not supported with messages: the chat template places "
                               "the special tokens", param="add_special_tokens")
-        work: Any = asyncio.to_thread(processor.render_chat, req.template_messages(),
+        work: Any = asyncio.to_thread(processor.render_chat, req.template_messages(), tools=req.template_tools(),
                                       special_tokens_in_content=settings.allow_special_tokens_in_messages,
                                       **req.template_options())
     else:

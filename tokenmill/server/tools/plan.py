@@ -1,0 +1,84 @@
+"""One chat request's tools -> how its output is constrained and read back as tool calls.
+
+tool_choice, as OpenAI defines it and vLLM implements it:
+* "none": the tools are still rendered into the prompt (the model may know them), the output is text;
+* "auto" (the default with tools): the model chooses; its text is read by the server's tool-call
+  parser (`--tool-call-parser`); without one, the output stays text;
+* "required" / a named function: the output is held to a JSON schema built from the tools (see
+  `definitions`), then read as calls whatever the model's own format is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import bad_request
+from ..protocol import ChatCompletionRequest, NamedToolChoice
+from .definitions import arguments_schema, required_calls_schema
+from .parsers import PARSERS, ArgumentsOnly, JsonCallList, ToolCallParser, default_parser_name
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+NONE = "none"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """`new_parser` makes one parser per choice; `output_schema` is the JSON schema the output must
+    follow (None: unconstrained)."""
+
+    new_parser: Callable[[], ToolCallParser]
+    output_schema: dict[str, Any] | None = None
+
+
+def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolCallParser] | None) -> ToolPlan | None:
+    """Check tools against tool_choice (400s naming the field); None when the output is plain text."""
+    choice = req.tool_choice
+    tools = req.tools or []
+    if not tools:
+        if choice is None or choice in (NONE, AUTO):  # clients send these without tools
+            return None
+        raise bad_request("tool_choice needs tools: the request has none", param="tool_choice")
+    by_name = {}
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if name in by_name:
+            raise bad_request(f"Duplicate function name {name!r} in tools", param=f"tools[{i}].function.name")
+        by_name[name] = tool.function
+    max_calls = None if req.parallel_tool_calls else 1
+    if choice == NONE:
+        return None
+    if choice is None or choice == AUTO:
+        if auto_parser is None:
+            return None
+        return ToolPlan(lambda: auto_parser(max_calls=max_calls))
+    if isinstance(choice, NamedToolChoice):
+        function = by_name.get(choice.function.name)
+        if function is None:
+            raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                              param="tool_choice.function.name")
+        return ToolPlan(lambda: ArgumentsOnly(function.name), arguments_schema(function.parameters))
+    schema = required_calls_schema([(f.name, f.parameters) for f in by_name.values()], parallel=max_calls is None)
+    return ToolPlan(lambda: JsonCallList(max_calls=max_calls), schema)
+
+
+def resolve_auto_parser(name: str, chat_template: str | None) -> type[ToolCallParser] | None:
+    """The parser for tool_choice "auto": `--tool-call-parser` NAME, "none", or "auto" (from the chat
+    template). Logged once at startup, so an operator sees why auto calls stay text."""
+    if name == AUTO:
+        picked = default_parser_name(chat_template)
+        if picked is None:
+            logger.info("no tool-call parser for this chat template: tool_choice \"auto\" answers in plain text "
+                        "(set --tool-call-parser to read calls)")
+            return None
+        logger.info("tool-call parser picked from the chat template", extra={"tool_call_parser": picked})
+        return PARSERS[picked]
+    if name == NONE:
+        logger.info("tool-call parsing is off (--tool-call-parser none): tool_choice \"auto\" answers in plain text")
+        return None
+    logger.info("tool-call parser", extra={"tool_call_parser": name})
+    return PARSERS[name]
