@@ -275,3 +275,20 @@ def test_bench_moe_dispatch_command(tmp_path):
     rows = json.loads(report.read_text())["rows"]
     assert {r["tokens"] for r in rows} == {1, 9} and all(r["best_ms"] > 0 for r in rows)
     assert all(r["max_abs_diff"] < 1e-4 for r in rows if "int8" not in r["method"])
+
+
+def test_bfloat16_engine_runs_and_mostly_agrees(moe_model_dirs):
+    """bf16 weights: router logits in bf16, experts through grouped_mm in bf16 (and, on CPUs without
+    oneDNN bf16 support, the other linears left unpacked rather than failing)."""
+    from tests.conftest import mixed_prompts
+    from tokenmill import LLM, SamplingParams
+
+    model_dir = str(moe_model_dirs["qwen3_moe"])
+    prompts = mixed_prompts(12, 5, 40, seed=33)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    fp32 = [o.outputs[0].token_ids for o in LLM(model_dir, progress=False, kv_cache_memory="16MiB").generate(prompts, params)]
+    half = LLM(model_dir, progress=False, kv_cache_memory="16MiB", dtype="bfloat16")
+    assert half.engine.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    bf16 = [o.outputs[0].token_ids for o in half.generate(prompts, params)]
+    first_token_agreement = sum(a[0] == b[0] for a, b in zip(fp32, bf16)) / len(prompts)
+    assert first_token_agreement >= 0.5, first_token_agreement

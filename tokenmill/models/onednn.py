@@ -60,13 +60,19 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    # oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on AVX2-only CPUs it raises.
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every plain nn.Linear of a CPU fp32/bf16 model by a PackedLinear; returns how many."""
+    """Replace every plain nn.Linear of a CPU fp32/bf16 model by a PackedLinear (bf16 only where the
+    CPU supports oneDNN bf16; others keep the default GEMMs); returns how many."""
+    dtypes = _packable_dtypes()
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" \
-                    and child.weight.dtype in (torch.float32, torch.bfloat16):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
                 setattr(module, name, PackedLinear(child))
                 count += 1
     logger.info("oneDNN: %d linear layers packed", count)
