@@ -292,3 +292,13 @@ def test_bfloat16_engine_runs_and_mostly_agrees(moe_model_dirs):
     bf16 = [o.outputs[0].token_ids for o in half.generate(prompts, params)]
     first_token_agreement = sum(a[0] == b[0] for a, b in zip(fp32, bf16)) / len(prompts)
     assert first_token_agreement >= 0.5, first_token_agreement
+
+
+def test_cuda_graph_support_follows_the_expert_form(moe_model_dirs):
+    """The engine captures CUDA graphs only while experts run on grouped_mm (no host sync)."""
+    from tokenmill.models.loader import load_model
+
+    model, _ = load_model(moe_model_dirs["mixtral"], torch.float32, torch.device("cpu"), progress=False)
+    assert model.supports_cuda_graphs
+    split_experts(model)  # what int8 does
+    assert not model.supports_cuda_graphs

@@ -197,8 +197,15 @@ def split_experts(model: nn.Module) -> int:
     """Replace every GroupedExperts by ExpertLinears (before int8 quantization, which rewrites
     nn.Linear modules); returns how many layers changed."""
     count = 0
-    for module in model.modules():
+    for module in list(model.modules()):
         if isinstance(module, SparseMoE) and isinstance(module.experts, GroupedExperts):
             module.experts = ExpertLinears(module.experts)
             count += 1
     return count
+
+
+def dispatch_is_host_sync_free(model: nn.Module) -> bool:
+    """Whether every MoE layer runs its experts without reading the expert counts on the host
+    (grouped_mm); the per-expert loop reads them, which CUDA graph capture forbids."""
+    return all(isinstance(m.experts, GroupedExperts) and _grouped_mm_supported(m.experts.gate_up_proj)
+               for m in model.modules() if isinstance(m, SparseMoE))

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, fields, replace
 
 from tokenmill.models.llama import LLAMA_REQUIRED_KEYS, LlamaForCausalLM, LlamaLayer, LlamaMLP, llama_spec
-from tokenmill.models.moe import MoEConfig, SparseMoE, is_sparse_layer, moe_config
+from tokenmill.models.moe import MoEConfig, SparseMoE, dispatch_is_host_sync_free, is_sparse_layer, moe_config
 from tokenmill.models.parallel import NO_TP, TPInfo
 from tokenmill.models.qwen3 import Qwen3Attention
 from tokenmill.models.registry import Architecture, register
@@ -63,6 +63,11 @@ class MoEForCausalLM(LlamaForCausalLM):
         super().__init__(spec, tp)
         # Loader groups: each expert's checkpoint tensors stack into one [E, ...] weight.
         self.fused_parts = {"experts.gate_up": 2 * spec.moe.num_experts, "experts.down": spec.moe.num_experts}
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """False once experts run as a per-expert loop (int8, or a dtype/GPU without grouped_mm)."""
+        return dispatch_is_host_sync_free(self)
 
     @staticmethod
     def hf_to_local(name: str) -> tuple[str, int | None, str | None]:
