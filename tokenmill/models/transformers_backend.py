@@ -147,18 +147,15 @@ def tokenmill_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     return out.view(tokens, heads, d)[None, :, :, :v_dim], None
 
 
-def _mask_not_needed(*args: Any, **kwargs: Any) -> None:
-    """Mask function for `attn_implementation="tokenmill"`: paged attention masks by its metadata,
-    so HF builds no dense [T, T] masks."""
-    return None
-
-
 def register_attention() -> None:
+    """Register `tokenmill_attention` as attn_implementation "tokenmill". No mask function is
+    registered on purpose: transformers' mask builders return None at once for an implementation
+    without one ("custom attention without equivalent mask creation"), so HF builds no dense
+    [T, T] masks and does no packed-sequence detection (a device sync) per step; paged attention
+    masks by its metadata. A model that builds its own mask anyway is refused by `probe`."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, tokenmill_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask_not_needed)
 
 
 # -- the model ------------------------------------------------------------------------------------
