@@ -185,6 +185,25 @@ def test_prefix_cache_hit(tmp_root):
     assert llm.engine.stats().prefix_cache_hits_total >= 32  # two full 16-token blocks reused
 
 
+def test_preemption_under_a_tiny_kv_budget(tmp_root):
+    """12 blocks of 16 tokens: 6 prompts of 2 blocks each all start, then each needs a third block
+    to decode: some are preempted and recomputed, and still give HF's tokens."""
+    from tokenmill.engine.kv_cache import bytes_per_block
+
+    model_dir, hf_model = _built("olmo2", tmp_root)
+    budget = 13 * bytes_per_block(16, 2, 2, 16, torch.float32)  # (block 0 is the zero block)
+    llm = _generic_llm(model_dir, kv_cache_memory=str(budget), max_model_len=128)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    _assert_greedy_equal(llm, hf_model, _prompts(6, 26, 31, seed=4), params)
+    assert llm.engine.stats().num_preemptions_total > 0
+
+
+def test_tensor_parallelism_needs_the_native_path(tmp_root):
+    model_dir, _ = _built("olmo2", tmp_root)
+    with pytest.raises(ValueError, match="needs the native path"):
+        LLM(str(model_dir), progress=False, kv_cache_memory="8MiB", tensor_parallel_size=2)
+
+
 def test_auto_picks_native_for_native_families_and_generic_otherwise(tmp_root):
     llama_dir, _ = _built("llama", tmp_root)
     olmo_dir, _ = _built("olmo2", tmp_root)
