@@ -246,3 +246,22 @@ def test_default_parser_from_the_chat_template() -> None:
     smollm2 = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']}}{% endfor %}"
     assert default_parser_name(smollm2) is None and default_parser_name(None) is None
     assert {"hermes", "llama3_json"} <= set(PARSERS)
+
+
+def test_markers_the_detokenizer_drops_are_reported(default_model_dir, caplog) -> None:
+    """A tokenizer where <tool_call> is a special token: outputs leave it out, so the startup log
+    says auto calls cannot be read; where it is text (SmolLM2's BPE, Qwen's added tokens), no warning."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.server.tools.plan import resolve_auto_parser
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    with caplog.at_level("WARNING", logger="tokenmill.server.tools.plan"):
+        assert resolve_auto_parser("hermes", tokenizer) is HermesParser
+    assert not caplog.records
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    with caplog.at_level("WARNING", logger="tokenmill.server.tools.plan"):
+        assert resolve_auto_parser("auto", tokenizer) is None  # SmolLM2's template offers no tools
+        assert resolve_auto_parser("hermes", tokenizer) is HermesParser
+    (warning,) = caplog.records
+    assert "<tool_call>, </tool_call>" in warning.getMessage() and "cannot read calls" in warning.getMessage()

@@ -60,8 +60,7 @@ class ServerState:
         self._engine_ids = itertools.count()
         self.started_at = int(time.time())
         # The parser that reads tool_choice "auto" outputs (None: they stay text).
-        self.tool_parser = resolve_auto_parser(settings.tool_call_parser,
-                                               getattr(engine.tokenizer, "chat_template", None))
+        self.tool_parser = resolve_auto_parser(settings.tool_call_parser, engine.tokenizer)
 
     # ------------------------------------------------------------------ health / admission
 

@@ -19,6 +19,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 from enum import Enum, auto
 
 from .json_scan import CallScanner, ValueScan, loads_or_invalid
@@ -59,6 +60,9 @@ class ToolCallParser(ABC):
     """Splits one choice's text into content and calls as it streams. `max_calls` (1 when the request
     sets parallel_tool_calls=false) drops any call beyond it. `failed` is set when a call was started
     but turned out malformed: a non-streamed response then returns the whole text as content."""
+
+    # Strings the parser must see in the output text (not dropped by the detokenizer as special tokens).
+    MARKERS: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
@@ -278,6 +282,7 @@ class HermesParser(_CallsInText):
 
     OPEN = "<tool_call>"
     CLOSE = "</tool_call>"
+    MARKERS = (OPEN, CLOSE)
 
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls, _Mode.TEXT)
