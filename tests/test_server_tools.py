@@ -3,9 +3,10 @@ model through its chat template, bad tool definitions are 400s naming the field,
 "auto" reads calls with the parser picked from the chat template, and streamed tool-call deltas
 add up to the non-streamed calls.
 
-The tiny random model cannot decide to call a tool, so the parsers' behaviour on realistic model
-outputs is covered in test_tool_parsers.py; here the server serves a tiny model whose tokenizer
-has a Hermes (Qwen 2.5-style) tool template.
+A random model cannot decide to call a tool, so the server runs a scripted tiny GPT-2 (see
+tool_models.scripted_model) with a Hermes (Qwen 2.5-style) tool template, which answers the test
+conversation with text and two <tool_call>s and anything else with whatever its weights give.
+The parsers' edge cases (malformed calls, every split of the stream) are in test_tool_parsers.py.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from server_fixtures import (  # noqa: F401 - *_fixture are pytest fixtures
     server_log_dir_fixture,
     sse_events,
 )
+from tokenmill.engine.input_processor import render_chat
+from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.server.settings import ServerSettings
-from tool_templates import HERMES_TEMPLATE, with_chat_template
+from tool_models import HERMES_TEMPLATE, scripted_model
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -45,9 +48,26 @@ HISTORY = [
 ]
 
 
+# What the scripted model answers to ASK with tools=[WEATHER_TOOL, SEARCH_TOOL]: text, then two calls.
+REPLY_TEXT = "Let me check both."
+REPLY_CALLS = [("get_weather", {"city": "Paris", "unit": "celsius"}),
+               ("search", {"query": "events in Paris \"today\"", "limit": 3})]
+REPLY = REPLY_TEXT + "\n" + "\n".join(
+    f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>' for name, args in REPLY_CALLS)
+MODEL = "scripted-hermes"
+
+
 @pytest.fixture(scope="module")
-def hermes_server(tiny_model_dir: Path, tmp_path_factory, server_log_dir: Path) -> Iterator[ServerProcess]:
-    model = with_chat_template(tiny_model_dir, tmp_path_factory.mktemp("hermes") / "tiny-hermes", HERMES_TEMPLATE)
+def tool_server(default_model_dir: Path, tmp_path_factory, server_log_dir: Path) -> Iterator[ServerProcess]:
+    """A model with a Hermes tool template that answers ASK (with both tools offered) by REPLY,
+    rendered exactly as the server renders that request."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    request = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER_TOOL, SEARCH_TOOL]})
+    prompt = render_chat(tokenizer, request.template_messages(), tools=request.template_tools())
+    model = scripted_model(default_model_dir, tmp_path_factory.mktemp("tools") / MODEL, HERMES_TEMPLATE, prompt, REPLY)
     proc = ServerProcess(model, server_log_dir, "--max-num-seqs", "8")
     try:
         proc.wait_ready()
@@ -81,52 +101,52 @@ def rendered(server: ServerProcess, **body) -> str:
     return post(server, "/detokenize", {"tokens": tokens}).json()["prompt"]
 
 
-def test_parser_picked_from_the_chat_template(hermes_server: ServerProcess, server: ServerProcess) -> None:
+def test_parser_picked_from_the_chat_template(tool_server: ServerProcess, server: ServerProcess) -> None:
     """Startup says which parser reads tool_choice "auto": hermes for a <tool_call> template, none (and
     why) for SmolLM2's template; a bad --tool-call-parser is a one-line error."""
-    picked = [r for r in hermes_server.log_records() if "tool-call parser" in r.get("msg", "")]
+    picked = [r for r in tool_server.log_records() if "tool-call parser" in r.get("msg", "")]
     assert [r.get("tool_call_parser") for r in picked] == ["hermes"], picked
     assert any("no tool-call parser for this chat template" in r.get("msg", "") for r in server.log_records())
     with pytest.raises(ValueError, match="--tool-call-parser"):
         ServerSettings(tool_call_parser="xml")
 
 
-def test_tools_and_tool_history_are_rendered_by_the_chat_template(hermes_server: ServerProcess) -> None:
+def test_tools_and_tool_history_are_rendered_by_the_chat_template(tool_server: ServerProcess) -> None:
     """The tool definitions appear in the prompt (also with tool_choice "none"); an assistant message
     with tool_calls and null content, and the tool's answer, render as the template writes them, with
     the arguments as an object; the chat request is charged exactly that prompt."""
-    bare = rendered(hermes_server, messages=ASK)
-    with_tools = rendered(hermes_server, messages=ASK, tools=[WEATHER_TOOL, SEARCH_TOOL])
+    bare = rendered(tool_server, messages=ASK)
+    with_tools = rendered(tool_server, messages=ASK, tools=[WEATHER_TOOL, SEARCH_TOOL])
     assert "<tools>" not in bare and "<tools>" in with_tools
     assert json.dumps(WEATHER_TOOL) in with_tools and json.dumps(SEARCH_TOOL) in with_tools
-    history = rendered(hermes_server, messages=HISTORY, tools=[WEATHER_TOOL])
+    history = rendered(tool_server, messages=HISTORY, tools=[WEATHER_TOOL])
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
             '"unit": "celsius"}}\n</tool_call><|im_end|>\n') in history
     assert "<|im_start|>user\n<tool_response>\nsunny, 21 degrees\n</tool_response><|im_end|>\n" in history
     assert history.endswith("<|im_start|>assistant\n")
-    n_tokens = post(hermes_server, "/tokenize", {"messages": HISTORY, "tools": [WEATHER_TOOL]}).json()["count"]
+    n_tokens = post(tool_server, "/tokenize", {"messages": HISTORY, "tools": [WEATHER_TOOL]}).json()["count"]
     for choice in ("auto", "none"):
-        body = chat(hermes_server, messages=HISTORY, tools=[WEATHER_TOOL], tool_choice=choice)
+        body = chat(tool_server, messages=HISTORY, tools=[WEATHER_TOOL], tool_choice=choice)
         assert body["usage"]["prompt_tokens"] == n_tokens
 
 
-def test_tool_history_through_the_openai_client(hermes_server: ServerProcess) -> None:
+def test_tool_history_through_the_openai_client(tool_server: ServerProcess) -> None:
     """The official client's message types (assistant tool_calls, tool results) are accepted."""
-    client = openai_client(hermes_server)
-    resp = client.chat.completions.create(model="tiny-hermes", messages=HISTORY, tools=[WEATHER_TOOL],
+    client = openai_client(tool_server)
+    resp = client.chat.completions.create(model=MODEL, messages=HISTORY, tools=[WEATHER_TOOL],
                                           max_tokens=4, temperature=0, parallel_tool_calls=False)
     assert resp.choices[0].message.role == "assistant" and resp.usage.completion_tokens == 4
 
 
-def test_auto_output_without_a_call_is_the_text_streamed_or_not(hermes_server: ServerProcess) -> None:
+def test_auto_output_without_a_call_is_the_text_streamed_or_not(tool_server: ServerProcess) -> None:
     """With tool_choice "auto" the output goes through the Hermes parser; the random model writes no
     call, so the message is exactly the text tool_choice "none" gets (nothing held back or lost),
     and the stream carries the same text."""
     base = dict(messages=ASK, tools=[WEATHER_TOOL], max_tokens=12)
-    plain = chat(hermes_server, tool_choice="none", **base)["choices"][0]
-    auto = chat(hermes_server, **base)["choices"][0]
+    plain = chat(tool_server, tool_choice="none", **base)["choices"][0]
+    auto = chat(tool_server, **base)["choices"][0]
     assert plain["message"]["content"] and auto == plain and auto["message"]["tool_calls"] is None
-    chunks = stream_chat(hermes_server, **base)
+    chunks = stream_chat(tool_server, **base)
     deltas = [c["choices"][0] for c in chunks]
     assert "".join(d["delta"].get("content") or "" for d in deltas) == plain["message"]["content"]
     assert deltas[-1]["finish_reason"] == plain["finish_reason"]
@@ -155,6 +175,75 @@ def test_auto_output_without_a_call_is_the_text_streamed_or_not(hermes_server: S
      "messages[1].tool_calls[0].function.name"),
     ({"messages": [*ASK, {"role": "tool", "tool_call_id": 5, "content": "x"}]}, "messages[1].tool_call_id"),
 ])
-def test_bad_tool_requests_are_400s_naming_the_field(hermes_server: ServerProcess, body: dict, param: str) -> None:
-    err = assert_openai_error(post(hermes_server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 2, **body}), 400)
+def test_bad_tool_requests_are_400s_naming_the_field(tool_server: ServerProcess, body: dict, param: str) -> None:
+    err = assert_openai_error(post(tool_server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 2, **body}), 400)
     assert err["param"] == param, err
+
+
+# ---------------------------------------------------------------------------------------------- auto: real calls
+
+
+def test_auto_reads_the_calls_the_model_writes(tool_server: ServerProcess) -> None:
+    """Through the official client: the text before the calls is the content, each call has its own
+    call_ id, type function, the name, and the arguments as JSON text; finish_reason tool_calls."""
+    client = openai_client(tool_server)
+    resp = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL, SEARCH_TOOL],
+                                          temperature=0, max_tokens=200)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == REPLY_TEXT
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [("function", name, args) for name, args in REPLY_CALLS]
+    assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
+    # tool_choice "none": the same generation, not parsed.
+    none = chat(tool_server, messages=ASK, tools=[WEATHER_TOOL, SEARCH_TOOL], tool_choice="none", max_tokens=200)
+    assert none["choices"][0]["message"] == {"role": "assistant", "content": REPLY, "tool_calls": None}
+    assert none["choices"][0]["finish_reason"] == "stop"
+    # parallel_tool_calls=false: the first call only.
+    one = chat(tool_server, messages=ASK, tools=[WEATHER_TOOL, SEARCH_TOOL], parallel_tool_calls=False, max_tokens=200)
+    (call,) = one["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and one["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_streamed_tool_calls_are_openai_deltas_that_add_up_to_the_calls(tool_server: ServerProcess) -> None:
+    """Streamed: the text streams as content with no markup in it; each call opens with a delta of
+    index, id, type, name and arguments "", then argument fragments only; everything concatenates
+    to the non-streamed message (same greedy tokens), n=2 choices streamed side by side."""
+    body = dict(messages=ASK, tools=[WEATHER_TOOL, SEARCH_TOOL], max_tokens=200, n=2)
+    whole = chat(tool_server, **body)
+    chunks = stream_chat(tool_server, **body)
+    for index in (0, 1):
+        deltas = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        content = "".join(d["delta"].get("content") or "" for d in deltas)
+        assert content == REPLY_TEXT and "<" not in content
+        calls: list[dict] = []
+        pieces = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+        for piece in pieces:
+            if "id" in piece:
+                assert piece["index"] == len(calls) and piece["type"] == "function"
+                assert set(piece) == {"index", "id", "type", "function"} and piece["function"]["arguments"] == ""
+                calls.append({"id": piece["id"], "type": "function", "function": dict(piece["function"])})
+            else:
+                assert set(piece) == {"index", "function"} and set(piece["function"]) == {"arguments"}
+                calls[piece["index"]]["function"]["arguments"] += piece["function"]["arguments"]
+        assert len(pieces) > 2 * len(calls) + 2, "arguments arrive in several fragments"
+        expected = whole["choices"][index]["message"]["tool_calls"]
+        assert [c["function"] for c in calls] == [c["function"] for c in expected]
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+
+
+def test_langchain_bind_tools_gets_tool_calls(tool_server: ServerProcess) -> None:
+    """LangChain's ChatOpenAI with bind_tools: AIMessage.tool_calls, invoked and streamed."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{tool_server.base_url}/v1", api_key="unused", model=MODEL, temperature=0,
+                     max_tokens=200, max_retries=0)
+    bound = llm.bind_tools([WEATHER_TOOL, SEARCH_TOOL])
+    message = bound.invoke(ASK[0]["content"])
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == REPLY_CALLS
+    assert message.content == REPLY_TEXT and message.response_metadata["finish_reason"] == "tool_calls"
+    streamed = None
+    for chunk in bound.stream(ASK[0]["content"]):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == REPLY_CALLS
+    assert streamed.content == REPLY_TEXT

@@ -23,7 +23,7 @@ from tokenmill.server.tools.parsers import (
     default_parser_name,
     parse_text,
 )
-from tool_templates import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+from tool_models import HERMES_TEMPLATE, LLAMA3_TEMPLATE
 
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
 TRICKY = '{"query": "a } b { \\"quoted\\" </tool_call> <tool_call> ; ]", "n": [1, {"x": null}], "ok": true}'

@@ -1,4 +1,5 @@
-"""Chat templates that offer tools, for tool-calling tests (the bundled SmolLM2 template has none).
+"""Models for tool-calling tests: chat templates that offer tools (the bundled SmolLM2 template has
+none) and a scripted model that writes a given reply to a given conversation.
 
 HERMES_TEMPLATE follows the layout of Qwen 2.5's template (tools as JSON in <tools>, calls in
 <tool_call> with the arguments object, tool results as <tool_response> in a user turn), written
@@ -70,3 +71,38 @@ def with_chat_template(model_dir: Path, target: Path, template: str) -> Path:
     tokenizer.chat_template = template
     tokenizer.save_pretrained(target)
     return target
+
+
+def scripted_model(tokenizer_dir: Path, target: Path, template: str, prompt_ids: list[int], reply: str) -> Path:
+    """A GPT-2 whose greedy reply to `prompt_ids` is `reply` followed by EOS, token for token.
+
+    A random model cannot decide to call a tool; this one is told to. Attention and MLP write
+    nothing (zero output projections), so the last hidden state is wte[token] + wpe[position]; the
+    position embedding of each reply position is a distinct axis scaled by POSITION_GAIN and the
+    (tied) embedding of each reply token points along the axes of the positions it must follow,
+    so the position picks the next token (repeated tokens are fine) and every other token scores 0.
+    Runs through tokenmill's native GPT-2 path like any checkpoint."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    script = [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_token_id]
+    width = 2 * len(script)  # twice the axes needed: LayerNorm's mean shift stays small
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=1024, n_embd=width,
+                        n_layer=1, n_head=2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+        model.transformer.ln_f.weight.fill_(1.0)
+        for k, token in enumerate(script):
+            model.transformer.wpe.weight[len(prompt_ids) - 1 + k, k] = POSITION_GAIN
+            model.transformer.wte.weight[token, k] = 1.0
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(target)
+    return target
+
+
+POSITION_GAIN = 10.0
