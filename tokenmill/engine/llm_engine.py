@@ -218,9 +218,10 @@ class LLMEngine:
             logger.warning("--cuda-graphs is not used with tensor parallelism: decode steps run eagerly")
             return None
         if not getattr(self.model, "supports_cuda_graphs", True):
-            logger.warning("--cuda-graphs: this model's MoE experts run as a per-expert loop here (int8, or no "
-                           "grouped_mm for %s on this GPU), which capture forbids: decode steps run eagerly",
-                           self.dtype)
+            reason = getattr(self.model, "cuda_graphs_blocker", None) or (
+                f"this model's MoE experts run as a per-expert loop here (int8, or no grouped_mm for {self.dtype} "
+                "on this GPU), which capture forbids")
+            logger.warning("--cuda-graphs: %s: decode steps run eagerly", reason)
             return None
         return DecodeGraphs(self.model, self.kv_cache, self.block_size, self.config.max_num_seqs,
                             -(-self.max_model_len // self.block_size), self.device)

@@ -205,6 +205,11 @@ class TransformersCausalLM(nn.Module):
         self.__dict__["_decoder_parent"] = hf_model.get_submodule(parent)
         self.__dict__["_hidden_states"] = _HiddenStates()
 
+    # HF modeling code may sync with the host inside a step (data-dependent MoE dispatch, RoPE
+    # updates), which CUDA-graph capture forbids; not verified on a GPU, so decode steps run eagerly.
+    supports_cuda_graphs = False
+    cuda_graphs_blocker = "the generic transformers path runs HF code that is not checked for capture"
+
     @property
     def decoder(self) -> nn.Module:
         return self._decoder_parent._modules[self._decoder_name]
