@@ -165,3 +165,15 @@ def test_cli_parsing():
     assert defaults.compare is None and not defaults.sweep and not defaults.roofline
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "offline", "--sweep-values", "0,4"])
+
+
+def test_long_outputs_runs_both_modes(tiny_llm):
+    from tokenmill.bench.long_outputs import format_long_outputs, run_long_outputs
+
+    points = run_long_outputs(tiny_llm, [8, 24], streams=2, prompt_len=5, vocab_size=49152)
+    assert [(p.output_len, p.mode) for p in points] == [(8, "cumulative"), (8, "delta"), (24, "cumulative"), (24, "delta")]
+    assert all(p.output_tokens == 2 * p.output_len for p in points)  # every streamed token counted once
+    assert all(0 < p.model_s < p.wall_s and 0 < p.host_ms_per_token < p.total_ms_per_token for p in points)
+    assert "host ms/token at 24 / at 8" in format_long_outputs(points)
+    with pytest.raises(ValueError, match="context"):
+        run_long_outputs(tiny_llm, [10**6], streams=1, prompt_len=5, vocab_size=49152)

@@ -8,7 +8,8 @@ so every run produces exactly the requested number of tokens. Options add, in th
 - `--compare model-impl`: the workload on the native path and on the generic transformers path
   (`--model-impl native` / `transformers`), each in a fresh process: the generic path's cost;
 - `--sweep`: the workload at several concurrency limits (max_num_seqs), latency vs throughput;
-- `--roofline`: copy bandwidth, weight bytes and the batch-1 decode bound vs the measured step.
+- `--roofline`: copy bandwidth, weight bytes and the batch-1 decode bound vs the measured step;
+- `--long-outputs`: host time per output token of long streams, cumulative vs delta outputs.
 """
 
 from __future__ import annotations
@@ -515,10 +516,10 @@ def main(args: argparse.Namespace) -> int:
     print(describe_workload(workload), file=sys.stderr)
     report["environment"]["num_threads"] = torch.get_num_threads()
 
-    # The engine of this process serves the main run and the roofline; sweep points and the
-    # model-impl comparison build their own.
+    # The engine of this process serves the main run, the roofline and the long outputs; sweep
+    # points and the model-impl comparison build their own.
     main_here = not args.skip_main and args.compare != "model-impl"
-    llm = make_llm(args, model_dir) if main_here or args.roofline else None
+    llm = make_llm(args, model_dir) if main_here or args.roofline or args.long_outputs else None
     runs: list[RunResult] = []
     if args.compare == "model-impl":
         report["model_impl"] = compare_model_impls(args, model_dir, workload, progress)
@@ -566,6 +567,14 @@ def main(args: argparse.Namespace) -> int:
         if args.plot:
             plot_sweep(sweep_runs, args.plot, title=f"tokenmill bench offline --sweep ({model_dir.name})")
             print(f"wrote {args.plot}", file=sys.stderr)
+
+    if args.long_outputs:
+        from tokenmill.bench.long_outputs import format_long_outputs, run_long_outputs
+
+        points = run_long_outputs(llm, args.long_outputs, args.long_streams, args.long_prompt_len,
+                                  load_spec(model_dir).vocab_size, args.seed)
+        print(format_long_outputs(points))
+        report["long_outputs"] = [p.to_dict() for p in points]
 
     if args.roofline:
         from tokenmill.bench.roofline import format_roofline, measure_roofline
@@ -616,6 +625,14 @@ def register_offline(bench_subparsers: Any) -> None:
                        help="measure copy bandwidth, weight bytes and batch-1 decode step vs its bandwidth bound")
     bench.add_argument("--roofline-copy-bytes", type=positive_int, default=1 << 30, metavar="BYTES",
                        help="size of the fp32 tensor copied to measure bandwidth (default: 1 GiB)")
+    bench.add_argument("--long-outputs", type=parse_values, default=None, metavar="LIST",
+                       help="also stream --long-streams requests of each of these output lengths (e.g. 256,1024,4096) "
+                            "with cumulative outputs (before) and delta outputs (after), reporting engine host time "
+                            "per output token")
+    bench.add_argument("--long-streams", type=positive_int, default=8, metavar="N",
+                       help="concurrent streams of --long-outputs (default: 8)")
+    bench.add_argument("--long-prompt-len", type=positive_int, default=32, metavar="TOKENS",
+                       help="prompt length of --long-outputs requests (default: 32)")
     bench.add_argument("--skip-main", action="store_true",
                        help="skip the main tokenmill run (e.g. only --sweep or --roofline)")
     bench.add_argument("--json", metavar="PATH", default=None,

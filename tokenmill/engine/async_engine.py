@@ -7,6 +7,7 @@ thread runs model steps, so new requests never wait behind Python work of the mo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -17,7 +18,8 @@ from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine, StepStats
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.detokenizer import TokenText
+from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineStats", "StepStats"]
@@ -46,6 +48,10 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def token_text(self) -> TokenText | None:
+        return self.engine.token_text
+
+    @property
     def input_processor(self) -> InputProcessor:
         return self.engine.input_processor
 
@@ -70,8 +76,9 @@ class AsyncEngine:
     # -- requests -----------------------------------------------------------------------------
 
     async def generate(self, prompt: str | list[int] | PromptInput, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative outputs as tokens arrive; closing the iterator early aborts the request.
+                       request_id: str | None = None,
+                       output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
+        """Yield outputs (of `output_kind`) as tokens arrive; closing the iterator early aborts the request.
         A `PromptInput` (from `input_processor.process`) is queued as it is; text or token ids are
         processed here first (InvalidRequest on bad input)."""
         if not self.is_alive():
@@ -79,9 +86,10 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         if isinstance(prompt, PromptInput):  # already tokenized and checked: only the cheap checks are left
-            request = self.engine.make_request(request_id, prompt, params)
+            request = self.engine.make_request(request_id, prompt, params, output_kind=output_kind)
         else:  # tokenizing a long prompt takes a while: keep it off the event loop
-            request = await loop.run_in_executor(None, self.engine.make_request, request_id, prompt, params)
+            request = await loop.run_in_executor(None, functools.partial(
+                self.engine.make_request, request_id, prompt, params, output_kind=output_kind))
         stream: asyncio.Queue = asyncio.Queue()
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", code="duplicate_request_id")

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.engine.outputs import RequestOutput
+from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
 
@@ -34,7 +34,7 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         # Validate everything before anything runs, so a bad prompt cannot leave others half done.
-        requests = [self.engine.make_request(f"offline-{id(self)}-{i}", p, sp)
+        requests = [self.engine.make_request(f"offline-{id(self)}-{i}", p, sp, output_kind=RequestOutputKind.FINAL_ONLY)
                     for i, (p, sp) in enumerate(zip(prompts, params_list))]
         for request in requests:
             self.engine.add(request)

@@ -6,7 +6,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 from typing import Any, Callable
 
@@ -14,13 +14,14 @@ import torch
 
 from tokenmill.engine.config import EngineConfig, parse_memory
 from tokenmill.engine.cuda_graphs import DecodeGraphs
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenText
 from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
 from tokenmill.engine.model_runner import ModelRunner, StepInput
-from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenmill.engine.result_cache import CacheKey, ResultCache
+from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from tokenmill.engine.request import Request
+from tokenmill.engine.result_cache import ResultCache
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
@@ -41,21 +42,6 @@ class RequestFailed(Exception):
     def __init__(self, request_ids: set[str], message: str) -> None:
         super().__init__(message)
         self.request_ids = request_ids
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    seqs: list[Sequence] = field(default_factory=list)
-    result_cache_key: CacheKey | None = None  # set when a finished result may be stored
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 @dataclass
@@ -139,6 +125,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.model_name = config.served_model_name or self.model_dir.name
         self.tokenizer = _load_tokenizer(self.model_dir)
+        self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
         self.tp_group = None
         if config.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {config.tensor_parallel_size}")
@@ -229,11 +216,12 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt: str | list[int] | PromptInput, params: SamplingParams,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None,
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
         """Validate and tokenize (thread-safe, touches no engine state); `add` queues it."""
         checked = self.input_processor.process(prompt, params)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-        return Request(request_id, checked.prompt, checked.prompt_token_ids, params, metrics)
+        return Request(request_id, checked.prompt, checked.prompt_token_ids, params, metrics, output_kind)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -257,8 +245,9 @@ class LLMEngine:
         self.requests[request.request_id] = request
 
     def add_request(self, request_id: str, prompt: str | list[int] | PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        self.add(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time))
+                    arrival_time: float | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        self.add(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time, output_kind))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         return self._end_request(request_id, "abort", None)
@@ -341,7 +330,7 @@ class LLMEngine:
         batch = step.scheduled
         self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills), len(batch.decodes), seconds))
         requests = {seq.request_id: self.requests[seq.request_id] for seq in touched if seq.request_id in self.requests}
-        return [self._output(r) for r in requests.values()]
+        return [out for r in requests.values() if (out := self._output(r)) is not None]
 
     def _recover(self, failed: LaunchedStep, exc: Exception) -> list[RequestOutput]:
         """A step failed: take it and every later launched step back (the model thread skips those),
@@ -364,37 +353,15 @@ class LLMEngine:
             ids, message = {row.request_id for row in failed.step_input.rows}, f"internal error in the model step: {exc}"
         return [o for rid in sorted(ids) if (o := self.fail(rid, message)) is not None]
 
-    def _output(self, request: Request) -> RequestOutput:
-        finished = request.finished
-        outputs = []
-        for seq in request.seqs:
-            done = seq.is_finished
-            visible = seq.detokenizer.visible_len(done) if seq.detokenizer else 0
-            text = seq.text[:visible]
-            token_ids = seq.resolved_output_ids
-            out = CompletionOutput(
-                index=seq.index,
-                text=text,
-                token_ids=token_ids,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                text_delta=text[seq.reported_text_len :],
-                token_ids_delta=token_ids[seq.reported_tokens :],
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                logprobs_delta=seq.logprobs[seq.reported_logprobs :] if seq.logprobs is not None else None,
-            )
-            seq.reported_text_len = max(seq.reported_text_len, len(text))
-            seq.reported_tokens = len(token_ids)
-            seq.reported_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
-            outputs.append(out)
-        error = next((s.error for s in request.seqs if s.error), None)
-        if finished:
-            request.metrics.finished_time = time.time()
+    def _output(self, request: Request) -> RequestOutput | None:
+        """The request's output of this step (None: nothing to hand out); a finished request is
+        forgotten, and stored in the result cache when it may be."""
+        out = request.output()
+        if request.finished:
             self.requests.pop(request.request_id, None)
-            if request.result_cache_key is not None and error is None:
-                self.result_cache.put(request.result_cache_key, outputs)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-                             request.metrics, error, num_cached_tokens=request.seqs[0].num_cached_tokens)
+            if request.result_cache_key is not None and request.error is None:
+                self.result_cache.put(request.result_cache_key, request.final_choices())
+        return out
 
     def _notify(self, stats: StepStats) -> None:
         for listener in self.step_listeners:
@@ -446,7 +413,11 @@ def _load_tokenizer(model_dir) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as exc:
         logger.warning("no usable tokenizer in %s (%s): only token-id prompts will work", model_dir, exc)
         return None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:  # incremental detokenization needs `tokenizers`
+        raise ValueError(f"the tokenizer in {model_dir} ({type(tokenizer).__name__}) has no fast (tokenizers) "
+                         "backend; tokenmill needs one (a tokenizer.json)")
+    return tokenizer

@@ -1,8 +1,22 @@
-"""What the engine hands back for a request: cumulative text and tokens per choice."""
+"""What the engine hands back for a request, per choice; how much of it depends on the request's
+`RequestOutputKind` (vLLM's): the whole text each step, only what is new, or one final output."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+# (logprob of the chosen token, {token id: logprob} of the top alternatives), per generated token.
+Logprob = tuple[float, dict[int, float]]
+
+
+class RequestOutputKind(enum.Enum):
+    # Every output carries the text, tokens and logprobs so far, and what is new (O(length) per step).
+    CUMULATIVE = "cumulative"
+    # Every output carries only what is new (`*_delta`, O(new) per step): streaming.
+    DELTA = "delta"
+    # One output, when the request finishes, with everything (offline and non-streaming calls).
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -29,7 +43,9 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One choice of a request. `text`/`token_ids` are cumulative; `*_delta` are new since the last output."""
+    """One choice of a request. `*_delta` are new since this request's previous output; `text`,
+    `token_ids` and `logprobs` are everything so far (left empty by DELTA outputs); `num_tokens`
+    counts the tokens generated so far in every kind."""
 
     index: int
     text: str
@@ -39,8 +55,9 @@ class CompletionOutput:
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
     # One entry per generated token: (chosen token logprob, {token_id: logprob} of the top alternatives).
-    logprobs: list[tuple[float, dict[int, float]]] | None = None
-    logprobs_delta: list[tuple[float, dict[int, float]]] | None = None
+    logprobs: list[Logprob] | None = None
+    logprobs_delta: list[Logprob] | None = None
+    num_tokens: int = 0
 
     @property
     def finished(self) -> bool:

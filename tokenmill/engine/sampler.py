@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.sequence import Logprob, Sequence, placeholder_row
+from tokenmill.engine.outputs import Logprob
+from tokenmill.engine.sequence import Sequence, placeholder_row
 
 _NEG_INF = float("-inf")
 

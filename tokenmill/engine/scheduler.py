@@ -22,7 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tokenmill.engine.kv_cache import BlockAllocator, block_hash
-from tokenmill.engine.sequence import Logprob, Sequence, SequenceStatus, placeholder
+from tokenmill.engine.outputs import Logprob
+from tokenmill.engine.sequence import Sequence, SequenceStatus, placeholder
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.outputs import RequestMetrics
+from tokenmill.engine.outputs import Logprob, RequestMetrics
 from tokenmill.engine.sampling_params import SamplingParams
-
-
-# (logprob of the chosen token, {token id: logprob} of the top alternatives), per generated token.
-Logprob = tuple[float, dict[int, float]]
 
 
 def placeholder(row: int) -> int:
@@ -57,10 +53,7 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None
     logprobs: list[Logprob] | None = None
-    # What the last RequestOutput already reported, so the next one carries only deltas.
-    reported_text_len: int = 0
-    reported_tokens: int = 0
-    reported_logprobs: int = 0
+    reported_tokens: int = 0  # output tokens (and their logprobs) already in a RequestOutput
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -86,10 +79,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text if self.detokenizer else ""
 
     def append_pending(self, placeholder: int) -> None:
         """A launched step will sample this sequence's next token: hold its place."""

@@ -201,7 +201,7 @@ async def _serve_generation(request: Request, endpoint: str,
             job = await job
         state.admit(record, job.n_seqs)
         gen = Generation(state, record)
-        await cancel_on_disconnect(request, gen.start(job.prompts, job.params))
+        await cancel_on_disconnect(request, gen.start(job.prompts, job.params, job.output_kind))
         if job.stream:
             outcome = _StreamOutcome()
             started = gen

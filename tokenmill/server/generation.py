@@ -10,6 +10,7 @@ from typing import Any
 
 from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.input_processor import PromptInput
+from tokenmill.engine.outputs import RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
 from .errors import APIError, from_invalid_request
@@ -37,10 +38,11 @@ class Generation:
         self._iter: Any = None
         self._closed = False
 
-    async def start(self, prompts: list[PromptInput], params: SamplingParams) -> None:
+    async def start(self, prompts: list[PromptInput], params: SamplingParams, output_kind: RequestOutputKind) -> None:
+        """Submit every prompt; streams want DELTA outputs, whole responses FINAL_ONLY."""
         engine = self.state.engine
         self._gens = [
-            engine.generate(p, params, request_id=self.state.engine_request_id(self.record, i))
+            engine.generate(p, params, request_id=self.state.engine_request_id(self.record, i), output_kind=output_kind)
             for i, p in enumerate(prompts)
         ]
         results = await asyncio.gather(*(self._first(g) for g in self._gens), return_exceptions=True)

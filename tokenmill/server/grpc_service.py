@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.outputs import RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
 from .errors import APIError, bad_request, from_invalid_request
@@ -50,7 +51,7 @@ class GenerationService:
         record = self._record(context, GRPC_GENERATE)
         gen: Generation | None = None
         try:
-            gen = await self._start(raw, context, record)
+            gen = await self._start(raw, context, record, stream=False)
             final: Any = None
             async for _, out in gen.outputs():
                 _raise_on_failure(out)
@@ -73,7 +74,7 @@ class GenerationService:
         record = self._record(context, GRPC_GENERATE_STREAM)
         gen: Generation | None = None
         try:
-            gen = await self._start(raw, context, record)
+            gen = await self._start(raw, context, record, stream=True)
             async for _, out in gen.outputs():
                 _raise_on_failure(out)
                 choice = out.outputs[0]
@@ -112,7 +113,8 @@ class GenerationService:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "Invalid or missing API key (metadata `authorization: Bearer <key>`).")
 
-    async def _start(self, raw: bytes, context: grpc.aio.ServicerContext, record: RequestRecord) -> Generation:
+    async def _start(self, raw: bytes, context: grpc.aio.ServicerContext, record: RequestRecord,
+                     stream: bool) -> Generation:
         """Authorize, decode, validate and admit, then submit: the same order as the HTTP endpoints."""
         self._authorize(context)
         request = _decode(raw, record)
@@ -130,7 +132,7 @@ class GenerationService:
             record.prompt_text = repr(prompt.prompt if prompt.prompt is not None else prompt.prompt_token_ids)
         self.state.admit(record, params.n)
         gen = Generation(self.state, record)
-        await gen.start([prompt], params)
+        await gen.start([prompt], params, RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         return gen
 
 
@@ -173,7 +175,7 @@ def _raise_on_failure(out: Any) -> None:
 
 
 def _usage(out: Any) -> pb.Usage:
-    prompt, completion = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
+    prompt, completion = len(out.prompt_token_ids), sum(o.num_tokens for o in out.outputs)
     return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

@@ -16,8 +16,10 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from tokenmill.engine.detokenizer import TokenText
 from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.input_processor import PromptInput, render_chat
+from tokenmill.engine.outputs import RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
 from .errors import APIError, bad_request, from_invalid_request
@@ -52,20 +54,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
-class TokenStrings:
-    """Token id -> its text, cached (logprobs name every token and its alternatives)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id])
-        return text
-
-
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else _MIN_LOGPROB
 
@@ -73,7 +61,7 @@ def _finite(x: float) -> float:
 def usage_of(record: RequestRecord) -> Usage:
     outs = record.last_outputs.values()
     return Usage.of(sum(len(o.prompt_token_ids) for o in outs),
-                    sum(len(c.token_ids) for o in outs for c in o.outputs),
+                    sum(c.num_tokens for o in outs for c in o.outputs),
                     cached_tokens=sum(o.num_cached_tokens for o in outs))
 
 
@@ -88,6 +76,10 @@ class Job:
     model: str
     response_id: str
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def output_kind(self) -> RequestOutputKind:
+        return RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
 
     @property
     def n_seqs(self) -> int:
@@ -119,7 +111,7 @@ def _raise_on_failure(out: Any) -> None:
 
 @dataclass
 class CompletionJob(Job):
-    tokens: TokenStrings | None = None  # set when logprobs were requested
+    tokens: TokenText | None = None  # set when logprobs were requested
 
     async def full(self, gen: Generation) -> CompletionResponse:
         finals = await _final_outputs(gen)
@@ -160,10 +152,10 @@ class CompletionJob(Job):
         assert self.tokens is not None
         lp = CompletionLogprobs()
         for tid, (chosen, top) in zip(token_ids, entries or []):
-            text = self.tokens(tid)
+            text = self.tokens(tid)[0]
             lp.tokens.append(text)
             lp.token_logprobs.append(_finite(chosen))
-            lp.top_logprobs.append({self.tokens(t): _finite(v) for t, v in top.items()})
+            lp.top_logprobs.append({self.tokens(t)[0]: _finite(v) for t, v in top.items()})
             lp.text_offset.append(offset)
             offset += len(text)
         return lp, offset
@@ -189,7 +181,7 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     return CompletionJob(
         prompts=prompts, params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
         model=state.engine.model_name, response_id=f"cmpl-{record.request_id}",
-        tokens=TokenStrings(state.engine.tokenizer) if req.logprobs is not None else None,
+        tokens=state.engine.token_text if req.logprobs is not None else None,
     )
 
 
@@ -206,7 +198,7 @@ async def _checked(work: Awaitable[T]) -> T:
 
 @dataclass
 class ChatJob(Job):
-    tokens: TokenStrings | None = None
+    tokens: TokenText | None = None
     top_logprobs: int = 0
     tools: ToolPlan | None = None  # set when the output is read as tool calls
 
@@ -279,8 +271,8 @@ class ChatJob(Job):
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         assert self.tokens is not None
-        text = self.tokens(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+        text, raw = self.tokens(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
 
 
 async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) -> ChatJob:
@@ -309,7 +301,7 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     return ChatJob(
         prompts=[prompt], params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
         model=state.engine.model_name, response_id=f"chatcmpl-{record.request_id}",
-        tokens=TokenStrings(state.engine.tokenizer) if logprobs is not None else None,
+        tokens=state.engine.token_text if logprobs is not None else None,
         top_logprobs=logprobs or 0, tools=tools,
     )
 

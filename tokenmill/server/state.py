@@ -128,7 +128,7 @@ class ServerState:
         prompt_tokens = completion_tokens = 0
         for out in record.last_outputs.values():
             p = len(out.prompt_token_ids)
-            lengths = [len(o.token_ids) for o in out.outputs]
+            lengths = [o.num_tokens for o in out.outputs]
             self.metrics.on_engine_request_done(out.metrics, p, sum(lengths), max(lengths, default=0))
             prompt_tokens += p
             completion_tokens += sum(lengths)
