@@ -646,12 +646,10 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags of the offline benchmarks: --model also takes 'tiny', a bench KV budget."""
     from tokenmill.engine.config import EngineConfig
 
-    EngineConfig.add_cli_args(parser)  # adds --model and the engine flags (--seed also seeds the prompts)
-    parser.set_defaults(kv_cache_memory=DEFAULT_KV_CACHE)
-    for action in parser._actions:
-        if action.dest == "model":
-            action.help = "model directory, 'tiny' for the random tiny Llama (built once in the cache), or default"
-        elif action.dest == "kv_cache_memory":
-            action.help = f"KV cache budget (default here: {DEFAULT_KV_CACHE})"
-        elif action.dest == "seed":
-            action.help = "seed of the prompts and of the engine's unseeded sampling (default: 0)"
+    EngineConfig.add_cli_args(parser, model={
+        "help": "model directory, 'tiny' for the random tiny Llama (built once in the cache), or default",
+    }, kv_cache_memory={
+        "default": DEFAULT_KV_CACHE, "help": f"KV cache budget (default here: {DEFAULT_KV_CACHE})",
+    }, seed={
+        "help": "seed of the prompts and of the engine's unseeded sampling (default: 0)",
+    })

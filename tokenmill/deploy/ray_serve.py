@@ -16,45 +16,24 @@ replica served it; `replica_actor_name()` turns that id into the replica's Ray a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill.deploy.scale import ScaleOptions
 from tokenmill.engine.config import EngineConfig
 from tokenmill.server.settings import ServerSettings
+
+__all__ = ["ScaleOptions", "app_builder", "build_application", "deployment_options", "replica_actor_name", "start"]
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "tokenmill"
 DEPLOYMENT_NAME = "tokenmill"
 REPLICA_HEADER = "X-Tokenmill-Replica"
-
-
-@dataclass
-class ScaleOptions:
-    """How many replicas and what each one reserves from the Ray cluster."""
-
-    num_replicas: int = 1  # fixed replica count; the initial count when autoscaling
-    max_replicas: int | None = None  # set -> autoscale between min_replicas and max_replicas
-    min_replicas: int = 1
-    target_ongoing_requests: float = 8.0  # autoscaling target: in-flight requests per replica
-    max_ongoing_requests: int | None = None  # per-replica cap at the router (default: --max-num-seqs)
-    num_cpus: float = 1.0  # per CPU replica (also its torch thread count unless --num-threads)
-    num_gpus: float = 1.0  # per replica with --device cuda
-    health_check_period_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.num_replicas < 1 and self.max_replicas is None:
-            raise ValueError("--num-replicas must be >= 1")
-        if self.max_replicas is not None and (self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas)):
-            raise ValueError("need 0 <= --min-replicas <= --max-replicas and --max-replicas >= 1")
-        if self.target_ongoing_requests <= 0:
-            raise ValueError("--target-ongoing-requests must be > 0")
-        if self.num_cpus <= 0:
-            raise ValueError("--num-cpus-per-replica must be > 0")
 
 
 def resolve_device(device: str) -> str:

@@ -3,79 +3,66 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.options import add_options, from_args, option
 
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # local HF directory; None = the bundled default model
-    served_model_name: str | None = None  # name reported by /v1/models (default: directory name)
-    model_impl: str = "auto"  # auto | native | transformers (the generic path over HF's modeling code)
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: fp32 on CPU, bf16/fp16 on GPU)
-    device: str = "auto"  # auto | cpu | cuda
-    quantization: str | None = None  # None | "int8" (weight-only, per output channel)
-    block_size: int = 16
-    kv_cache_memory: str | None = None  # e.g. "2GiB"; default: a fraction of free memory
-    kv_cache_memory_fraction: float = 0.3  # of free memory, used when kv_cache_memory is unset
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    result_cache_size: int = 0  # finished deterministic completions kept for identical requests; 0 = off
-    compile: bool = False
-    cuda_graphs: bool = False  # GPU: replay decode steps as CUDA graphs (bucketed batch and context sizes)
-    # Schedule/prepare step N+1 and detokenize step N while the model runs step N on its own thread.
+    model: str | None = option(
+        None, "local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
+    model_impl: str = option(
+        "auto", "model code: native = tokenmill's own fast paths (listed by `tokenmill models`), transformers = "
+        "the generic path running HF's modeling code with tokenmill's paged attention, auto = native when the "
+        "architecture has one, else transformers", choices=["auto", "native", "transformers"])
+    served_model_name: str | None = option(None, "model name reported by the API (default: the directory name)")
+    dtype: str = option("auto", "weight/activation dtype; auto = fp32 on CPU, bf16 (or fp16) on GPU",
+                        choices=["auto", "float32", "float16", "bfloat16"])
+    device: str = option("auto", "where to run; auto picks CUDA when available", choices=["auto", "cpu", "cuda"])
+    quantization: str | None = option(None, "weight-only quantization of the linear layers", choices=["int8"])
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory: str | None = option(
+        None, "KV cache budget, e.g. 512MiB or 2GiB (default: --kv-cache-memory-fraction of free memory)")
+    kv_cache_memory_fraction: float = option(
+        0.3, "fraction of free device memory for the KV cache when --kv-cache-memory is unset")
+    max_num_seqs: int = option(128, "most sequences in one batch")
+    max_num_batched_tokens: int = option(1024, "token budget per step (prefill chunks + decodes)")
+    max_model_len: int | None = option(None, "context length limit (default: the model's)", type=int)
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
+    result_cache_size: int = option(
+        0, "answer repeats of identical greedy or seeded requests from an LRU of the last N finished "
+        "completions, without running the model (default: 0 = off)", metavar="N")
+    onednn_linear: bool = option(
+        True, "CPU only: run the linear layers on oneDNN with weights pre-packed at load (fp32/bf16; measured "
+        "2.5x the default MKL GEMMs on AMD CPUs). Ignored with --quantization, --compile and on GPU")
+    compile: bool = option(
+        False, "torch.compile the dense parts of the model step (dynamic token count; attention stays eager)")
+    cuda_graphs: bool = option(
+        False, "GPU only: replay decode-only steps as CUDA graphs, one per (batch size, context length) bucket, "
+        "captured on first use; other steps run eagerly. Ignored on CPU and with --tensor-parallel-size > 1",
+        action=argparse.BooleanOptionalAction)
     # None = auto: on with CUDA; off on CPU, where the model's threads already use every core.
-    overlap_scheduling: bool | None = None
-    onednn_linear: bool = True  # CPU: linear layers on oneDNN with pre-packed weights
-    seed: int = 0
-    tensor_parallel_size: int = 1  # ranks (processes) the layers are split over, on one machine
-    num_threads: int | None = None  # torch intra-op threads on CPU (default: all cores)
+    overlap_scheduling: bool | None = option(
+        None, "run the model on its own thread, one step ahead: step N+1 is scheduled and prepared, and step "
+        "N's tokens detokenized and streamed, while the model runs step N (default: on with CUDA; off on CPU, "
+        "where the model's threads already use every core and sharing them measured 0.7x)",
+        action=argparse.BooleanOptionalAction)
+    seed: int = option(0, "engine seed for unseeded sampling")
+    tensor_parallel_size: int = option(
+        1, "split attention heads and MLP columns over N processes on this machine (gloo on CPU, NCCL with "
+        "one GPU each on CUDA); Llama family (default: 1)", aliases=["-tp"], metavar="N")
+    num_threads: int | None = option(None, "torch CPU threads (default: all cores)", type=int)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("engine")
-        g.add_argument("--model", default=None, help="local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
-        g.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"], help="model code: native = tokenmill's own fast paths (listed by `tokenmill models`), transformers = the generic path running HF's modeling code with tokenmill's paged attention, auto = native when the architecture has one, else transformers")
-        g.add_argument("--served-model-name", default=None, help="model name reported by the API (default: the directory name)")
-        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="weight/activation dtype; auto = fp32 on CPU, bf16 (or fp16) on GPU")
-        g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run; auto picks CUDA when available")
-        g.add_argument("--quantization", default=None, choices=["int8"], help="weight-only quantization of the linear layers")
-        g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-        g.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 512MiB or 2GiB (default: --kv-cache-memory-fraction of free memory)")
-        g.add_argument("--kv-cache-memory-fraction", type=float, default=0.3, help="fraction of free device memory for the KV cache when --kv-cache-memory is unset")
-        g.add_argument("--max-num-seqs", type=int, default=128, help="most sequences in one batch")
-        g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step (prefill chunks + decodes)")
-        g.add_argument("--max-model-len", type=int, default=None, help="context length limit (default: the model's)")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prompt prefixes")
-        g.add_argument("--result-cache-size", type=int, default=0, metavar="N",
-                       help="answer repeats of identical greedy or seeded requests from an LRU of the last N "
-                            "finished completions, without running the model (default: 0 = off)")
-        g.add_argument("--onednn-linear", action=argparse.BooleanOptionalAction, default=True,
-                       help="CPU only: run the linear layers on oneDNN with weights pre-packed at load "
-                            "(fp32/bf16; measured 2.5x the default MKL GEMMs on AMD CPUs). Ignored with "
-                            "--quantization, --compile and on GPU")
-        g.add_argument("--compile", action="store_true",
-                       help="torch.compile the dense parts of the model step (dynamic token count; attention "
-                            "stays eager)")
-        g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
-                       help="GPU only: replay decode-only steps as CUDA graphs, one per (batch size, context "
-                            "length) bucket, captured on first use; other steps run eagerly. Ignored on CPU "
-                            "and with --tensor-parallel-size > 1")
-        g.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                       help="run the model on its own thread, one step ahead: step N+1 is scheduled and "
-                            "prepared, and step N's tokens detokenized and streamed, while the model runs "
-                            "step N (default: on with CUDA; off on CPU, where the model's threads already "
-                            "use every core and sharing them measured 0.7x)")
-        g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                       help="split attention heads and MLP columns over N processes on this machine "
-                            "(gloo on CPU, NCCL with one GPU each on CUDA); Llama family (default: 1)")
-        g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    def add_cli_args(parser: argparse.ArgumentParser, **overrides: dict[str, Any]) -> None:
+        """The engine flags, in their own help group; `overrides` as in `add_options`."""
+        add_options(parser.add_argument_group("engine"), EngineConfig, overrides=overrides)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        return from_args(cls, args)
 
 
 def parse_memory(text: str) -> int:

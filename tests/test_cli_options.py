@@ -1,0 +1,40 @@
+"""Flags come from the settings dataclasses: every command's defaults are the dataclass defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.cli import build_parser
+from tokenmill.deploy.scale import ScaleOptions
+from tokenmill.engine.config import EngineConfig
+from tokenmill.options import from_args
+from tokenmill.server.commands import settings_from_args
+from tokenmill.server.settings import ServerSettings
+
+
+@pytest.mark.parametrize("command", [["serve"], ["serve-ray"], ["generate", "--prompt", "x"],
+                                     ["bench", "offline"], ["bench", "features"]])
+def test_engine_flag_defaults_are_the_dataclass_defaults(command):
+    args = build_parser().parse_args(command)
+    config = EngineConfig.from_cli_args(args)
+    expected = EngineConfig(kv_cache_memory="2GiB") if command[0] == "bench" else EngineConfig()
+    assert config == expected
+
+
+def test_server_and_scale_flags(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    assert settings_from_args(build_parser().parse_args(["serve"])) == ServerSettings()
+    ray_args = build_parser().parse_args(["serve-ray"])
+    assert settings_from_args(ray_args, grpc_port=0) == ServerSettings(grpc_port=0, log_format="text")
+    assert from_args(ScaleOptions, ray_args) == ScaleOptions()
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "7", "--max-body-bytes", "2KiB", "--no-onednn-linear",
+                                      "-tp", "2", "--allow-special-tokens-in-messages"])
+    settings = settings_from_args(args)
+    assert (settings.max_num_seqs, settings.max_body_bytes, settings.allow_special_tokens_in_messages) == (7, 2048, True)
+    config = EngineConfig.from_cli_args(args)
+    assert (config.max_num_seqs, config.onednn_linear, config.tensor_parallel_size) == (7, False, 2)
+    monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
+    assert settings_from_args(build_parser().parse_args(["serve"])).api_key == "from-env"
+    assert settings_from_args(build_parser().parse_args(["serve", "--api-key", "k"])).api_key == "k"
+    scale = from_args(ScaleOptions, build_parser().parse_args(["serve-ray", "--num-cpus-per-replica", "2.5"]))
+    assert scale.num_cpus == 2.5
