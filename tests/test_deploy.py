@@ -422,7 +422,7 @@ def test_compose_schema():
 
 def test_compose_structure(compose):
     services = compose["services"]
-    assert set(services) == {"tokenmill", "prometheus", "grafana"}
+    assert set(services) == {"tokenmill", "prometheus", "grafana", "otel-collector", "jaeger"}
     declared_volumes = set(compose.get("volumes", {}))
     for name, svc in services.items():
         assert "image" in svc or "build" in svc, name
@@ -433,7 +433,7 @@ def test_compose_structure(compose):
                 assert (DEPLOY / src).exists(), f"{name}: bind mount source {src} missing"
             else:
                 assert src in declared_volumes, f"{name}: named volume {src} not declared"
-    for name in ("prometheus", "grafana"):
+    for name in ("prometheus", "grafana", "otel-collector", "jaeger"):
         assert re.fullmatch(r"[\w./-]+:v?\d+\.\d+\.\d+", services[name]["image"]), "pin the image version"
     assert services["prometheus"]["image"].startswith("prom/prometheus:")
     assert services["grafana"]["image"].startswith("grafana/grafana:")
@@ -457,6 +457,31 @@ def test_compose_structure(compose):
     assert any(m.startswith("./grafana/provisioning/dashboards:") for m in mounts)
     assert any(m.startswith("./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml") for m in
                services["prometheus"]["volumes"])
+
+
+def test_tracing_pipeline(compose):
+    """tokenmill -> collector (OTLP gRPC) -> Jaeger (OTLP) -> the Jaeger UI on the host."""
+    services = compose["services"]
+    env = services["tokenmill"]["environment"]
+    endpoint = re.fullmatch(r"\$\{TOKENMILL_OTLP_TRACES_ENDPOINT-(.*)\}", env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]).group(1)
+    assert endpoint == "http://otel-collector:4317"
+    assert env["OTEL_SERVICE_NAME"] == "tokenmill"
+    collector = services["otel-collector"]
+    assert collector["image"].startswith("otel/opentelemetry-collector-contrib:")
+    mount = "./otel/collector.yaml:/etc/otelcol-contrib/config.yaml:ro"
+    assert mount in collector["volumes"]
+    assert "--config=/etc/otelcol-contrib/config.yaml" in collector["command"]
+    conf = yaml.safe_load((DEPLOY / "otel" / "collector.yaml").read_text())
+    assert conf["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
+    pipeline = conf["service"]["pipelines"]["traces"]
+    assert pipeline["receivers"] == ["otlp"]
+    for name in pipeline["processors"]:
+        assert name in conf["processors"]
+    (exporter,) = pipeline["exporters"]
+    assert conf["exporters"][exporter]["endpoint"] == "jaeger:4317"
+    jaeger = services["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/jaeger:")
+    assert any(str(p).endswith(":16686") for p in jaeger["ports"])
 
 
 def test_prometheus_config():

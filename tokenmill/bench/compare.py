@@ -68,12 +68,15 @@ def naive_server_cmd(model_dir: Path, port: int) -> list[str]:
             "--host", "127.0.0.1", "--port", str(port)]
 
 
-def start_server(name: str, cmd: list[str], port: int, ready_path: str, log_dir: Path) -> ServerProcess:
+def start_server(name: str, cmd: list[str], port: int, ready_path: str, log_dir: Path,
+                 environ: dict[str, str] | None = None) -> ServerProcess:
+    """`cmd` in its own session, logging to a file; `environ` replaces this process's environment."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
         # A new session makes the server a process-group leader, so stopping it reaches its children.
         # Both servers get the same OpenMP wait policy as `tokenmill serve` sets for itself.
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        base = os.environ if environ is None else environ
+        env = {**base, "OMP_WAIT_POLICY": base.get("OMP_WAIT_POLICY", "PASSIVE")}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
     return ServerProcess(name, proc, f"http://127.0.0.1:{port}", ready_path, log_path)

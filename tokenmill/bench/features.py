@@ -3,7 +3,8 @@
 Every row is one engine, in a fresh process, built with the default settings except for that one flag, running a
 workload the feature is for (a shared system prompt for prefix caching, repeated requests for the
 result cache, the mixed workload of `bench offline` for the rest). Reported: useful output tok/s,
-TTFT, the model's weight bytes and greedy agreement of "on" with "off".
+TTFT, the model's weight bytes and greedy agreement of "on" with "off". Server features (request
+tracing) run a `tokenmill serve` instead, streamed requests over HTTP (`served_features`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from tokenmill.bench.offline import (
     resolve_bench_model,
     tokenmill_run,
 )
-from tokenmill.bench.serve import json_safe, write_json
+from tokenmill.bench.serve import json_safe, load_tokenizer, synthetic_requests, write_json
+from tokenmill.bench.served_features import COLLECTOR_STUB, served_run
 
 
 @dataclass
@@ -52,8 +54,10 @@ class Feature:
     name: str
     off: dict[str, Any]
     on: dict[str, Any]
-    workload: str  # "mixed" | "shared-prefix" | "repeat"
+    workload: str  # "mixed" | "shared-prefix" | "repeat" | "serve"
     gpu_only: bool = False  # skipped (and said so) where no CUDA device is available
+    # off/on are `tokenmill serve` settings, measured through a real server ("serve" workload).
+    server: bool = False
 
 
 FEATURES = [
@@ -67,6 +71,8 @@ FEATURES = [
     Feature("overlap scheduling (--overlap-scheduling)", {"overlap_scheduling": False},
             {"overlap_scheduling": True}, "mixed"),
     Feature("CUDA graphs (--cuda-graphs)", {"cuda_graphs": False}, {"cuda_graphs": True}, "mixed", gpu_only=True),
+    Feature("request tracing (--otlp-traces-endpoint)", {}, {"otlp_traces_endpoint": COLLECTOR_STUB}, "serve",
+            server=True),
 ]
 
 
@@ -93,6 +99,9 @@ def measure(args: argparse.Namespace, features: Sequence[Feature],
     warm = make_workload(2, 4, 64, 8, 8, vocab, args.seed + 99)
     rows: list[FeatureRow] = []
     for feature in features:
+        if feature.server:
+            rows += _served_rows(args, model_dir, feature, log)
+            continue
         tokens: dict[str, list[list[int]]] = {}
         for setting, overrides in (("off", feature.off), ("on", feature.on)):
             result = in_fresh_process(tokenmill_run, engine_kwargs(args, model_dir, **overrides),
@@ -106,6 +115,22 @@ def measure(args: argparse.Namespace, features: Sequence[Feature],
                                    result.ttft.mean, result.latency.p50, weights / 2**20, agreement))
             log(f"  {feature.name} {setting}: {result.output_throughput:.1f} tok/s, "
                 f"mean TTFT {result.ttft.mean:.3f} s, weights {weights / 2**20:.1f} MiB")
+    return rows
+
+
+def _served_rows(args: argparse.Namespace, model_dir: Any, feature: Feature,
+                 log: Callable[[str], None]) -> list[FeatureRow]:
+    """A server feature: streamed requests (prompts ~100 tokens, outputs up to --max-output) off vs on."""
+    requests = synthetic_requests(load_tokenizer(model_dir), args.num_prompts, 100, args.max_output, 0.5, args.seed)
+    rows = []
+    for setting, settings in (("off", feature.off), ("on", feature.on)):
+        report, spans = served_run(args, model_dir, settings, requests, f"{feature.name} {setting}")
+        if COLLECTOR_STUB in settings.values() and spans == 0:
+            raise RuntimeError(f"{feature.name} {setting}: the collector stub received no span")
+        rows.append(FeatureRow(feature.name, setting, feature.workload, report.output_throughput,
+                               report.ttft.mean_ms / 1000, report.e2e.p50_ms / 1000, math.nan))
+        log(f"  {feature.name} {setting}: {report.output_throughput:.1f} tok/s, mean TTFT "
+            f"{report.ttft.mean_ms / 1000:.3f} s, {report.failed} failed, {spans} spans exported")
     return rows
 
 
@@ -157,7 +182,8 @@ def register_features(bench_subparsers: Any) -> None:
         description="For each speed feature (oneDNN linear, prefix caching, result cache, int8 weights, bf16, "
                     "torch.compile, overlap scheduling, CUDA graphs on a GPU) build the engine twice, differing "
                     "only in that flag, run a workload the feature is for and print tok/s, TTFT, weight memory "
-                    "and greedy agreement of on vs off.",
+                    "and greedy agreement of on vs off. Request tracing is measured through `tokenmill serve` "
+                    "(streamed HTTP requests, spans exported over OTLP to a collector stub on 127.0.0.1).",
     )
     parser.add_argument("--num-prompts", type=positive_int, default=32, metavar="N", help="requests per run (default: 32)")
     parser.add_argument("--max-output", type=positive_int, default=64, metavar="TOKENS",

@@ -14,10 +14,12 @@ unless `escape_special=True` (server: --escape-special-tokens-in-prompts).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jinja2 import TemplateError
@@ -31,10 +33,14 @@ Message = Mapping[str, Any]
 
 @dataclass(frozen=True)
 class PromptInput:
-    """A validated prompt, ready to queue: its token ids and, when it was given as text, the text."""
+    """A validated prompt, ready to queue: its token ids and, when it was given as text, the text.
+    `processing_start`/`processing_end` (time.time()) bracket the work that made it: chat rendering,
+    tokenization and validation (request traces show them as the request's tokenize stage)."""
 
     prompt_token_ids: list[int]
     prompt: str | None = None
+    processing_start: float | None = field(default=None, compare=False)
+    processing_end: float | None = field(default=None, compare=False)
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -162,6 +168,11 @@ class InputProcessor:
         """`render_chat` with this model's tokenizer (see there for the options)."""
         return render_chat(self.tokenizer, messages, **options)
 
+    def render_chat_input(self, messages: Sequence[Message | Any], **options: Any) -> PromptInput:
+        """`render_chat`, as a PromptInput that remembers when rendering started (for `process`)."""
+        start = time.time()
+        return PromptInput(self.render_chat(messages, **options), processing_start=start)
+
     def tokenize(self, text: str, *, escape_special: bool = False, param: str = "prompt",
                  add_special_tokens: bool = True) -> list[int]:
         """A raw prompt's token ids, with the tokenizer's own BOS/EOS additions unless turned off."""
@@ -181,11 +192,14 @@ class InputProcessor:
     def process(self, prompt: str | Sequence[int] | PromptInput, params: SamplingParams, *,
                 param: str = "prompt", escape_special: bool = False) -> PromptInput:
         """Tokenize (text) or check (token ids) a prompt and check it fits with `params`."""
+        start = time.time()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params must be a SamplingParams")
         self.check_params(params)
         if isinstance(prompt, PromptInput):
-            result = prompt
+            # Rendered but not yet processed (render_chat_input): its ids are checked like any others.
+            result = prompt if prompt.processing_end is not None else dataclasses.replace(
+                prompt, prompt_token_ids=self._checked_ids(prompt.prompt_token_ids, param))
         elif isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", param=param)
@@ -201,7 +215,11 @@ class InputProcessor:
                 f"{len(ids)} tokens and max_tokens is {params.max_tokens} "
                 f"({len(ids) + params.max_tokens} in all): shorten the prompt or lower max_tokens",
                 param=param)
-        return result
+        if result.processing_end is not None:  # processed before: as it was
+            return result
+        # A rendered chat keeps the start of its rendering.
+        return dataclasses.replace(result, processing_start=result.processing_start or start,
+                                   processing_end=time.time())
 
     def _checked_ids(self, ids: Sequence[int], param: str) -> list[int]:
         ids = list(ids)

@@ -220,7 +220,8 @@ class LLMEngine:
                      output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
         """Validate and tokenize (thread-safe, touches no engine state); `add` queues it."""
         checked = self.input_processor.process(prompt, params)
-        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        metrics = RequestMetrics(arrival_time=arrival_time or time.time(), tokenize_start_time=checked.processing_start,
+                                 tokenize_end_time=checked.processing_end)
         return Request(request_id, checked.prompt, checked.prompt_token_ids, params, metrics, output_kind)
 
     def add(self, request: Request) -> None:

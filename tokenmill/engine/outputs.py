@@ -23,7 +23,10 @@ class RequestOutputKind(enum.Enum):
 class RequestMetrics:
     """Wall-clock stage timestamps (time.time()) of one request."""
 
-    arrival_time: float
+    arrival_time: float  # queued in the engine
+    # Chat rendering, tokenization and validation of the prompt, before arrival (None: not recorded).
+    tokenize_start_time: float | None = None
+    tokenize_end_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -199,6 +199,7 @@ async def _serve_generation(request: Request, endpoint: str,
         job = prepare(state, record, raw)
         if asyncio.iscoroutine(job):
             job = await job
+        record.params, record.response_id, record.stream = job.params, job.response_id, job.stream
         state.admit(record, job.n_seqs)
         gen = Generation(state, record)
         await cancel_on_disconnect(request, gen.start(job.prompts, job.params, job.output_kind))
@@ -258,6 +259,11 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
     state = ServerState(engine, settings, metrics)
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM inference", version=__version__)
     app.state.server = state
+    if settings.otlp_traces_endpoint:  # OpenTelemetry is imported only then
+        from .tracing import RequestTracing
+
+        state.tracing = RequestTracing(settings, engine.model_name)
+        state.tracing.instrument_http(app)
     app.add_middleware(RequestIdMiddleware)
     _add_error_handlers(app)
 

@@ -130,6 +130,8 @@ class GenerationService:
             raise from_invalid_request(exc) from None
         if self.state.settings.log_prompts:
             record.prompt_text = repr(prompt.prompt if prompt.prompt is not None else prompt.prompt_token_ids)
+        record.params, record.response_id = params, record.request_id
+        record.stream = record.endpoint == GRPC_GENERATE_STREAM
         self.state.admit(record, params.n)
         gen = Generation(self.state, record)
         await gen.start([prompt], params, RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
@@ -211,7 +213,9 @@ class GrpcServer:
 async def start_grpc_server(state: ServerState, host: str, port: int) -> GrpcServer:
     """Bind and start the gRPC server on the running loop; raises RuntimeError if the port is taken."""
     limit = state.settings.max_body_bytes
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)])
+    interceptors = state.tracing.grpc_interceptors() if state.tracing is not None else None
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)],
+                             interceptors=interceptors)
     _add_generation_service(server, GenerationService(state))
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):

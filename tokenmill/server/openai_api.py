@@ -286,16 +286,16 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     processor = state.engine.input_processor
     trusted = state.settings.allow_special_tokens_in_messages
     # Templating + tokenizing a 1 MiB conversation takes a while: keep it off the event loop.
-    prompt_ids = await _checked(asyncio.to_thread(processor.render_chat, req.template_messages(),
-                                                  tools=req.template_tools(), special_tokens_in_content=trusted,
-                                                  **req.template_options()))
+    rendered = await _checked(asyncio.to_thread(processor.render_chat_input, req.template_messages(),
+                                                tools=req.template_tools(), special_tokens_in_content=trusted,
+                                                **req.template_options()))
     requested = req.requested_max_tokens()
     try:  # OpenAI's default max_tokens is "the rest of the context"
-        max_tokens = processor.remaining_context(len(prompt_ids)) if requested is None else requested
+        max_tokens = processor.remaining_context(len(rendered.prompt_token_ids)) if requested is None else requested
     except InvalidRequest as exc:
         raise from_invalid_request(exc) from None
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
-    prompt = await _checked(asyncio.to_thread(processor.process, prompt_ids, params, param="messages"))
+    prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages"))
     if state.settings.log_prompts:
         record.prompt_text = repr(req.template_messages())
     return ChatJob(

@@ -119,6 +119,8 @@ async def serve(engine: Any, settings: ServerSettings) -> int:
         if grpc_server is not None:
             await grpc_server.stop(grace=1.0)
         await asyncio.to_thread(engine.shutdown)
+        if state.tracing is not None:
+            state.tracing.shutdown()  # export the spans still batched
     if not http.started and life.exit_code == 0:
         life.exit_code = 1
     logger.info("server stopped", extra={"exit_code": life.exit_code})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from tokenmill.engine.config import parse_memory
@@ -10,6 +11,33 @@ from tokenmill.options import option
 from .tools.parsers import PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
+# The standard OpenTelemetry variables that turn tracing on when --otlp-traces-endpoint is not given.
+OTLP_ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+OTLP_PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+# What tracing imports: the SDK, both OTLP exporters and the FastAPI and gRPC instrumentations (the `otel` extra).
+TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+                   "opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.instrumentation.fastapi",
+                   "opentelemetry.instrumentation.grpc")
+
+
+def env_setting(names: tuple[str, ...]) -> str | None:
+    """The first of these environment variables that is set and not empty."""
+    return next((os.environ[n] for n in names if os.environ.get(n)), None)
+
+
+def check_tracing_installed() -> None:
+    """A one-line error naming the extra to install when a tracing package is missing."""
+    import importlib.util
+
+    for name in TRACING_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # a parent package is missing (or broken)
+            found = False
+        if not found:
+            raise ValueError(f"--otlp-traces-endpoint needs the OpenTelemetry packages ({name} is not installed): "
+                             "pip install 'tokenmill[otel]'")
 
 
 @dataclass
@@ -50,6 +78,17 @@ class ServerSettings:
         "chat template (hermes if it writes <tool_call>, llama3_json for Llama 3 tool templates, else none); "
         "none: always plain text. tool_choice \"required\" and named functions do not depend on it",
         choices=["auto", "none", *PARSERS])
+    # OpenTelemetry traces, one per request (tokenmill.server.tracing): off while the endpoint is None.
+    # The CLI falls back to the standard OTEL_EXPORTER_OTLP_* variables (see server.commands).
+    otlp_traces_endpoint: str | None = option(
+        None, "export one OpenTelemetry trace per request (HTTP/gRPC server span, GenAI attributes, tokenize/"
+        "queue/prefill/decode/stream stages) to this OTLP collector, e.g. http://127.0.0.1:4317 (grpc) or "
+        "http://127.0.0.1:4318/v1/traces (http/protobuf); file:///path writes the spans as JSON lines. Default: "
+        f"${OTLP_ENDPOINT_ENV[0]} or ${OTLP_ENDPOINT_ENV[1]}; unset = tracing off (nothing imported, no cost). "
+        "Needs pip install 'tokenmill[otel]'", metavar="URL")
+    otlp_traces_protocol: str | None = option(
+        None, f"OTLP transport (default: ${OTLP_PROTOCOL_ENV[0]}, ${OTLP_PROTOCOL_ENV[1]}, else grpc)",
+        choices=list(OTLP_PROTOCOLS))
     # Sequences the engine runs at once (the engine's --max-num-seqs); requests beyond it count as
     # waiting for back-pressure.
     max_num_seqs: int = option(128, "", cli=False)
@@ -73,3 +112,9 @@ class ServerSettings:
             raise ValueError(f"--tool-call-parser must be auto, none or one of {', '.join(PARSERS)}")
         if self.api_key == "":
             self.api_key = None
+        self.otlp_traces_protocol = self.otlp_traces_protocol or "grpc"
+        if self.otlp_traces_protocol not in OTLP_PROTOCOLS:
+            raise ValueError(f"--otlp-traces-protocol must be one of {', '.join(OTLP_PROTOCOLS)}, "
+                             f"got {self.otlp_traces_protocol!r}")
+        if self.otlp_traces_endpoint:
+            check_tracing_installed()

@@ -35,6 +35,12 @@ class RequestRecord:
     last_outputs: dict[int, Any] = field(default_factory=dict)
     prompt_text: str | None = None  # only kept with --log-prompts
     done: bool = False
+    # What traces report of the request (set once it is validated) and, with tracing on, the trace
+    # context it arrived in (its server span).
+    params: Any = None  # SamplingParams
+    response_id: str | None = None
+    stream: bool | None = None
+    trace_context: Any = None
 
 
 def status_of(err: APIError) -> str:
@@ -61,6 +67,7 @@ class ServerState:
         self.started_at = int(time.time())
         # The parser that reads tool_choice "auto" outputs (None: they stay text).
         self.tool_parser = resolve_auto_parser(settings.tool_call_parser, engine.tokenizer)
+        self.tracing: Any = None  # a tracing.RequestTracing with --otlp-traces-endpoint
 
     # ------------------------------------------------------------------ health / admission
 
@@ -108,7 +115,10 @@ class ServerState:
     # ------------------------------------------------------------------ per-request accounting
 
     def begin(self, request_id: str, endpoint: str) -> RequestRecord:
-        return RequestRecord(request_id=request_id, endpoint=endpoint)
+        record = RequestRecord(request_id=request_id, endpoint=endpoint)
+        if self.tracing is not None:
+            record.trace_context = self.tracing.current_context()
+        return record
 
     def on_output(self, record: RequestRecord, prompt_index: int, out: Any) -> None:
         record.last_outputs[prompt_index] = out
@@ -125,14 +135,17 @@ class ServerState:
             if self.active_requests == 0:
                 self._idle.set()
         self.metrics.on_request_done(record.endpoint, status)
-        prompt_tokens = completion_tokens = 0
-        for out in record.last_outputs.values():
+        token_counts: dict[int, tuple[int, int]] = {}  # prompt index -> (prompt tokens, output tokens)
+        for index, out in record.last_outputs.items():
             p = len(out.prompt_token_ids)
             lengths = [o.num_tokens for o in out.outputs]
             self.metrics.on_engine_request_done(out.metrics, p, sum(lengths), max(lengths, default=0))
-            prompt_tokens += p
-            completion_tokens += sum(lengths)
+            token_counts[index] = (p, sum(lengths))
+        prompt_tokens = sum(p for p, _ in token_counts.values())
+        completion_tokens = sum(c for _, c in token_counts.values())
         self._log(record, status, http_status, error, prompt_tokens, completion_tokens)
+        if self.tracing is not None:
+            self.tracing.record(record, status, error, token_counts)
 
     def _log(self, record: RequestRecord, status: str, http_status: int, error: str | None,
              prompt_tokens: int, completion_tokens: int) -> None:
