@@ -496,7 +496,8 @@ def parse_values(text: str) -> list[int]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from tokenmill.engine.llm_engine import resolve_device, resolve_dtype
+    from tokenmill.engine.llm_engine import resolve_device
+    from tokenmill.engine.precision import resolve_dtype
     from tokenmill.models.loader import load_spec
 
     if args.num_threads:
@@ -533,7 +534,7 @@ def main(args: argparse.Namespace) -> int:
                   "were requested", file=sys.stderr)
     if args.compare == "hf":
         hf_run = in_fresh_process(hf_baseline_run, model_dir, workload, args.hf_batch_size,
-                                  str(resolve_dtype(args.dtype, device)).removeprefix("torch."), str(device), progress)
+                                  str(resolve_dtype(args.dtype, device, model_dir)).removeprefix("torch."), str(device), progress)
         runs.append(hf_run)
         report["hf"] = hf_run.to_dict()
         if runs[0] is not hf_run:

@@ -18,7 +18,8 @@ class EngineConfig:
         "the generic path running HF's modeling code with tokenmill's paged attention, auto = native when the "
         "architecture has one, else transformers", choices=["auto", "native", "transformers"])
     served_model_name: str | None = option(None, "model name reported by the API (default: the directory name)")
-    dtype: str = option("auto", "weight/activation dtype; auto = fp32 on CPU, bf16 (or fp16) on GPU",
+    dtype: str = option("auto", "weight/activation dtype; auto = bf16 on a CPU with native bf16 (AMX or "
+                        "AVX512-BF16) for a model published in bf16/fp16, else fp32 on CPU; bf16 (or fp16) on GPU",
                         choices=["auto", "float32", "float16", "bfloat16"])
     device: str = option("auto", "where to run; auto picks CUDA when available", choices=["auto", "cpu", "cuda"])
     quantization: str | None = option(None, "weight-only quantization of the linear layers", choices=["int8"])

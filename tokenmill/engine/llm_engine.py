@@ -20,6 +20,7 @@ from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
 from tokenmill.engine.model_runner import ModelRunner, StepInput
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from tokenmill.engine.precision import resolve_dtype
 from tokenmill.engine.request import Request
 from tokenmill.engine.result_cache import ResultCache
 from tokenmill.engine.sampler import Sampler
@@ -94,14 +95,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-
-
 def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     if config.kv_cache_memory:
         return parse_memory(config.kv_cache_memory)
@@ -119,10 +112,10 @@ class LLMEngine:
         self._inflight: deque[LaunchedStep] = deque()
         self._model_thread: ThreadPoolExecutor | None = None
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_dir)
         self.model_name = config.served_model_name or self.model_dir.name
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None

