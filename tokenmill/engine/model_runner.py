@@ -20,7 +20,8 @@ from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingInput
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.engine.tensors import to_device
-from tokenmill.models.attention import AttentionMetadata, DecodeGroup, PrefillSegment
+from tokenmill.kernels.ops import cpu_kernels_available
+from tokenmill.models.attention import AttentionMetadata, DecodeGroup, PagedQueries, PrefillSegment
 
 # Cost of one extra decode-attention call, in padded (sequence x block) gathers: splitting the
 # decodes into length groups stops paying for padding once a group would save fewer than this.
@@ -89,6 +90,19 @@ class StepInput:
         return bool((self.input_ids < 0).any())
 
 
+def _paged_queries(rows: list[tuple[int, int, list[int], int]], block_size: int) -> PagedQueries:
+    """The fused kernel's view of a step, built once for all layers: per sequence its first query
+    row, query count, block table (only the blocks its context uses, padded with the zero block) and
+    context length."""
+    used = [table[: -(-ctx // block_size)] for _, _, table, ctx in rows]
+    width = max(len(t) for t in used)
+    return PagedQueries(
+        query_start=torch.tensor([r[0] for r in rows], dtype=torch.int32),
+        query_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int32),
+        context_lens=torch.tensor([r[3] for r in rows], dtype=torch.int32))
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, sampler: Sampler,
                  device: torch.device, tp_group: Any = None, graphs: DecodeGraphs | None = None) -> None:
@@ -99,6 +113,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.graphs = graphs
+        # Decodes and chunks with cached context attend with the fused CPU kernel, reading K/V in place.
+        self.fused_attention = cpu_kernels_available(device)
         # Test hook (fault injection): a callable(rows: tuple[RowRef, ...]) run before the forward pass.
         self.before_forward = None
         # Model-thread state: the last step's sampled tokens (placeholders index them), and whether a
@@ -165,6 +181,7 @@ class ModelRunner:
         pos_chunks: list[torch.Tensor] = []
         slot_chunks: list[torch.Tensor] = []
         segments: list[PrefillSegment] = []
+        paged: list[tuple[int, int, list[int], int]] = []  # fused kernel: (first row, queries, table, context)
         sample_rows: list[int] = []
         for item in batch.prefills:
             seq, n = item.seq, item.num_new_tokens
@@ -176,6 +193,8 @@ class ModelRunner:
             slot_chunks.append(self._slots(table, positions))
             if c == 0:
                 segments.append(PrefillSegment(start, start + n, None, None))
+            elif self.fused_attention:
+                paged.append((start, n, seq.block_table, c + n))
             else:
                 ctx = torch.arange(c + n)
                 mask = ctx[None, :] <= positions[:, None]
@@ -195,11 +214,15 @@ class ModelRunner:
             pos_chunks.append(positions)
             slot_chunks.append(last_blocks * bs + positions % bs)
             ids.extend(item.seq.token_ids[c] for item, c in zip(batch.decodes, computed))
-            meta.decode_groups = self._decode_groups(tables, ctx_lens)
+            if self.fused_attention:
+                paged.extend((num_prefill + j, 1, t, c + 1) for j, (t, c) in enumerate(zip(tables, computed)))
+            else:
+                meta.decode_groups = self._decode_groups(tables, ctx_lens)
             meta.num_decodes = len(tables)
             sample_rows.extend(num_prefill + j for j, item in enumerate(batch.decodes) if item.samples)
 
         meta.slot_mapping = torch.cat(slot_chunks)
+        meta.paged = _paged_queries(paged, bs) if paged else None
         return torch.tensor(ids, dtype=torch.long), torch.cat(pos_chunks), meta, sample_rows
 
     # -- model thread --------------------------------------------------------------------------

@@ -3,6 +3,11 @@
 The cache of one layer is a flat array of slots `[num_blocks * block_size, kv_heads, head_dim]`;
 a sequence's block table maps its positions to slots. Tokens of one step are laid out
 prefill chunks first, then one token per decoding sequence, so decodes run as one batched call.
+
+On CPU with tokenmill's kernels built (tokenmill.kernels), decodes and chunks with cached context
+are attended by one fused kernel call that reads K/V blocks in place (`AttentionMetadata.paged`);
+chunks that start their sequence keep SDPA on the fresh K/V (no gather to avoid there). Elsewhere
+decodes gather whole blocks into a padded tensor for SDPA (`decode_groups`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,18 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedQueries:
+    """Sequences the fused CPU kernel attends, reading their K/V blocks where they are: sequence s
+    has rows query_start[s] : query_start[s] + query_lens[s] of the step's tokens as queries, the
+    last query_lens[s] of its context_lens[s] positions (a decode is one query)."""
+
+    query_start: torch.Tensor  # [S] int32
+    query_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with the zero block
+    context_lens: torch.Tensor  # [S] int32
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     block_size: int = 16
@@ -45,6 +62,7 @@ class AttentionMetadata:
     num_prefill_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     num_decodes: int = 0
+    paged: PagedQueries | None = None  # queries for the fused CPU kernel (tokenmill.kernels)
 
 
 def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -92,7 +110,14 @@ def paged_attention(
     """
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    q = q.contiguous()
     out = torch.empty_like(q)
+    if meta.paged is not None:
+        from tokenmill.kernels import ops
+
+        p = meta.paged
+        ops.paged_attention(q, k_cache, v_cache, out, p.query_start, p.query_lens, p.block_tables, p.context_lens,
+                            meta.block_size, scale, window, softcap)
     for seg in meta.prefills:
         n = seg.end - seg.start
         qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

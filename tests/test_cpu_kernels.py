@@ -1,0 +1,182 @@
+"""The fused CPU paged-attention kernel (tokenmill/kernels) against SDPA on gathered K/V, and the
+engine with the kernel on and off.
+
+Random shapes: GQA ratios, head sizes with and without a vector tail, block sizes, sliding
+windows, logit softcaps, decodes and multi-query chunks, block tables that jump around the cache
+(holes, reversed order). Every cache slot no sequence owns holds NaN, so a read outside a
+sequence's visible keys poisons the output.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.conftest import hf_greedy, mixed_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import build
+from tokenmill.models.attention import AttentionMetadata, PagedQueries, _attend, paged_attention
+
+needs_kernels = pytest.mark.skipif(not build.load(), reason="kernels off (no C++ toolchain or TOKENMILL_CPU_KERNELS=0)")
+
+
+def _case(rng: random.Random, dtype: torch.dtype):
+    kv_heads = rng.choice([1, 2, 3])
+    heads = kv_heads * rng.choice([1, 2, 3, 4, 8])
+    dim = rng.choice([16, 36, 64, 80, 128])
+    block = rng.choice([1, 4, 16])
+    window = rng.choice([None, None, 1, 5, 33])
+    softcap = rng.choice([None, None, 5.0])
+    seqs = []
+    for _ in range(rng.randint(1, 5)):
+        ctx = rng.randint(1, 150)
+        q_len = 1 if rng.random() < 0.5 else rng.randint(1, ctx)
+        seqs.append((ctx, q_len))
+    num_blocks = 1 + sum(-(-ctx // block) for ctx, _ in seqs) + rng.randint(0, 8)
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)  # tables jump around the cache, with unused blocks (holes) between them
+    tables = []
+    for ctx, _ in seqs:
+        tables.append([ids.pop() for _ in range(-(-ctx // block))])
+    gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
+    slots = num_blocks * block
+    k_cache = torch.full((slots, kv_heads, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full((slots, kv_heads, dim), float("nan"), dtype=dtype)
+    for (ctx, _), table in zip(seqs, tables):
+        pos = torch.arange(ctx)
+        owned = torch.tensor(table)[pos // block] * block + pos % block
+        k_cache[owned] = (torch.randn(ctx, kv_heads, dim, generator=gen) * 2).to(dtype)
+        v_cache[owned] = torch.randn(ctx, kv_heads, dim, generator=gen).to(dtype)
+    total_q = sum(q for _, q in seqs)
+    q = (torch.randn(total_q, heads, dim, generator=gen) * 2).to(dtype)
+    return dict(seqs=seqs, tables=tables, block=block, window=window, softcap=softcap, q=q, k_cache=k_cache,
+                v_cache=v_cache, scale=dim**-0.5)
+
+
+def _reference(c) -> torch.Tensor:
+    """SDPA (or the explicit softcap path) per sequence on K/V gathered from the block table, in fp64."""
+    outs, row = [], 0
+    for (ctx, q_len), table in zip(c["seqs"], c["tables"]):
+        pos = torch.arange(ctx)
+        slots = torch.tensor(table)[pos // c["block"]] * c["block"] + pos % c["block"]
+        k, v = c["k_cache"][slots].double(), c["v_cache"][slots].double()
+        q = c["q"][row : row + q_len].double()
+        query_pos = pos[ctx - q_len :]
+        mask = pos[None, :] <= query_pos[:, None]
+        if c["window"] is not None:
+            mask &= pos[None, :] > query_pos[:, None] - c["window"]
+        o = _attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, c["scale"],
+                    c["softcap"])
+        outs.append(o[0].transpose(0, 1))
+        row += q_len
+    return torch.cat(outs)
+
+
+def _kernel(c) -> torch.Tensor:
+    lens = [q for _, q in c["seqs"]]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    width = max(len(t) for t in c["tables"])
+    paged = PagedQueries(
+        query_start=torch.tensor(starts, dtype=torch.int32), query_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in c["tables"]], dtype=torch.int32),
+        context_lens=torch.tensor([ctx for ctx, _ in c["seqs"]], dtype=torch.int32))
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=c["block"], paged=paged)
+    empty = c["q"][:0, : c["k_cache"].shape[1]]
+    out = paged_attention(c["q"], empty, empty, c["k_cache"], c["v_cache"], meta, c["scale"], c["window"],
+                          c["softcap"])
+    return out.view_as(c["q"])
+
+
+@needs_kernels
+@pytest.mark.parametrize("seed", range(60))
+def test_fp32_kernel_matches_sdpa(seed):
+    c = _case(random.Random(seed), torch.float32)
+    out = _kernel(c)
+    ref = _reference(c)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(8))
+def test_half_precision_kv_matches_fp64_reference(seed, dtype):
+    c = _case(random.Random(1000 + seed), dtype)
+    out = _kernel(c)
+    assert out.dtype == dtype
+    # The kernel accumulates in fp32; the only rounding left is the output's.
+    torch.testing.assert_close(out.double(), _reference(c), atol=2e-2, rtol=1e-2)
+
+
+@needs_kernels
+def test_threads_do_not_change_results():
+    c = _case(random.Random(7), torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _kernel(c)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, _kernel(c))
+
+
+@needs_kernels
+def test_bad_inputs_raise_clear_errors():
+    c = _case(random.Random(3), torch.float32)
+    paged = PagedQueries(torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                         torch.zeros(1, 1, dtype=torch.int32), torch.tensor([10**6], dtype=torch.int32))
+    out = torch.empty_like(c["q"])
+    args = [paged.query_start, paged.query_lens, paged.block_tables, paged.context_lens, c["block"], 1.0, 0, 0.0]
+    with pytest.raises(RuntimeError, match="block table"):
+        torch.ops.tokenmill.paged_attention(c["q"], c["k_cache"], c["v_cache"], out, *args)
+    args[2], args[3] = torch.tensor([[10**6]], dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="outside the cache"):  # never a read out of bounds
+        torch.ops.tokenmill.paged_attention(c["q"], c["k_cache"], c["v_cache"], out, *args)
+
+
+def test_kernel_builds_are_per_isa():
+    flags = {isa: build.compile_flags(isa) for isa in build.ISA_FLAGS}
+    assert "-mavx512f" in flags["avx512"] and "-DCPU_CAPABILITY=AVX512" in flags["avx512"]
+    assert "-mavx2" in flags["avx2"] and "-mavx512f" not in flags["avx2"]
+    assert not any(f.startswith("-mavx") for f in flags["generic"])
+    assert len({build.build_directory(isa) for isa in build.ISA_FLAGS}) == 3
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv(build.DISABLE_ENV, "0")
+    assert build.disabled_reason() == "TOKENMILL_CPU_KERNELS=0"
+    monkeypatch.setenv(build.DISABLE_ENV, "1")
+    assert build.disabled_reason() is None
+
+
+@needs_kernels
+def test_engine_with_and_without_the_kernel_matches_hf(sharp_tiny_model_dir):
+    """Decodes and prefill chunks with cached context (chunked prefill, prefix-cache hits) through
+    the fused kernel give HF's greedy tokens, and so does the pure-torch fallback."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    shared = mixed_prompts(1, 40, 40, seed=3)[0]
+    prompts = mixed_prompts(5, 1, 90, seed=11) + [shared + p for p in mixed_prompts(2, 3, 30, seed=12)]
+    expected = [hf_greedy(sharp_tiny_model_dir, p, greedy.max_tokens) for p in prompts]
+    for fused in (True, False):
+        llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="32MiB", max_num_batched_tokens=32)
+        runner = llm.engine.runner
+        assert runner.fused_attention
+        runner.fused_attention = fused
+        seen = []
+        prepare = runner._prepare_eager
+
+        def recording(batch, prepare=prepare, seen=seen):
+            result = prepare(batch)
+            seen.append(result[2])
+            return result
+
+        runner._prepare_eager = recording
+        llm.generate([shared], greedy)  # fills the prefix cache
+        outs = llm.generate(prompts, greedy)
+        assert [o.outputs[0].token_ids for o in outs] == expected, f"fused={fused}"
+        assert any(m.paged is not None for m in seen) == fused
+        # Chunks with cached context (a later chunk, a prefix-cache hit) went through the kernel too.
+        assert any(m.paged is not None and bool((m.paged.query_lens > 1).any()) for m in seen) == fused
+        assert any(m.decode_groups for m in seen) != fused
