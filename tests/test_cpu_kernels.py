@@ -10,6 +10,8 @@ sequence's visible keys poisons the output.
 from __future__ import annotations
 
 import random
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -180,3 +182,20 @@ def test_engine_with_and_without_the_kernel_matches_hf(sharp_tiny_model_dir):
         # Chunks with cached context (a later chunk, a prefix-cache hit) went through the kernel too.
         assert any(m.paged is not None and bool((m.paged.query_lens > 1).any()) for m in seen) == fused
         assert any(m.decode_groups for m in seen) != fused
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
+@pytest.mark.parametrize("isa", sorted(build.ISA_FLAGS))
+def test_every_isa_variant_compiles(isa):
+    """The machine under the tests runs one variant; the others must still compile (an AVX-512 host
+    builds the avx512 one on its first use, an old CPU the generic one)."""
+    from torch.utils import cpp_extension
+
+    from tokenmill.kernels.cpu_caps import detect
+
+    if isa == detect().vector_isa and build.load():
+        pytest.skip("this machine's variant is built and loaded by the other tests")
+    includes = [flag for path in cpp_extension.include_paths() for flag in ("-I", path)]
+    command = ["g++", "-std=c++17", "-w", "-fsyntax-only", *includes, *build.compile_flags(isa), str(build.SOURCES[0])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
