@@ -19,6 +19,7 @@ OPTIONAL_BENCH_COMMANDS = [
     ("tokenmill.bench.offline", "register_offline"),
     ("tokenmill.bench.features", "register_features"),
     ("tokenmill.bench.moe_dispatch", "register_moe_dispatch"),
+    ("tokenmill.bench.profile", "register_profile"),
 ]
 
 

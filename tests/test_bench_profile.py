@@ -1,0 +1,40 @@
+"""`tokenmill bench profile`: step time split into attention, GEMMs, elementwise, sampler and host."""
+
+from __future__ import annotations
+
+import json
+
+from tokenmill.bench import profile
+
+
+def test_profile_runs_and_splits_the_step(tiny_model_dir, monkeypatch, tmp_path, capsys):
+    from tokenmill.cli import build_parser
+
+    monkeypatch.setattr(profile, "resolve_bench_model", lambda model: tiny_model_dir)
+    out = tmp_path / "profile.json"
+    args = build_parser().parse_args(["bench", "profile", "--workloads", "decode-bs1", "mixed", "--steps", "2",
+                                      "--context", "8", "--kv-cache-memory", "64MiB", "--no-progress",
+                                      "--json", str(out)])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "Step profile" in printed and "attention:" in printed
+    report = json.loads(out.read_text())
+    bs1, mixed = report["profiles"]
+    assert (bs1["name"], bs1["tokens_per_step"]) == ("decode-bs1", 1.0)
+    assert mixed["tokens_per_step"] > 1  # prefill chunks next to decodes
+    for p in (bs1, mixed):
+        assert abs(sum(p["shares"].values()) - 1.0) < 0.02  # host time is what ops did not take
+        assert p["shares"]["attention"] > 0 and p["shares"]["gemm"] > 0 and p["shares"]["sampler"] > 0
+        assert p["ms_per_step"] > 0 and p["top_ops"]
+
+
+def test_ops_are_categorised_by_scope_then_name():
+    class Event:
+        def __init__(self, name, parent=None):
+            self.name, self.cpu_parent = name, parent
+
+    attention = Event("tokenmill::attention")
+    assert profile._category(Event("aten::bmm", Event("aten::matmul", attention))) == "attention"
+    assert profile._category(Event("aten::mm", Event("aten::linear"))) == "gemm"
+    assert profile._category(Event("aten::add")) == "elementwise"
+    assert profile._category(Event("aten::argmax", Event("tokenmill::sampler"))) == "sampler"
