@@ -124,7 +124,7 @@ def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch):
     assert by[(result.name, "on")].greedy_agreement_with_off == 1.0
     # The second, timed round of the repeat workload is answered from memory.
     assert by[(result.name, "on")].output_tok_s > 5 * by[(result.name, "off")].output_tok_s
-    # (the fp32 embedding table stays; the tied lm_head and the layers go int8)
+    # (the tied embedding / lm_head table stays fp32; the layers go int8)
     assert by[(int8.name, "on")].weight_mib < 0.6 * by[(int8.name, "off")].weight_mib
     assert all(r.output_tok_s > 0 for r in rows)
     table = features.format_rows(rows)

@@ -196,6 +196,38 @@ def test_every_isa_variant_compiles(isa):
     if isa == detect().vector_isa and build.load():
         pytest.skip("this machine's variant is built and loaded by the other tests")
     includes = [flag for path in cpp_extension.include_paths() for flag in ("-I", path)]
-    command = ["g++", "-std=c++17", "-w", "-fsyntax-only", *includes, *build.compile_flags(isa), str(build.SOURCES[0])]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    for source in build.SOURCES:
+        command = ["g++", "-std=c++17", "-w", "-fsyntax-only", *includes, *build.compile_flags(isa), str(source)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{source.name}: {result.stderr[-3000:]}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 40])  # the per-tile path below 16 rows, ATen's GEMM from 16
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 40), (96, 7), (100, 33)])  # 100: one group per row
+def test_int8_linear_matches_its_dequantized_weight(rows, in_features, out_features):
+    from tokenmill.models.quant import WeightOnlyInt8Linear
+
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    linear = torch.nn.Linear(in_features, out_features)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+    kernel, fallback = WeightOnlyInt8Linear(linear, use_cpu_kernel=True), WeightOnlyInt8Linear(linear, False)
+    x = torch.randn(2, rows, in_features, generator=gen)
+    expected = x.double() @ kernel.dequantized(torch.float64).t() + linear.bias.double()
+    torch.testing.assert_close(kernel(x).double(), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(fallback(x).double(), expected, atol=1e-4, rtol=1e-5)
+    # Quantization error itself: under half a step of each group's scale per weight.
+    err = (kernel.dequantized(torch.float32) - linear.weight).abs()
+    step = kernel.scales.repeat_interleave(kernel.group_size, dim=1)
+    assert bool((err <= step / 2 + 1e-6).all())
+    assert WeightOnlyInt8Linear(linear.bfloat16(), True)(x.bfloat16()).dtype == torch.bfloat16  # a bf16 model
+
+
+@needs_kernels
+def test_int8_linear_rejects_bad_shapes():
+    q = torch.zeros(8, 64, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.tokenmill.int8_linear(torch.zeros(1, 32), q, torch.ones(8, 2), torch.empty(0), 32)
+    with pytest.raises(RuntimeError, match="scales"):
+        torch.ops.tokenmill.int8_linear(torch.zeros(1, 64), q, torch.ones(8, 3), torch.empty(0), 32)

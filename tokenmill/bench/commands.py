@@ -20,6 +20,7 @@ OPTIONAL_BENCH_COMMANDS = [
     ("tokenmill.bench.features", "register_features"),
     ("tokenmill.bench.moe_dispatch", "register_moe_dispatch"),
     ("tokenmill.bench.profile", "register_profile"),
+    ("tokenmill.bench.agreement", "register_agreement"),
 ]
 
 

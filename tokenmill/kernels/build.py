@@ -20,7 +20,9 @@ from tokenmill.kernels.cpu_caps import detect
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
 # Compiler flags per ISA, and the ATen CPU_CAPABILITY that selects the matching Vectorized<> code.
 ISA_FLAGS: dict[str, tuple[list[str], str | None]] = {
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"], "AVX512"),
@@ -44,7 +46,7 @@ def build_directory(isa: str) -> Path:
     from tokenmill.models.hub import cache_root
 
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(compile_flags(isa)).encode())
     return cache_root() / "kernels" / f"torch{torch.__version__}-{isa}-{digest.hexdigest()[:12]}"

@@ -1,0 +1,118 @@
+"""`tokenmill bench agreement`: teacher-forced top-1 agreement of an engine setting with references.
+
+The text (real English prose and code: the topic pages of CPython's own reference documentation,
+`pydoc_data.topics`, shipped with every Python) is tokenized and cut into chunks; each chunk runs
+as one prefill through each engine's model (its real layers, quantization, dtype and attention),
+and at every position the argmax of the next-token logits is compared. The engine under test is
+the one the flags describe (`--quantization int8`, `--dtype bfloat16`, ...); references are plain
+engines in the given dtypes (default fp32). Agreement is the fraction of positions with the same
+top-1 token: near-ties flip under any rounding, so even bf16 vs fp32 is below 100%.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from tokenmill.bench.commands import positive_int
+from tokenmill.bench.offline import _grid, add_bench_engine_args, environment, make_llm, resolve_bench_model
+from tokenmill.bench.serve import write_json
+
+TEXT_SOURCE = "pydoc_data.topics (CPython reference documentation), topics in sorted order"
+
+
+@dataclass
+class Agreement:
+    reference: str
+    tokens: int
+    top1_agreement: float
+
+
+def reference_text() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def text_chunks(tokenizer: Any, num_tokens: int, chunk: int) -> list[list[int]]:
+    """`num_tokens` tokens of the reference text, in chunks of `chunk` (each one prefill)."""
+    ids: list[int] = []
+    text = reference_text()
+    for start in range(0, len(text), 20_000):  # tokenize only as much as needed
+        ids.extend(tokenizer(text[start : start + 20_000], add_special_tokens=False)["input_ids"])
+        if len(ids) >= num_tokens:
+            break
+    if len(ids) < num_tokens:
+        raise ValueError(f"the reference text has only {len(ids)} tokens; asked for {num_tokens}")
+    return [ids[i : min(i + chunk, num_tokens)] for i in range(0, num_tokens, chunk)]
+
+
+@torch.inference_mode()
+def next_token_argmax(llm: Any, ids: list[int]) -> torch.Tensor:
+    """Top-1 next token at every position of `ids`, from one prefill through the engine's model."""
+    from tokenmill.models.attention import AttentionMetadata, PrefillSegment
+
+    engine = llm.engine
+    n = len(ids)
+    if n + engine.block_size > engine.kv_cache.layers[0][0].shape[0]:
+        raise ValueError(f"a {n}-token chunk does not fit the KV cache: lower --chunk or raise --kv-cache-memory")
+    # Slots after the allocator's zero block; the engine holds no requests, so nothing else lives there.
+    slots = torch.arange(engine.block_size, engine.block_size + n, device=engine.device)
+    meta = AttentionMetadata(slot_mapping=slots, block_size=engine.block_size,
+                             prefills=[PrefillSegment(0, n, None, None)], num_prefill_tokens=n)
+    hidden = engine.model(torch.tensor(ids, device=engine.device), torch.arange(n, device=engine.device),
+                          engine.kv_cache.layers, meta)
+    return engine.model.compute_logits(hidden).argmax(-1).cpu()
+
+
+def predictions(llm: Any, chunks: list[list[int]]) -> torch.Tensor:
+    return torch.cat([next_token_argmax(llm, chunk) for chunk in chunks])
+
+
+def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
+    model_dir = resolve_bench_model(args.model)
+    llm = make_llm(args, model_dir)
+    setting = f"dtype {str(llm.engine.dtype).removeprefix('torch.')}, quantization {args.quantization or 'none'}"
+    chunks = text_chunks(llm.tokenizer, args.tokens, args.chunk)
+    tested = predictions(llm, chunks)
+    llm.engine.close()
+    del llm
+    results = []
+    for dtype in args.references:
+        reference = make_llm(args, model_dir, dtype=dtype, quantization=None)
+        expected = predictions(reference, chunks)
+        reference.engine.close()
+        results.append(Agreement(dtype, len(expected), float((tested == expected).float().mean())))
+    return setting, results
+
+
+def main(args: argparse.Namespace) -> int:
+    setting, results = measure(args)
+    rows = [["reference", "tokens", "top-1 agreement"],
+            *([r.reference, str(r.tokens), f"{100 * r.top1_agreement:.2f}%"] for r in results)]
+    print(_grid(rows, f"Teacher-forced top-1 agreement of {setting} (text: {TEXT_SOURCE})"))
+    if args.json:
+        write_json(args.json, {"environment": environment(), "setting": setting, "text": TEXT_SOURCE,
+                               "chunk": args.chunk, "results": [asdict(r) for r in results]})
+    return 0
+
+
+def register_agreement(bench_subparsers: Any) -> None:
+    parser = bench_subparsers.add_parser(
+        "agreement", help="teacher-forced top-1 agreement of a dtype/quantization with fp32 (or bf16) on real text",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--references", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+                        help="dtypes of the unquantized reference engines (default: float32)")
+    parser.add_argument("--tokens", type=positive_int, default=2048, metavar="N",
+                        help="teacher-forced positions compared (default: 2048)")
+    parser.add_argument("--chunk", type=positive_int, default=256, metavar="N",
+                        help="tokens per prefill: each chunk is read from its own start (default: 256)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_bench_engine_args(parser)
+    parser.set_defaults(func=main)
