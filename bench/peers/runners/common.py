@@ -1,0 +1,46 @@
+"""What every engine runner shares: arguments, the workload file, the result line. Standard library
+only: it runs inside each engine's own virtualenv."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def parser(engine: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=f"run tokenmill's offline workload on {engine}")
+    p.add_argument("--workload", required=True, help="workload JSON written by peers.py")
+    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--out", required=True, help="result JSON path")
+    return p
+
+
+def load_workload(path: str) -> list[dict]:
+    return json.loads(Path(path).read_text())
+
+
+def max_len(workload: list[dict]) -> int:
+    return max(len(r["prompt_token_ids"]) + r["output_len"] for r in workload)
+
+
+class Timer:
+    def __enter__(self) -> "Timer":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def write_result(out: str, engine: str, precision: str, output_tokens: int, wall_s: float, requested: int,
+                 **extra) -> None:
+    result = {"engine": engine, "precision": precision, "output_tokens": output_tokens, "wall_s": wall_s,
+              "output_tok_s": output_tokens / wall_s, "requested_tokens": requested, **extra}
+    Path(out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    if output_tokens != requested:
+        print(f"warning: {engine} produced {output_tokens} tokens, {requested} were requested")

@@ -1,0 +1,96 @@
+"""llama.cpp's llama-server on the workload, one slot per request, all requests at once.
+
+The HF model is converted once to GGUF with the vendored convert_hf_to_gguf.py (run by this
+interpreter: tokenmill's, which has torch, transformers and numpy; the vendored gguf-py goes first on
+the path so the script and its gguf library match). The client is the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Timer, load_workload, max_len, parser, write_result  # noqa: E402
+
+
+def convert(model: str, script: Path, gguf: Path, precision: str) -> None:
+    if gguf.exists():
+        return
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, str(script), model, "--outtype", "bf16" if precision == "bf16" else "f32",
+                    "--outfile", str(gguf)], check=True, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=3600) as response:
+        return json.loads(response.read())
+
+
+def wait_ready(base: str, server: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("llama-server did not become ready")
+
+
+def main() -> None:
+    p = parser("llama.cpp")
+    p.add_argument("--server", required=True, help="llama-server binary")
+    p.add_argument("--convert-script", required=True, help="llama.cpp's convert_hf_to_gguf.py")
+    p.add_argument("--gguf", required=True, help="converted model path (made once)")
+    p.add_argument("--no-repack", action="store_true", help="pass --no-repack to llama-server")
+    args = p.parse_args()
+    workload = load_workload(args.workload)
+    convert(args.model, Path(args.convert_script), Path(args.gguf), args.precision)
+    port = free_port()
+    slots = len(workload)
+    command = [args.server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+               "-c", str(slots * (max_len(workload) + 16)), "-t", str(args.threads), "--no-webui"]
+    if args.no_repack:
+        command.append("--no-repack")
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, server)
+
+        def complete(request: dict) -> int:
+            body = {"prompt": request["prompt_token_ids"], "n_predict": request["output_len"], "ignore_eos": True,
+                    "temperature": 0.0, "top_k": 1, "cache_prompt": False}
+            return int(post(f"{base}/completion", body)["tokens_predicted"])
+
+        complete({"prompt_token_ids": workload[0]["prompt_token_ids"], "output_len": 8})  # warmup
+        with ThreadPoolExecutor(slots) as pool, Timer() as t:
+            tokens = sum(pool.map(complete, workload))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    write_result(args.out, "llama.cpp", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload),
+                 slots=slots)
+
+
+if __name__ == "__main__":
+    main()

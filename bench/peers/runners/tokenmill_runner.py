@@ -1,0 +1,31 @@
+"""tokenmill on the workload (tokenmill's own interpreter)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import Timer, load_workload, parser, write_result  # noqa: E402
+
+
+def main() -> None:
+    args = parser("tokenmill").parse_args()
+    import torch
+
+    from tokenmill import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    workload = load_workload(args.workload)
+    llm = LLM(args.model, progress=False, dtype={"bf16": "bfloat16", "fp32": "float32"}[args.precision])
+    prompts = [r["prompt_token_ids"] for r in workload]
+    params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in workload]
+    llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2)  # warmup
+    with Timer() as t:
+        outputs = llm.generate(prompts, params)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    write_result(args.out, "tokenmill", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload))
+
+
+if __name__ == "__main__":
+    main()

