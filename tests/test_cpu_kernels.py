@@ -203,7 +203,7 @@ def test_every_isa_variant_compiles(isa):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 15, 16, 40])  # the per-tile path below 16 rows, ATen's GEMM from 16
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 40])  # direct up to 4 rows, tiles up to 15, GEMM from 16
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 40), (96, 7), (100, 33)])  # 100: one group per row
 def test_int8_linear_matches_its_dequantized_weight(rows, in_features, out_features):
     from tokenmill.models.quant import WeightOnlyInt8Linear

@@ -4,10 +4,11 @@
 // Activations stay in float (no activation quantization: one outlier token cannot cost the others
 // their precision, and a row's result does not depend on the rest of the batch).
 //
-// Output rows are split into tiles of kTile weight rows across threads; a tile's int8 weights are
-// widened to fp32 once into a per-thread buffer (L1/L2-resident) and multiplied by every row of x.
-// Decode (few rows of x) streams 1 byte per weight instead of 4 (fp32) or 2 (bf16), the bound of
-// batch-1 decode; from kGemmRows rows on (prefill, large batches) the widened weight goes to ATen's GEMM.
+// Up to kDirectRows rows of x (batch-1 decode and small batches), each weight row streams once
+// through registers: 8 int8 lanes widened, multiplied into 8 fp32 lanes per row of x, scaled per
+// group: 1 byte per weight read instead of 4 (fp32) or 2 (bf16), the bound of batch-1 decode. Up to
+// kGemmRows rows, a tile of kTile weight rows is widened once into a per-thread buffer and multiplied
+// by every row; from kGemmRows rows on (prefill, large batches) the widened weight goes to ATen's GEMM.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +25,8 @@ namespace {
 using namespace tokenmill;
 
 constexpr int64_t kTile = 16;  // weight rows widened together
+// Up to this many rows of x, int8 weights are widened in registers as they stream (decode).
+constexpr int64_t kDirectRows = 4;
 // From this many rows of x on, the product is compute-bound: widen the whole weight once and let
 // ATen's GEMM (oneDNN/MKL, blocked for the cache) multiply.
 constexpr int64_t kGemmRows = 16;
@@ -42,7 +45,91 @@ void widen_tile(const int8_t* q, const float* scales, const float* offsets, int6
   }
 }
 
-// Few rows of x: each thread widens its tiles of weight rows and multiplies them by every row.
+// 8 (AVX2) or 16 (AVX-512) int8 weights widened to one vector of fp32.
+inline Vec load_int8(const int8_t* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)))));
+#else
+  float widened[kVec];
+  for (int64_t i = 0; i < kVec; ++i) widened[i] = static_cast<float>(src[i]);
+  return Vec::loadu(widened);
+#endif
+}
+
+// R weight rows (independent accumulator chains) times M rows of x, streaming the int8 weights once:
+// each vector of weights is widened and scaled by its group's scale, then multiplied into x.
+template <int R, int M>
+void dot_int8_rows(const float* xp, const int8_t* q, const float* scales, const float* offsets, const float* x_sums,
+                   int64_t in_features, int64_t group_size, int64_t groups, float* out /* [M][R] */) {
+  Vec total[R][M];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) total[r][m] = Vec(0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec scale[R];
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) scale[r] = Vec(scales[r * groups + g]);
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; k += kVec) {
+      Vec x[M];
+      #pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) x[m] = Vec::loadu(xp + m * in_features + k);
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const Vec w = load_int8(q + r * in_features + k) * scale[r];
+        #pragma GCC unroll 16
+        for (int m = 0; m < M; ++m) total[r][m] = at::vec::fmadd(w, x[m], total[r][m]);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) {
+      float shift = 0.f;
+      if (offsets != nullptr)
+        for (int64_t g = 0; g < groups; ++g) shift += offsets[r * groups + g] * x_sums[m * groups + g];
+      out[m * R + r] = hsum(total[r][m]) + shift;
+    }
+  }
+}
+
+template <int M>
+void gemv_direct(const float* xp, const int8_t* qp, const float* sp, const float* op, float* yp,
+                 int64_t out_features, int64_t in_features, int64_t group_size) {
+  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;  // accumulators fit the 16 vector registers
+  const int64_t groups = in_features / group_size;
+  // Offsets (affine groups) add offset * sum(x over the group).
+  std::vector<float> x_sums(op != nullptr ? M * groups : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(x_sums.size()); ++i) {
+    const float* x = xp + (i / groups) * in_features + (i % groups) * group_size;
+    float sum = 0.f;
+    for (int64_t k = 0; k < group_size; ++k) sum += x[k];
+    x_sums[i] = sum;
+  }
+  at::parallel_for(0, out_features, kTile, [&](int64_t first, int64_t last) {
+    float dots[M * R];
+    int64_t n = first;
+    for (; n + R <= last; n += R) {
+      dot_int8_rows<R, M>(xp, qp + n * in_features, sp + n * groups, op != nullptr ? op + n * groups : nullptr,
+                          x_sums.data(), in_features, group_size, groups, dots);
+      #pragma GCC unroll 16
+      for (int m = 0; m < M; ++m)
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) yp[m * out_features + n + r] = dots[m * R + r];
+    }
+    for (; n < last; ++n) {
+      dot_int8_rows<1, M>(xp, qp + n * in_features, sp + n * groups, op != nullptr ? op + n * groups : nullptr,
+                          x_sums.data(), in_features, group_size, groups, dots);
+      #pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) yp[m * out_features + n] = dots[m];
+    }
+  });
+}
+
+// Between the two: each thread widens its tiles of weight rows and multiplies them by every row.
 void gemv_tiles(const float* xp, const int8_t* qp, const float* sp, const float* op, float* yp, int64_t rows,
                 int64_t out_features, int64_t in_features, int64_t group_size) {
   const int64_t groups = in_features / group_size;
@@ -97,6 +184,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                  last - first, in_features, group_size, wp + first * in_features);
     });
     at::mm_out(out, x2, widened.t());
+  } else if (rows <= kDirectRows && group_size % kVec == 0) {
+    float* yp = out.data_ptr<float>();
+    switch (rows) {
+      case 1: gemv_direct<1>(xp, qp, sp, op, yp, out_features, in_features, group_size); break;
+      case 2: gemv_direct<2>(xp, qp, sp, op, yp, out_features, in_features, group_size); break;
+      case 3: gemv_direct<3>(xp, qp, sp, op, yp, out_features, in_features, group_size); break;
+      default: gemv_direct<4>(xp, qp, sp, op, yp, out_features, in_features, group_size); break;
+    }
   } else {
     gemv_tiles(xp, qp, sp, op, out.data_ptr<float>(), rows, out_features, in_features, group_size);
   }

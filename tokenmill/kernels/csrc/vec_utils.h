@@ -41,12 +41,15 @@ inline const float* as_float<at::BFloat16>(const at::BFloat16* src, float* scrat
 template <int N>
 inline void dot_rows(const float* const* q_rows, const float* k, int64_t dim, float* dots) {
   Vec acc[N];
+  #pragma GCC unroll 16
   for (int r = 0; r < N; ++r) acc[r] = Vec(0.f);
   int64_t d = 0;
   for (; d + kVec <= dim; d += kVec) {
     Vec kv = Vec::loadu(k + d);
+    #pragma GCC unroll 16
     for (int r = 0; r < N; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q_rows[r] + d), kv, acc[r]);
   }
+  #pragma GCC unroll 16
   for (int r = 0; r < N; ++r) {
     float s = hsum(acc[r]);
     for (int64_t t = d; t < dim; ++t) s += q_rows[r][t] * k[t];
@@ -69,13 +72,16 @@ inline void dot_rows_any(const float* const* q_rows, int n, const float* k, int6
 template <int N>
 inline void axpy_rows(const float* p, const float* v, int64_t dim, float* const* out) {
   Vec w[N];
+  #pragma GCC unroll 16
   for (int r = 0; r < N; ++r) w[r] = Vec(p[r]);
   int64_t d = 0;
   for (; d + kVec <= dim; d += kVec) {
     Vec vv = Vec::loadu(v + d);
+    #pragma GCC unroll 16
     for (int r = 0; r < N; ++r) at::vec::fmadd(w[r], vv, Vec::loadu(out[r] + d)).store(out[r] + d);
   }
   for (; d < dim; ++d)
+    #pragma GCC unroll 16
     for (int r = 0; r < N; ++r) out[r][d] += p[r] * v[d];
 }
 
