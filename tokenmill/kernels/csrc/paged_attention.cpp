@@ -34,6 +34,16 @@ using namespace tokenmill;
 // Queries handled per work item: one decode, or up to this many rows of a prefill chunk.
 constexpr int64_t kQueryTile = 8;
 
+// K/V rows of one head are scattered (strided within a block, blocks anywhere in the cache): the
+// hardware prefetcher does not follow, so a row's cache lines are requested this many keys ahead.
+constexpr int64_t kPrefetchAhead = 8;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < n * static_cast<int64_t>(sizeof(T)); offset += 64) __builtin_prefetch(bytes + offset);
+}
+
 struct Params {
   int64_t heads, kv_heads, dim, block_size, max_blocks, window;
   float scale, softcap;
@@ -90,6 +100,7 @@ void attend_item(const WorkItem& item, const T* q, const T* k_cache, const T* v_
   std::vector<float> row_max(rows, neg_inf);
   for (int64_t j = 0; j < keys; ++j) {
     const int64_t t = key_lo + j;
+    if (j + kPrefetchAhead < keys) prefetch_row(k_cache + slot_of(t + kPrefetchAhead) * row_stride + item.kv_head * dim, dim);
     const T* k_src = k_cache + slot_of(t) * row_stride + item.kv_head * dim;
     const float* k_row = as_float<T>(k_src, scratch, dim);
     dot_rows_any(q_rows.data(), static_cast<int>(rows), k_row, dim, dots.data());
@@ -126,6 +137,7 @@ void attend_item(const WorkItem& item, const T* q, const T* k_cache, const T* v_
   std::vector<float> weights(rows);
   for (int64_t j = 0; j < keys; ++j) {
     const int64_t t = key_lo + j;
+    if (j + kPrefetchAhead < keys) prefetch_row(v_cache + slot_of(t + kPrefetchAhead) * row_stride + item.kv_head * dim, dim);
     const T* v_src = v_cache + slot_of(t) * row_stride + item.kv_head * dim;
     const float* v_row = as_float<T>(v_src, scratch, dim);
     for (int64_t r = 0; r < rows; ++r) weights[r] = scores[r * keys + j];
