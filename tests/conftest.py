@@ -15,6 +15,16 @@ def pytest_addoption(parser) -> None:
                      help="run the full-size stress tests in tests/stress (>10 minutes); default: short versions")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built() -> bool:
+    """Build tokenmill's C++ CPU kernels (tokenmill/kernels) once, here, before any test: engines
+    in this process and server subprocesses then load the cached build instead of compiling it
+    inside a timed server start."""
+    from tokenmill.kernels.build import load
+
+    return load()
+
+
 # HF's random init (std 0.02) makes attention nearly uniform, so a wrong scale, mask or bias in
 # attention barely moves the output. Exactness fixtures rescale the random weights so attention is
 # sharp (logits of std ~GAIN**2: the top key takes ~60% of the weight) and such bugs change

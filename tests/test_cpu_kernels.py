@@ -231,3 +231,16 @@ def test_int8_linear_rejects_bad_shapes():
         torch.ops.tokenmill.int8_linear(torch.zeros(1, 32), q, torch.ones(8, 2), torch.empty(0), 32)
     with pytest.raises(RuntimeError, match="scales"):
         torch.ops.tokenmill.int8_linear(torch.zeros(1, 64), q, torch.ones(8, 3), torch.empty(0), 32)
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
+    """No compiler (or a broken one): load() says why and returns False; nothing half-built is kept."""
+    def no_compiler(name, isa, directory):
+        raise RuntimeError("Error building extension 'tokenmill_cpu': g++: command not found")
+
+    monkeypatch.setattr(build, "_compile", no_compiler)
+    monkeypatch.setattr(build, "build_directory", lambda isa: tmp_path / isa)
+    with caplog.at_level("WARNING", logger="tokenmill.kernels.build"):
+        assert build.load.__wrapped__() is False
+    assert "could not be built or loaded" in caplog.text and "g++: command not found" in caplog.text
+    assert not any(tmp_path.rglob(build._DONE_MARKER))
