@@ -60,3 +60,25 @@ def test_tokenmill_runs_the_workload_and_results_are_written(tiny_model_dir, tmp
     table = (out / "peers.md").read_text()
     assert "| tokenmill | fp32 |" in table and "1.00x" in table and table.startswith("CPU: ")
     assert (out / "peers.png").stat().st_size > 0
+
+
+def test_serve_dry_run_and_tokenmill_under_load(tiny_model_dir, tmp_path):
+    """`serve`: each server's command and the `tokenmill bench serve` loads; tokenmill's for real."""
+    import socket
+
+    result = _run("serve", "--dry-run", env_extra={"TOKENMILL_PEERS_DIR": str(tmp_path / "peers")})
+    assert result.returncode == 0, result.stderr
+    assert "vllm.entrypoints.openai.api_server" in result.stderr and "llama-server" in result.stderr
+    assert "--max-concurrency 16" in result.stderr and "--max-concurrency 64" in result.stderr
+    assert "openvino" not in result.stderr  # no OpenAI-compatible server: not in the serving table
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "results"
+    result = _run("serve", "tokenmill", "--model", str(tiny_model_dir), "--precision", "fp32", "--concurrency", "2",
+                  "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--port", str(port),
+                  "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (out / "serve.md").read_text()
+    assert "| tokenmill | 2 |" in table and "| 4 |" in table  # all 4 requests completed
+    assert json.loads((out / "serve-tokenmill-c2.json").read_text())["output_throughput"] > 0

@@ -10,6 +10,7 @@ submitted at once. The results go to one table (markdown + JSON) and one bar plo
     python bench/peers/peers.py run --dry-run          # what it would install and run
     python bench/peers/peers.py run --precision bf16   # install what is missing, run all, write results
     python bench/peers/peers.py install vllm           # one engine's virtualenv only
+    python bench/peers/peers.py serve --concurrency 16 64   # OpenAI servers under `tokenmill bench serve`
 
 Run it with tokenmill's own interpreter (the tokenmill runner, the GGUF conversion and the llama.cpp
 client use it). See bench/peers/README.md for the pitfalls each engine's setup works around.
@@ -135,6 +136,100 @@ def run_step(engine: str, args: argparse.Namespace, workload: Path, model_dir: P
     raise ValueError(f"unknown engine {engine!r}")
 
 
+SERVE_ENGINES = ("tokenmill", "vllm", "llamacpp")  # OpenVINO GenAI has no OpenAI-compatible server
+
+
+def server_step(engine: str, args: argparse.Namespace, model_dir: Path, port: int) -> Step:
+    """The command that starts `engine`'s OpenAI-compatible server on 127.0.0.1:port."""
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.precision]
+    if engine == "tokenmill":
+        return Step([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(model_dir), "--dtype", dtype,
+                     "--host", "127.0.0.1", "--port", str(port)])
+    if engine == "vllm":
+        env = run_step("vllm", args, Path(), model_dir, Path()).env
+        return Step([str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                     "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs",
+                     str(max(args.concurrency)), "--no-enable-prefix-caching"], env=env)
+    if engine == "llamacpp":
+        gguf = peers_dir() / "models" / f"{model_dir.name}-{args.precision}.gguf"  # converted by `run`
+        slots = max(args.concurrency)
+        extra = ["--no-repack"] if args.llamacpp_no_repack else []
+        return Step([str(llama_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+                     "-c", str(slots * (args.input_len * 2 + args.output_len * 2)), "-t", str(args.threads),
+                     "--no-webui", *extra])
+    raise ValueError(f"{engine} has no OpenAI-compatible server in this harness; one of {', '.join(SERVE_ENGINES)}")
+
+
+def load_step(args: argparse.Namespace, model_dir: Path, port: int, concurrency: int, out: Path) -> Step:
+    return Step([sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
+                 "--tokenizer", str(model_dir), "--num-prompts", str(args.num_prompts), "--max-concurrency",
+                 str(concurrency), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                 "--range-ratio", "0.5", "--json", str(out)])
+
+
+def wait_for_server(port: int, server: subprocess.Popen, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"no server on port {port} after {timeout:.0f} s")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.models.hub import resolve_model
+
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    model_dir = resolve_model(args.model)
+    out_dir = Path(args.out)
+    rows = []
+    for engine in args.engines:
+        if engine not in SERVE_ENGINES:
+            log(f"[{engine}] skipped: no OpenAI-compatible server")
+            continue
+        port = args.port
+        start = server_step(engine, args, model_dir, port)
+        log(f"[{engine}] server")
+        log(f"  $ {start.describe()}")
+        loads = [(c, out_dir / f"serve-{engine}-c{c}.json") for c in args.concurrency]
+        for c, out in loads:
+            log(f"  $ {load_step(args, model_dir, port, c, out).describe()}")
+        if args.dry_run:
+            continue
+        out_dir.mkdir(parents=True, exist_ok=True)
+        server = subprocess.Popen(start.argv, env={**os.environ, **(start.env or {})},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            wait_for_server(port, server, timeout=900)
+            for c, out in loads:
+                subprocess.run(load_step(args, model_dir, port, c, out).argv, check=True)
+                report = json.loads(out.read_text())
+                rows.append({"engine": engine, "concurrency": c, "output_tok_s": report["output_throughput"],
+                             "ttft_p50_ms": report["ttft"]["p50_ms"], "completed": report["completed"]})
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    if args.dry_run:
+        return 0
+    lines = [f"CPU: {cpu_name()}", "", "| engine | streams | output tok/s | p50 TTFT ms | completed |", "|---|---|---|---|---|"]
+    lines += [f"| {r['engine']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['completed']} |"
+              for r in rows]
+    (out_dir / "serve.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 def execute(step: Step, dry_run: bool, log) -> None:
     if step.skip_if_exists is not None and step.skip_if_exists.exists():
         log(f"  (done) {step.describe()}")
@@ -244,32 +339,44 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("engines", nargs="*", metavar="ENGINE",
                        help=f"engines, of {', '.join(ENGINES)} (default: all)")
         p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    run.add_argument("--model", default=None, help="HF model directory (default: tokenmill's default model)")
-    run.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
-                     help="compute precision of every engine (default: bf16)")
     run.add_argument("--num-prompts", type=int, default=64, help="requests (default: 64)")
     run.add_argument("--min-input", type=int, default=16, help="shortest prompt, tokens (default: 16)")
     run.add_argument("--max-input", type=int, default=512, help="longest prompt, tokens (default: 512)")
     run.add_argument("--min-output", type=int, default=32, help="shortest output, tokens (default: 32)")
     run.add_argument("--max-output", type=int, default=256, help="longest output, tokens (default: 256)")
     run.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads per engine (default: all)")
-    run.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of vLLM and OpenVINO, GiB (default: 4)")
-    run.add_argument("--llamacpp-no-repack", action="store_true",
-                     help="llama.cpp --no-repack (its AMX repack path segfaulted on q4/q8 weights)")
-    run.add_argument("--out", default="bench/peers/results", help="results directory (default: bench/peers/results)")
+    serve = sub.add_parser("serve", help="each engine's OpenAI-compatible server under `tokenmill bench serve` "
+                                         "(run `run` first: it installs and converts)")
+    serve.add_argument("engines", nargs="*", metavar="ENGINE",
+                       help=f"engines, of {', '.join(SERVE_ENGINES)} (default: all)")
+    serve.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    serve.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="streams at once (default: 16 64)")
+    serve.add_argument("--num-prompts", type=int, default=128, help="requests per load level (default: 128)")
+    serve.add_argument("--input-len", type=int, default=256, help="mean prompt tokens, +-50%% (default: 256)")
+    serve.add_argument("--output-len", type=int, default=128, help="mean output tokens, +-50%% (default: 128)")
+    serve.add_argument("--port", type=int, default=8765, help="port of the server under test (default: 8765)")
+    for p in (run, serve):
+        p.add_argument("--model", default=None, help="HF model directory (default: tokenmill's default model)")
+        p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                       help="compute precision of every engine (default: bf16)")
+        p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads per engine (default: all)")
+        p.add_argument("--llamacpp-no-repack", action="store_true",
+                       help="llama.cpp --no-repack (its AMX repack path segfaulted on q4/q8 weights)")
+        p.add_argument("--out", default="bench/peers/results", help="results directory (default: bench/peers/results)")
+        p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of vLLM and OpenVINO, GiB (default: 4)")
     install.set_defaults(func=cmd_install)
     run.set_defaults(func=cmd_run)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    unknown = [e for e in args.engines if e not in ENGINES]
+    unknown = [e for e in args.engines if e not in (SERVE_ENGINES if args.command == "serve" else ENGINES)]
     if unknown:
         parser.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
-    args.engines = args.engines or list(ENGINES)
+    args.engines = args.engines or list(SERVE_ENGINES if args.command == "serve" else ENGINES)
     start = time.perf_counter()
     code = args.func(args)
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
