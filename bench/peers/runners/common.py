@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 
@@ -44,3 +46,19 @@ def write_result(out: str, engine: str, precision: str, output_tokens: int, wall
     print(json.dumps(result))
     if output_tokens != requested:
         print(f"warning: {engine} produced {output_tokens} tokens, {requested} were requested")
+
+
+def wait_until_ok(url: str, server: subprocess.Popen, timeout: float) -> None:
+    """Poll `url` until it answers 200; fail early if the server process exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f} s")

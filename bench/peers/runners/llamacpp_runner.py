@@ -12,13 +12,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Timer, load_workload, max_len, parser, write_result  # noqa: E402
+from common import Timer, load_workload, max_len, parser, wait_until_ok, write_result  # noqa: E402
 
 
 def convert(model: str, script: Path, gguf: Path, precision: str) -> None:
@@ -42,21 +41,6 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def wait_ready(base: str, server: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("llama-server did not become ready")
-
-
 def main() -> None:
     p = parser("llama.cpp")
     p.add_argument("--server", required=True, help="llama-server binary")
@@ -75,7 +59,7 @@ def main() -> None:
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base, server)
+        wait_until_ok(f"{base}/health", server, timeout=600)
 
         def complete(request: dict) -> int:
             body = {"prompt": request["prompt_token_ids"], "n_predict": request["output_len"], "ignore_eos": True,
