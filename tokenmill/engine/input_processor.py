@@ -230,7 +230,13 @@ class InputProcessor:
         return ids
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary, and
+        whether a structured-output spec parses (a bad schema is the request's fault: 400)."""
         bias = params.logit_bias
         if bias and (min(bias) < 0 or max(bias) >= self.vocab_size):
             raise InvalidRequest(f"logit_bias keys must be token ids in [0, {self.vocab_size})", param="logit_bias")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise InvalidRequest("structured outputs need the model's tokenizer; this model has none",
+                                     param="structured_outputs")
+            params.structured_outputs.validate()  # parse the schema/regex/grammar (compiled later, off-thread)

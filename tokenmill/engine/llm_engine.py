@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, Callable
@@ -16,6 +16,7 @@ from tokenmill.engine.config import EngineConfig, parse_memory
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenText
 from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
 from tokenmill.engine.model_runner import ModelRunner, StepInput
@@ -35,6 +36,7 @@ from tokenmill.models.parallel import TPInfo, check_shardable
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_CAP = 4 << 30  # like vLLM's CPU default KV space: plenty for a CPU's batch sizes
+_GRAMMAR_POLL_S = 0.01  # how long an otherwise idle step waits for a grammar compile
 
 
 class RequestFailed(Exception):
@@ -149,6 +151,10 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.spec.vocab_size, self.max_model_len)
         self.eos_token_ids = set(self.spec.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        # Structured outputs: grammars compile on their own threads; requests wait here meanwhile.
+        self.grammars = (GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
+                         if self.tokenizer is not None else None)
+        self._awaiting_grammar: list[Request] = []
         self.result_cache = ResultCache(config.result_cache_size)
         self._cached_outputs: list[RequestOutput] = []  # result-cache hits, handed out by the next step()
         self._seq_ids = count()
@@ -235,8 +241,15 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
             seq = Sequence(next(self._seq_ids), request.request_id, i, prompt, params, detok, request.metrics)
             request.seqs.append(seq)
-            self.scheduler.add(seq)
         self.requests[request.request_id] = request
+        if params.structured_outputs is None:
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+        else:  # scheduled once its grammar is compiled (see _admit_compiled); others run meanwhile
+            if self.grammars is None:
+                raise InvalidRequest("structured outputs need the model's tokenizer", param="structured_outputs")
+            request.grammar = self.grammars.compile(params.structured_outputs)
+            self._awaiting_grammar.append(request)
 
     def add_request(self, request_id: str, prompt: str | list[int] | PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None,
@@ -260,9 +273,13 @@ class LLMEngine:
         return self._output(request)
 
     def close(self) -> None:
-        """Stop the model thread and the tensor-parallel workers."""
+        """Stop the model thread, the grammar compilers and the tensor-parallel workers."""
+        for step in self._inflight:  # a step waiting for its grammar mask must not wait forever
+            _cancel_mask(step.step_input, "the engine is closing")
         if self._model_thread is not None:
             self._model_thread.shutdown(wait=True)
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.close()
         if self.tp_group is not None:
             self.tp_group.close()
 
@@ -287,21 +304,60 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         cached, self._cached_outputs = self._cached_outputs, []
+        outputs = self._admit_compiled()
         launched = self._launch()
         if launched is not None:
             self._inflight.append(launched)
+        elif not self._inflight and self._awaiting_grammar:  # nothing to run but compiles: wait a little
+            wait([r.grammar for r in self._awaiting_grammar], timeout=_GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
         keep = 1 if self._model_thread is not None and launched is not None else 0
-        outputs: list[RequestOutput] = []
         while len(self._inflight) > keep:
             outputs.extend(self._complete(self._inflight.popleft()))
+            if self._inflight:  # the next step's rows now know every earlier token
+                self._fill_grammar_mask(self._inflight[0])
         return cached + outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand requests whose grammar is ready to the scheduler (one matcher per choice); fail those
+        whose grammar did not compile. Returns the failed requests' outputs."""
+        failed, waiting = [], []
+        for request in self._awaiting_grammar:
+            future = request.grammar
+            if request.finished:  # aborted while compiling
+                continue
+            if not future.done():
+                waiting.append(request)
+            elif future.exception() is not None:
+                message = f"structured output: the grammar could not be compiled: {future.exception()}"
+                if (out := self.fail(request.request_id, message)) is not None:
+                    failed.append(out)
+            else:
+                for seq in request.seqs:
+                    seq.grammar = self.grammars.matcher(future.result())
+                    self.scheduler.add(seq)
+        self._awaiting_grammar = waiting
+        return failed
 
     def _launch(self) -> LaunchedStep | None:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return None
         step_input = self.runner.prepare(scheduled, self.allocator.take_fresh(), self.scheduler.take_released())
-        return LaunchedStep(scheduled, step_input, self._submit(step_input))
+        launched = LaunchedStep(scheduled, step_input, Future())
+        if not self._inflight:  # no step before it is running: its rows' earlier tokens are all known
+            self._fill_grammar_mask(launched)
+        launched.future = self._submit(step_input)
+        return launched
+
+    @staticmethod
+    def _fill_grammar_mask(step: LaunchedStep) -> None:
+        """Fill the step's allowed-token bitmask from its rows' matchers (the model thread waits for it
+        before sampling). Only once every step before it has landed: the matchers are then current."""
+        mask = step.step_input.sampling.grammar if step.step_input.sampling is not None else None
+        if mask is None or mask.filled:
+            return
+        sampled = step.scheduled.sampled
+        mask.fill([None if sampled[row].seq.is_finished else sampled[row].seq.grammar for row in mask.rows])
 
     def _submit(self, step: StepInput) -> Future:
         if self._model_thread is not None:
@@ -339,6 +395,7 @@ class LLMEngine:
         for step in reversed([failed, *later]):
             self.allocator.fresh.extend(step.step_input.fresh_blocks)  # not zeroed yet
             self.scheduler.take_back(step.scheduled)
+            _cancel_mask(step.step_input, "the step was taken back")
         self.runner.recover()
         if isinstance(exc, RequestFailed):
             ids, message = exc.request_ids, str(exc)
@@ -368,7 +425,7 @@ class LLMEngine:
         a = self.allocator
         rc = self.result_cache.stats()
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + sum(len(r.seqs) for r in self._awaiting_grammar),
             num_running=len(self.scheduler.running),
             kv_cache_usage=a.usage,
             num_blocks_total=a.num_blocks,
@@ -381,6 +438,11 @@ class LLMEngine:
             result_cache_misses_total=rc.misses,
             result_cache_entries=rc.entries,
         )
+
+
+def _cancel_mask(step: StepInput, reason: str) -> None:
+    if step.sampling is not None and step.sampling.grammar is not None:
+        step.sampling.grammar.cancel(reason)
 
 
 def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:

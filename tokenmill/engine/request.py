@@ -4,6 +4,7 @@ hands back each step (what they carry follows its `RequestOutputKind`)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
@@ -22,6 +23,7 @@ class Request:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     seqs: list[Sequence] = field(default_factory=list)
     result_cache_key: CacheKey | None = None  # set when a finished result may be stored
+    grammar: Future | None = None  # structured outputs: the compiled grammar (the request waits for it)
 
     @property
     def finished(self) -> bool:

@@ -1,10 +1,16 @@
-"""Token selection for a whole batch at once: penalties, temperature, top-k/top-p/min-p, seeds.
+"""Token selection for a whole batch at once: grammar masks, penalties, temperature,
+top-k/top-p/min-p, seeds.
 
 The scheduling thread describes a step's sampling rows once, as an immutable `SamplingInput`
 (`SamplingInput.of`); the sampler, on the model thread, reads only that. Per-row options are
-independent, so a new per-row transform (a grammar's allowed-token mask, a logits processor) is
-one more optional column here and one more stage in `Sampler.__call__`, applied before the
-temperature like logit_bias.
+independent, so a new per-row transform (a logits processor) is one more optional column here and
+one more stage in `Sampler.__call__`, applied before the temperature like logit_bias.
+
+Structured outputs: the allowed-token bitmask of the constrained rows (`GrammarMask`, filled by
+the scheduling thread once those rows' earlier tokens are known) is applied first, so greedy,
+temperature, top-k/top-p/min-p, logit_bias and penalties all act on allowed tokens only. Returned
+logprobs are those of the model's raw distribution, as in vLLM: the grammar changes which token
+is picked, not what the model thought of it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.engine.grammar import GrammarMask, apply_mask
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.sequence import Sequence, placeholder_row
 
@@ -47,6 +54,7 @@ class SamplingInput:
     logit_bias: tuple[tuple[int, int, float], ...]  # (row, token, bias)
     penalties: Penalties | None
     num_logprobs: tuple[int | None, ...]  # top alternatives to report; None = no logprobs
+    grammar: GrammarMask | None = None  # allowed tokens of the rows with structured outputs
 
     @classmethod
     def of(cls, seqs: Seq[Sequence], num_outputs: Seq[int], vocab_size: int) -> SamplingInput:
@@ -75,10 +83,16 @@ class SamplingInput:
                              for token, bias in p.logit_bias.items() if 0 <= token < vocab_size),
             penalties=penalties,
             num_logprobs=tuple(p.logprobs for p in params),
+            grammar=_grammar_mask(seqs, vocab_size),
         )
 
     def __len__(self) -> int:
         return len(self.seq_ids)
+
+
+def _grammar_mask(seqs: Seq[Sequence], vocab_size: int) -> GrammarMask | None:
+    rows = tuple(i for i, s in enumerate(seqs) if s.grammar is not None)
+    return GrammarMask(rows, len(seqs), vocab_size) if rows else None
 
 
 @dataclass
@@ -118,6 +132,10 @@ class Sampler:
         previous step's sampled tokens, for placeholders still in the penalties' history."""
         logits = logits[:, : self.vocab_size]
         raw = logits
+        if batch.grammar is not None:
+            if any(n is not None for n in batch.num_logprobs):
+                logits = logits.clone()  # logprobs are of the raw distribution
+            apply_mask(logits, batch.grammar, self.vocab_size)
         if batch.logit_bias:
             rows, tokens, bias = zip(*batch.logit_bias)
             logits = logits.index_put((torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.structured_outputs import StructuredOutputsParams
 
 # Hard limits that keep one request from exhausting the server (see RELIABILITY.md).
 MAX_N = 16
@@ -36,8 +37,12 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # number of top logprobs to return per token
     include_stop_str_in_output: bool = False
+    # The output must match a JSON schema, regex, choice or grammar (a dict is read as vLLM's object).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -111,3 +116,5 @@ class SamplingParams:
             number("logit_bias value", v, -100.0, 100.0, param="logit_bias")
         if self.logprobs is not None:
             integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequest("structured_outputs must be a StructuredOutputsParams", param="structured_outputs")

@@ -235,6 +235,10 @@ class Scheduler:
     def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None) -> None:
         seq.resolve(token, logprob)
         params = seq.params
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            # The step's mask allowed only tokens the grammar accepts: this is a bug, not the request's.
+            self.finish(seq, "error", error=f"structured output: the grammar rejected sampled token {token}")
+            return
         stop_string = seq.detokenizer.add_token(token) if seq.detokenizer else None
         if token in params.stop_token_ids:
             self.finish(seq, "stop", token)
@@ -242,6 +246,8 @@ class Scheduler:
             self.finish(seq, "stop")
         elif stop_string is not None:
             self.finish(seq, "stop", stop_string)
+        elif seq.grammar is not None and seq.grammar.is_terminated():
+            self.finish(seq, "stop")  # the grammar is complete (its stop token taken, even with ignore_eos)
         elif seq.num_resolved_outputs >= params.max_tokens or seq.num_resolved_tokens >= self.max_model_len:
             self.finish(seq, "length")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.outputs import Logprob, RequestMetrics
@@ -54,6 +55,9 @@ class Sequence:
     error: str | None = None
     logprobs: list[Logprob] | None = None
     reported_tokens: int = 0  # output tokens (and their logprobs) already in a RequestOutput
+    # Structured outputs: the xgrammar matcher at the state after the resolved output tokens (set when
+    # the grammar is compiled, before the sequence is scheduled; advanced only by the scheduler).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -52,6 +52,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def from_invalid_request(exc: InvalidRequest) -> APIError:
-    """The engine's typed input error as a 400, with its param and code."""
-    return APIError(400, exc.message, param=exc.param, code=exc.code)
+def from_invalid_request(exc: InvalidRequest, param: str | None = None) -> APIError:
+    """The engine's typed input error as a 400, with its param (or the request field it is about)
+    and code."""
+    return APIError(400, exc.message, param=param or exc.param, code=exc.code)

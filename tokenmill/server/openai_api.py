@@ -41,6 +41,7 @@ from .protocol import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    _SamplingRequest,
     parse_request,
 )
 from .state import RequestRecord, ServerState
@@ -174,8 +175,8 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     def process() -> list[PromptInput]:
         return [processor.process(p, params, escape_special=escape) for p in batch]
 
-    # Tokenizing a batch of long prompts takes a while: keep it off the event loop.
-    prompts = await _checked(asyncio.to_thread(process))
+    # Tokenizing a batch of long prompts (and parsing a big JSON schema) takes a while: keep it off the event loop.
+    prompts = await _checked(asyncio.to_thread(process), req)
     if state.settings.log_prompts:
         record.prompt_text = repr(req.prompt)
     return CompletionJob(
@@ -185,12 +186,12 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     )
 
 
-async def _checked(work: Awaitable[T]) -> T:
-    """The input processor's typed errors as OpenAI 400s."""
+async def _checked(work: Awaitable[T], req: _SamplingRequest | None = None) -> T:
+    """The input processor's typed errors as OpenAI 400s (naming the request's field, when given)."""
     try:
         return await work
     except InvalidRequest as exc:
-        raise from_invalid_request(exc) from None
+        raise from_invalid_request(exc, req.api_param(exc.param) if req is not None else None) from None
 
 
 # ---------------------------------------------------------------------------------------------- chat
@@ -295,7 +296,7 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     except InvalidRequest as exc:
         raise from_invalid_request(exc) from None
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
-    prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages"))
+    prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages"), req)
     if state.settings.log_prompts:
         record.prompt_text = repr(req.template_messages())
     return ChatJob(

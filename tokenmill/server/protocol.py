@@ -5,8 +5,11 @@ Parsing is tolerant where real clients need it and strict where a mistake would 
 * every field of OpenAI's current request types is accepted (a test compares with the installed
   `openai` package). Fields that do not apply to a self-hosted model (`store`, `metadata`, `user`,
   `service_tier`, ...) are ignored and logged once per field;
-* fields tokenmill does not implement yet and that would change the output (`response_format`,
-  `guided_json`, ...) get a 400 saying so: never a silent ignore;
+* fields tokenmill does not implement yet and that would change the output (`echo`, `suffix`,
+  ...) get a 400 saying so: never a silent ignore;
+* structured outputs come in OpenAI's spelling (`response_format`) and vLLM's (`structured_outputs`,
+  `guided_json`/`guided_regex`/`guided_choice`/`guided_grammar`); a request sets at most one, and
+  an invalid schema, regex or grammar is a 400 naming the field it came from;
 * unknown fields are ignored with a warning, once per name (vLLM's behaviour);
 * known fields are strictly typed (no "5" for 5) and range-checked: those stay 400s.
 """
@@ -34,6 +37,7 @@ from pydantic_core import PydanticCustomError
 
 from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from tokenmill.engine.structured_outputs import StructuredOutputsParams
 
 from .errors import APIError, bad_request, from_invalid_request
 from .tools.definitions import check_function_name, check_parameters_schema
@@ -58,7 +62,6 @@ def not_supported_yet() -> Any:
 
 # Values of not-yet-supported fields that ask for nothing beyond the default (clients send them).
 _HARMLESS: dict[str, Callable[[Any], bool]] = {
-    "response_format": lambda v: v == {"type": "text"},
     "functions": lambda v: v == [],
     "function_call": lambda v: v in ("none", "auto"),
     "modalities": lambda v: v == ["text"],
@@ -99,6 +102,26 @@ def _token_id_key(key: str) -> str:
 TokenIdKey = Annotated[str, AfterValidator(_token_id_key), WithJsonSchema({"type": "string", "pattern": "^[0-9]{1,10}$"})]
 
 
+class JsonSchemaFormat(_Lenient):
+    """`response_format.json_schema`: the output is JSON matching `schema`."""
+
+    name: str | None = None  # OpenAI requires it; it names the schema and changes nothing here
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # Output always matches the schema exactly here (xgrammar's strict mode: no properties beyond the
+    # schema's), whatever `strict` says.
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# Where each way of asking for structured output puts its spec, in the engine's StructuredOutputsParams.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 class _SamplingRequest(_Lenient):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM-style extras)."""
 
@@ -133,17 +156,55 @@ class _SamplingRequest(_Lenient):
     store: bool | None = ignored()
     metadata: dict[str, str] | None = ignored()
     service_tier: str | None = ignored()
-    # Structured output (OpenAI's and vLLM's spellings): coming, until then a clear 400.
-    response_format: dict[str, Any] | None = not_supported_yet()
-    structured_outputs: dict[str, Any] | None = not_supported_yet()
-    guided_json: str | dict[str, Any] | None = not_supported_yet()
-    guided_regex: str | None = not_supported_yet()
-    guided_choice: list[str] | None = not_supported_yet()
-    guided_grammar: str | None = not_supported_yet()
+    # Structured output, in OpenAI's spelling and vLLM's (at most one per request).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {"json"|"regex"|"choice"|"grammar"|"json_object": ...}
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = ignored("xgrammar is the only backend")
+    guided_whitespace_pattern: str | None = ignored("JSON whitespace is bounded by the engine")
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def structured_output(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's structured-output constraint and the field it came from (None: free text)."""
+        specs: list[tuple[dict[str, Any], str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            specs.append(({"json_object": True}, "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise bad_request("response_format json_schema needs json_schema.schema",
+                                  param="response_format.json_schema.schema")
+            specs.append(({"json": fmt.json_schema.schema_}, "response_format.json_schema.schema"))
+        if self.structured_outputs is not None:
+            specs.append((self.structured_outputs, "structured_outputs"))
+        for name, kind in _GUIDED.items():
+            if getattr(self, name) is not None:
+                specs.append(({kind: getattr(self, name)}, name))
+        if not specs:
+            return None
+        if len(specs) > 1:
+            raise bad_request(f"set only one of {', '.join(source for _, source in specs)}: each constrains the "
+                              "whole output", param=specs[1][1])
+        values, source = specs[0]
+        try:
+            return StructuredOutputsParams.from_dict(values), source
+        except InvalidRequest as exc:
+            raise from_invalid_request(exc, self.api_param(exc.param, source)) from None
+
+    def api_param(self, param: str | None, source: str | None = None) -> str | None:
+        """The request field an engine error's `param` is about (structured output: where it was set)."""
+        if source is None:
+            found = self.structured_output() if param and param.startswith("structured_outputs") else None
+            source = found[1] if found else None
+        if source is None or source == "structured_outputs" or not param:
+            return param
+        return source
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Translate to engine params; SamplingParams' own validation errors become 400s."""
@@ -165,6 +226,9 @@ class _SamplingRequest(_Lenient):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
+        constraint = self.structured_output()
+        if constraint is not None:
+            values["structured_outputs"] = constraint[0]
         try:
             return SamplingParams.from_dict(values)
         except InvalidRequest as exc:
