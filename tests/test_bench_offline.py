@@ -94,6 +94,21 @@ def test_offline_run_consistent(tiny_llm, small_workload):
     json.dumps(data)
 
 
+def test_structured_output_workload_keeps_every_document_open(tiny_llm):
+    """`--compare structured-output`'s constrained side: every request produces exactly its token
+    count (STRUCTURED_SCHEMA's minItems never lets the document end), and the tokens are JSON."""
+    import jiter
+
+    workload = offline.make_workload(4, 3, 12, 40, 60, vocab_size=49152, seed=2)
+    structured = {"json": offline.STRUCTURED_SCHEMA}
+    offline.warmup(tiny_llm, workload, max_tokens=2, structured=structured)
+    run = offline.run_tokenmill(tiny_llm, workload, use_tqdm=False, structured=structured)
+    assert run.output_tokens == run.requested_tokens
+    for token_ids in run.token_ids:
+        text = tiny_llm.tokenizer.decode(token_ids)
+        assert text.startswith('{') and "items" in jiter.from_json(text.encode(), partial_mode="trailing-strings"), text
+
+
 def test_weight_bytes_tied_once():
     emb = torch.nn.Embedding(100, 8)
     head = torch.nn.Linear(8, 100, bias=False)
@@ -159,6 +174,7 @@ def test_cli_parsing():
     assert args.model == "tiny" and args.max_num_seqs == 32 and args.json == "x.json"
     assert (args.num_prompts, args.min_input, args.max_input, args.min_output, args.max_output) == (64, 4, 200, 16, 128)
     assert args.hf_batch_size == 16 and args.kv_cache_memory == offline.DEFAULT_KV_CACHE
+    assert build_parser().parse_args(["bench", "offline", "--compare", "structured-output"]).compare == "structured-output"
     impls = build_parser().parse_args(["bench", "offline", "--compare", "model-impl"])
     assert impls.compare == "model-impl" and impls.model_impl == "auto"
     defaults = build_parser().parse_args(["bench", "offline"])

@@ -7,6 +7,8 @@ so every run produces exactly the requested number of tokens. Options add, in th
   baseline), its padding waste, the tokenmill/HF throughput ratio and greedy agreement;
 - `--compare model-impl`: the workload on the native path and on the generic transformers path
   (`--model-impl native` / `transformers`), each in a fresh process: the generic path's cost;
+- `--compare structured-output`: the workload unconstrained and with every request constrained to
+  a JSON schema (`STRUCTURED_SCHEMA`), each in a fresh process: the grammar masks' cost;
 - `--sweep`: the workload at several concurrency limits (max_num_seqs), latency vs throughput;
 - `--roofline`: copy bandwidth, weight bytes and the batch-1 decode bound vs the measured step;
 - `--long-outputs`: host time per output token of long streams, cumulative vs delta outputs.
@@ -107,6 +109,7 @@ class RunResult:
     generated_tokens: int | None = None  # HF: every position decoded, padding included
     padding_waste: float | None = None  # HF: fraction of generated tokens nobody asked for
     weight_bytes: int | None = None  # the engine's model weights, when measured
+    grammar_compile_s: float | None = None  # structured output: compiling the schema (untimed in the run)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,25 +136,45 @@ def _result(name: str, workload: Sequence[OfflineRequest], token_ids: list[list[
 # tokenmill
 
 
-def _params(workload: Sequence[OfflineRequest]) -> list[Any]:
+# `--compare structured-output`: records of every kind of JSON value. minItems keeps each document
+# open past any --max-output, so the constrained run produces exactly the tokens the free run does.
+_RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "name": {"type": "string", "maxLength": 16},
+        "kind": {"enum": ["book", "film", "song", "game"]},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "done": {"type": "boolean"},
+    },
+    "required": ["id", "name", "kind", "score", "tags", "done"],
+    "additionalProperties": False,
+}
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": _RECORD, "minItems": 256}},
+                     "required": ["items"], "additionalProperties": False}
+
+
+def _params(output_lens: Sequence[int], structured: dict[str, Any] | None = None) -> list[Any]:
     from tokenmill import SamplingParams
 
-    return [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload]
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
+            for n in output_lens]
 
 
-def warmup(llm: Any, workload: Sequence[OfflineRequest], max_tokens: int = 8) -> None:
+def warmup(llm: Any, workload: Sequence[OfflineRequest], max_tokens: int = 8,
+           structured: dict[str, Any] | None = None) -> None:
     """A short untimed generate: first-call allocations and kernel selection are not the benchmark."""
-    from tokenmill import SamplingParams
-
     prompts = [r.prompt_token_ids for r in workload[:2]]
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    llm.generate(prompts, _params([max_tokens] * len(prompts), structured))
 
 
 def run_tokenmill(llm: Any, workload: Sequence[OfflineRequest], use_tqdm: bool = True,
-                  name: str = "tokenmill") -> RunResult:
-    """Submit every request at once and run them to completion; time the whole generate call."""
+                  name: str = "tokenmill", structured: dict[str, Any] | None = None) -> RunResult:
+    """Submit every request at once and run them to completion; time the whole generate call.
+    `structured`: every request's `structured_outputs` (vLLM's dict form)."""
     prompts = [r.prompt_token_ids for r in workload]
-    params = _params(workload)
+    params = _params([r.output_len for r in workload], structured)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     duration = time.perf_counter() - t0
@@ -305,20 +328,29 @@ def hf_baseline_run(model_dir: Path, workload: Sequence[OfflineRequest], batch_s
 
 
 def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], name: str, progress: bool,
-                  warm: Sequence[OfflineRequest] | None = None, repeat: bool = False) -> RunResult:
+                  warm: Sequence[OfflineRequest] | None = None, repeat: bool = False,
+                  structured: dict[str, Any] | None = None) -> RunResult:
     """Build an engine from `engine_kwargs`, warm it up untimed (on `warm`, default the workload's
-    first prompts) and time the workload; with `repeat`, time only a second identical round."""
+    first prompts) and time the workload; with `repeat`, time only a second identical round.
+    `structured`: constrain every request (its grammar is compiled, and timed, before the warmup)."""
     from tokenmill import LLM
     from tokenmill.bench.roofline import model_weight_bytes
+    from tokenmill.engine.structured_outputs import StructuredOutputsParams
 
     kwargs = dict(kwargs)
     llm = LLM(kwargs.pop("model"), progress=progress, **kwargs)
     try:
-        warmup(llm, warm if warm is not None else workload)
+        compile_s = None
+        if structured is not None:
+            start = time.perf_counter()
+            llm.engine.grammars.compile(StructuredOutputsParams.from_dict(structured)).result()
+            compile_s = time.perf_counter() - start
+        warmup(llm, warm if warm is not None else workload, structured=structured)
         if repeat:
-            run_tokenmill(llm, workload, use_tqdm=False)
-        run = run_tokenmill(llm, workload, use_tqdm=progress, name=name)
+            run_tokenmill(llm, workload, use_tqdm=False, structured=structured)
+        run = run_tokenmill(llm, workload, use_tqdm=progress, name=name, structured=structured)
         run.weight_bytes = model_weight_bytes(llm.engine.model)[0]
+        run.grammar_compile_s = compile_s
         return run
     finally:
         llm.engine.close()
@@ -483,6 +515,25 @@ def compare_model_impls(args: argparse.Namespace, model_dir: Path, workload: Seq
             "throughput_ratio_transformers_over_native": ratio, "greedy_agreement": agreement}
 
 
+def compare_structured_output(args: argparse.Namespace, model_dir: Path, workload: Sequence[OfflineRequest],
+                              progress: bool) -> dict[str, Any]:
+    """The workload unconstrained, then with every request constrained to STRUCTURED_SCHEMA, each in
+    a fresh process (same prompts, greedy, same token counts); prints both and the throughput ratio."""
+    kwargs = engine_kwargs(args, model_dir)
+    free = in_fresh_process(tokenmill_run, kwargs, workload, "unconstrained", progress)
+    constrained = in_fresh_process(tokenmill_run, kwargs, workload, "json_schema", progress, None, False,
+                                   {"json": STRUCTURED_SCHEMA})
+    ratio = constrained.output_throughput / free.output_throughput
+    print(format_runs([free, constrained]))
+    print(f"json_schema / unconstrained useful tok/s: {ratio:.3f}x ({(1 - ratio) * 100:+.1f}% slower); "
+          f"schema compiled in {constrained.grammar_compile_s:.2f} s (once, before the timed run)")
+    if constrained.output_tokens != free.output_tokens:
+        print(f"warning: the constrained run produced {constrained.output_tokens} tokens, the free run "
+              f"{free.output_tokens}", file=sys.stderr)
+    return {"unconstrained": free.to_dict(), "json_schema": constrained.to_dict(), "schema": STRUCTURED_SCHEMA,
+            "throughput_ratio_json_schema_over_unconstrained": ratio}
+
+
 def parse_values(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -518,12 +569,14 @@ def main(args: argparse.Namespace) -> int:
     report["environment"]["num_threads"] = torch.get_num_threads()
 
     # The engine of this process serves the main run, the roofline and the long outputs; sweep
-    # points and the model-impl comparison build their own.
-    main_here = not args.skip_main and args.compare != "model-impl"
+    # points and the model-impl and structured-output comparisons build their own.
+    main_here = not args.skip_main and args.compare not in ("model-impl", "structured-output")
     llm = make_llm(args, model_dir) if main_here or args.roofline or args.long_outputs else None
     runs: list[RunResult] = []
     if args.compare == "model-impl":
         report["model_impl"] = compare_model_impls(args, model_dir, workload, progress)
+    if args.compare == "structured-output":
+        report["structured_output"] = compare_structured_output(args, model_dir, workload, progress)
     if main_here:  # first, in this process: no other heavy run has gone before it
         warmup(llm, workload)
         main_run = run_tokenmill(llm, workload, use_tqdm=progress)
@@ -609,11 +662,13 @@ def register_offline(bench_subparsers: Any) -> None:
     group.add_argument("--max-output", type=positive_int, default=128, metavar="TOKENS",
                        help="longest output (default: 128)")
     bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--compare", choices=["hf", "model-impl"], default=None,
+    bench.add_argument("--compare", choices=["hf", "model-impl", "structured-output"], default=None,
                        help="hf: also run Hugging Face generate in static left-padded batches on the same "
                             "prompts; model-impl: run the workload with --model-impl native and with "
                             "--model-impl transformers (the generic path), each in a fresh process, instead "
-                            "of the main run")
+                            "of the main run; structured-output: run the workload unconstrained and with "
+                            "every request constrained to a JSON schema (greedy, same token counts), each "
+                            "in a fresh process, instead of the main run")
     bench.add_argument("--hf-batch-size", type=positive_int, default=16, metavar="N",
                        help="static batch size of the HF baseline (default: 16)")
     bench.add_argument("--sweep", action="store_true", help="rerun the workload at each --sweep-values max_num_seqs")
