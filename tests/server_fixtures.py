@@ -115,6 +115,11 @@ def server_fixture(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[Serve
         proc.stop()
 
 
+def model_id(server: ServerProcess) -> str:
+    """The name the server serves its model under (the model directory's name)."""
+    return Path(server.proc.args[server.proc.args.index("--model") + 1]).name
+
+
 def openai_client(server: ServerProcess, api_key: str = "unused", **kwargs):
     """The official client, pointed at the test server; no retries so 4xx/5xx surface as-is."""
     import openai

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import time
 import typing
-from pathlib import Path
 
 import httpx
 import openai
@@ -17,6 +16,7 @@ import pytest
 from server_fixtures import (  # noqa: F401 - *_fixture are pytest fixtures
     ServerProcess,
     assert_openai_error,
+    model_id,
     openai_client,
     server_fixture,
     server_log_dir_fixture,
@@ -31,10 +31,6 @@ def post(server: ServerProcess, path: str, body: object, content_type: str | Non
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
     headers = {"content-type": content_type} if content_type else {}
     return httpx.post(f"{server.base_url}{path}", content=content, headers=headers, timeout=60.0, **kwargs)
-
-
-def model_id(server: ServerProcess) -> str:
-    return Path(server.proc.args[server.proc.args.index("--model") + 1]).name
 
 
 def log_lines(server: ServerProcess, msg_part: str, field: str) -> list[dict]:

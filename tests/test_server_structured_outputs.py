@@ -15,7 +15,14 @@ import httpx
 import jiter
 import jsonschema
 import pytest
-from server_fixtures import ServerProcess, assert_openai_error, async_openai_client, openai_client, server_log_dir_fixture  # noqa: F401
+from server_fixtures import (  # noqa: F401 - server_log_dir_fixture is a pytest fixture
+    ServerProcess,
+    assert_openai_error,
+    async_openai_client,
+    model_id,
+    openai_client,
+    server_log_dir_fixture,
+)
 
 PERSON = {
     "type": "object",
@@ -54,7 +61,7 @@ def test_json_schema_output_validates_for_20_sampled_requests(server: ServerProc
         client = async_openai_client(server)
         async with client:
             return await asyncio.gather(*(client.chat.completions.create(
-                model="tiny", messages=MSG, temperature=1.0, max_tokens=MAX_TOKENS, response_format=PERSON_FORMAT)
+                model=model_id(server), messages=MSG, temperature=1.0, max_tokens=MAX_TOKENS, response_format=PERSON_FORMAT)
                 for _ in range(20)))
 
     replies = asyncio.run(run())
@@ -67,13 +74,13 @@ def test_json_schema_output_validates_for_20_sampled_requests(server: ServerProc
 
 def test_response_format_on_completions(server: ServerProcess) -> None:
     client = openai_client(server)
-    reply = client.completions.create(model="tiny", prompt="Person:", temperature=1.0, max_tokens=MAX_TOKENS,
+    reply = client.completions.create(model=model_id(server), prompt="Person:", temperature=1.0, max_tokens=MAX_TOKENS,
                                       extra_body={"response_format": PERSON_FORMAT})
     jsonschema.validate(json.loads(reply.choices[0].text), PERSON)
     # json_object: any object (unbounded strings: a random model may stop at max_tokens, on a valid prefix).
-    for reply in (client.completions.create(model="tiny", prompt="JSON:", max_tokens=32,
+    for reply in (client.completions.create(model=model_id(server), prompt="JSON:", max_tokens=32,
                                             extra_body={"response_format": {"type": "json_object"}}),
-                  client.chat.completions.create(model="tiny", messages=MSG, max_tokens=32,
+                  client.chat.completions.create(model=model_id(server), messages=MSG, max_tokens=32,
                                                  response_format={"type": "json_object"})):
         choice = reply.choices[0]
         text = choice.text if hasattr(choice, "text") else choice.message.content
@@ -106,7 +113,7 @@ def test_vllm_extras(server: ServerProcess) -> None:
 
 def test_streamed_output_concatenates_to_the_same_valid_document(server: ServerProcess) -> None:
     client = openai_client(server)
-    body = dict(model="tiny", messages=MSG, temperature=1.0, seed=1234, max_tokens=MAX_TOKENS,
+    body = dict(model=model_id(server), messages=MSG, temperature=1.0, seed=1234, max_tokens=MAX_TOKENS,
                 response_format=PERSON_FORMAT)
     whole = client.chat.completions.create(**body).choices[0].message.content
     chunks = list(client.chat.completions.create(**body, stream=True))
@@ -118,14 +125,14 @@ def test_streamed_output_concatenates_to_the_same_valid_document(server: ServerP
 
 def test_n_choices_and_stop_strings(server: ServerProcess) -> None:
     client = openai_client(server)
-    reply = client.chat.completions.create(model="tiny", messages=MSG, n=3, temperature=1.0, max_tokens=MAX_TOKENS,
+    reply = client.chat.completions.create(model=model_id(server), messages=MSG, n=3, temperature=1.0, max_tokens=MAX_TOKENS,
                                            response_format=PERSON_FORMAT)
     assert len(reply.choices) == 3
     for choice in reply.choices:
         jsonschema.validate(json.loads(choice.message.content), PERSON)
     assert len({c.message.content for c in reply.choices}) > 1
     # A stop string inside the constrained output ends it there.
-    reply = client.completions.create(model="tiny", prompt="x", max_tokens=64, temperature=1.0, stop=[","],
+    reply = client.completions.create(model=model_id(server), prompt="x", max_tokens=64, temperature=1.0, stop=[","],
                                       extra_body={"guided_regex": r"[a-z]{2}(,[a-z]{2}){3}"})
     assert re.fullmatch(r"[a-z]{2}", reply.choices[0].text) and reply.choices[0].finish_reason == "stop"
 
@@ -171,11 +178,16 @@ def instruct_server(default_model_dir: Path, server_log_dir: Path) -> Iterator[S
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["json_schema", "json_mode"])
+@pytest.mark.parametrize("method", [
+    "json_schema",
+    "json_mode",
+    pytest.param("function_calling", marks=pytest.mark.xfail(
+        strict=True, reason="a named tool_choice is 400 until tool calling enforces it with structured outputs")),
+])
 def test_langchain_with_structured_output(instruct_server: ServerProcess, method: str) -> None:
     """`ChatOpenAI(...).with_structured_output(PydanticModel)`: json_schema sends response_format
-    json_schema, json_mode sends json_object; both come back as a validated pydantic object.
-    (function_calling needs tool calling, a separate feature.)"""
+    json_schema, json_mode sends json_object, function_calling a named tool_choice; each comes back
+    as a validated pydantic object."""
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field
 
@@ -185,13 +197,17 @@ def test_langchain_with_structured_output(instruct_server: ServerProcess, method
         name: str = Field(description="the person's first name", max_length=20)
         age: int = Field(description="age in years", ge=0, le=150)
 
-    model = httpx.get(f"{instruct_server.base_url}/v1/models").json()["data"][0]["id"]
-    llm = ChatOpenAI(model=model, base_url=f"{instruct_server.base_url}/v1", api_key="unused",
-                     temperature=0, max_tokens=64, max_retries=0, timeout=120)
+    sent: list[dict] = []
+    http = httpx.Client(timeout=120, event_hooks={"request": [lambda r: sent.append(json.loads(r.content))]})
+    llm = ChatOpenAI(model=model_id(instruct_server), base_url=f"{instruct_server.base_url}/v1", api_key="unused",
+                     temperature=0, max_tokens=64, max_retries=0, http_client=http)
     structured = llm.with_structured_output(Person, method=method, include_raw=True)
     prompt = ("Extract the person as a JSON object with keys name and age. "
               "Text: Ann is 31 years old and lives in Paris.")
     result = structured.invoke(prompt)
+    expected = {"json_schema": "json_schema", "json_mode": "json_object"}.get(method)
+    if expected:  # the constraint really went to the server
+        assert sent[-1]["response_format"]["type"] == expected, sent[-1]
     assert result["parsing_error"] is None, result
     person = result["parsed"]
     assert isinstance(person, Person) and person.name.strip() and 0 <= person.age <= 150

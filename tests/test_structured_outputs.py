@@ -284,6 +284,19 @@ def test_a_failed_compile_fails_only_its_request(tiny_model_dir, monkeypatch) ->
         engine.close()
 
 
+def test_json_strings_never_take_raw_control_characters(llm) -> None:
+    """JSON strings must escape U+0000-U+001F; xgrammar 0.2.9 lets them into length-bounded strings
+    (a sampled "\x15" once made a reply unparseable), so the engine tightens its string rule."""
+    compiled = llm.engine.grammars.compile(constrained(json=PERSON)).result()
+
+    def accepts(text: str) -> bool:
+        return llm.engine.grammars.matcher(compiled).accept_string(text)
+
+    assert accepts('{"name": "ab\u00e9') and accepts('{"name": "a b')
+    for control in ("\x00", "\x15", "\t", "\x1f"):
+        assert not accepts('{"name": "a' + control), repr(control)
+
+
 def test_grammars_compile_once_per_spec(llm) -> None:
     compiler = llm.engine.grammars
     spec_a, spec_b = constrained(json=dict(PERSON)), constrained(json=json.loads(json.dumps(PERSON)))

@@ -111,9 +111,10 @@ class StructuredOutputsParams:
         try:
             if kind == "json":
                 schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
-                return xgr.Grammar.from_json_schema(schema, **self._json_format())
+                return _strict_json_strings(xgr.Grammar.from_json_schema(schema, **self._json_format()))
             if kind == "json_object":
-                return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **self._json_format())
+                return _strict_json_strings(xgr.Grammar.from_json_schema(
+                    '{"type": "object"}', strict_mode=False, **self._json_format()))
             if kind == "regex":
                 return xgr.Grammar.from_regex(self.regex)
             if kind == "choice":
@@ -130,6 +131,22 @@ class StructuredOutputsParams:
         if self.disable_any_whitespace:
             return {"any_whitespace": False}
         return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+
+
+# xgrammar 0.2.9 writes the characters of a length-bounded string (minLength/maxLength) as
+# [^"\\\r\n], which lets raw control characters (U+0000-U+001F) into the string: not JSON (RFC 8259
+# wants them escaped; json.loads rejects them). Its other string rules exclude them; so do we.
+_LAX_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _strict_json_strings(grammar: Any) -> Any:
+    import xgrammar as xgr
+
+    text = str(grammar)
+    if _LAX_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LAX_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 # "[17:51:01] /project/cpp/json_schema_converter.cc:5082: Unsupported type "foo"" -> the last part.
