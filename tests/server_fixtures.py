@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -95,6 +96,21 @@ class ServerProcess:
         return self.proc.returncode
 
 
+@contextmanager
+def running_server(model_dir: Path, log_dir: Path, *extra: str) -> Iterator[ServerProcess]:
+    """A ready `tokenmill serve` with these flags, stopped on exit (for module fixtures)."""
+    proc = ServerProcess(model_dir, log_dir, *extra)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def post_json(server: ServerProcess, path: str, body: dict, timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=timeout)
+
+
 # Fixtures are registered under their `name=` so that importing them into a test module
 # (`from server_fixtures import server_fixture`) does not shadow the test's `server` parameter.
 
@@ -107,12 +123,8 @@ def server_log_dir_fixture(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", name="server")
 def server_fixture(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[ServerProcess]:
     """The shared server most tests use: small batch so 32 streams queue and batch."""
-    proc = ServerProcess(tiny_model_dir, server_log_dir, "--max-num-seqs", "8", "--max-queue", "256")
-    try:
-        proc.wait_ready()
+    with running_server(tiny_model_dir, server_log_dir, "--max-num-seqs", "8", "--max-queue", "256") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def model_id(server: ServerProcess) -> str:

@@ -21,39 +21,22 @@ from server_fixtures import (  # noqa: F401 - server_log_dir_fixture is a pytest
     async_openai_client,
     model_id,
     openai_client,
+    post_json as post,
+    running_server,
     server_log_dir_fixture,
 )
+from test_structured_outputs import MAX_TOKENS, PERSON
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "active": {"type": "boolean"},
-    },
-    "required": ["name", "age", "role", "active"],
-    "additionalProperties": False,
-}
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 MSG = [{"role": "user", "content": "Describe a person."}]
-MAX_TOKENS = 256
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[ServerProcess]:
     """Overlap scheduling on (CPU default: off): each step's grammar mask is filled only after the
     previous step's tokens land, while the model already runs the next forward pass."""
-    proc = ServerProcess(tiny_model_dir, server_log_dir, "--max-num-seqs", "8", "--overlap-scheduling")
-    try:
-        proc.wait_ready()
+    with running_server(tiny_model_dir, server_log_dir, "--max-num-seqs", "8", "--overlap-scheduling") as proc:
         yield proc
-    finally:
-        proc.stop()
-
-
-def post(server: ServerProcess, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base_url}{path}", json=body, timeout=120.0)
 
 
 def test_json_schema_output_validates_for_20_sampled_requests(server: ServerProcess) -> None:
@@ -169,12 +152,8 @@ def test_invalid_specs_are_400s_naming_the_field(server: ServerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def instruct_server(default_model_dir: Path, server_log_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(default_model_dir, server_log_dir, "--max-num-seqs", "4", "--max-model-len", "2048")
-    try:
-        proc.wait_ready()
+    with running_server(default_model_dir, server_log_dir, "--max-num-seqs", "4", "--max-model-len", "2048") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.mark.slow
