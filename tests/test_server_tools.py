@@ -6,6 +6,8 @@ add up to the non-streamed calls.
 A random model cannot decide to call a tool, so the server runs a scripted tiny GPT-2 (see
 tool_models.scripted_model) with a Hermes (Qwen 2.5-style) tool template, which answers the test
 conversation with text and two <tool_call>s and anything else with whatever its weights give.
+tool_choice "required" and named functions are enforced with structured outputs, whatever the
+model and its template: the tiny random Llama (SmolLM2's template, no parser) is made to call.
 The parsers' edge cases (malformed calls, every split of the stream) are in test_tool_parsers.py.
 """
 
@@ -21,6 +23,7 @@ import pytest
 from server_fixtures import (  # noqa: F401 - *_fixture are pytest fixtures
     ServerProcess,
     assert_openai_error,
+    model_id,
     openai_client,
     server_fixture,
     server_log_dir_fixture,
@@ -169,6 +172,11 @@ def test_auto_output_without_a_call_is_the_text_streamed_or_not(tool_server: Ser
     ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"tools": [WEATHER_TOOL, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}], "tool_choice": "required"},
+     "tools[1].function.parameters"),
     ({"tools": [WEATHER_TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                                "function": {"arguments": "{}"}}]}]},
@@ -247,3 +255,103 @@ def test_langchain_bind_tools_gets_tool_calls(tool_server: ServerProcess) -> Non
         streamed = chunk if streamed is None else streamed + chunk
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == REPLY_CALLS
     assert streamed.content == REPLY_TEXT
+
+
+# ---------------------------------------------------------------------------------------------- required / named
+
+
+# Bounded strings and enums: a random model's constrained output ends well within max_tokens.
+BOUNDED_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+BOUNDED_SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string", "maxLength": 12},
+                                     "filters": {"type": "array", "items": {"$ref": "#/$defs/Filter"}, "maxItems": 2}},
+    "required": ["query", "filters"], "additionalProperties": False,
+    "$defs": {"Filter": {"type": "object", "properties": {"field": {"enum": ["date", "place"]},
+                                                          "value": {"type": "integer", "minimum": 0, "maximum": 99}},
+                         "required": ["field", "value"], "additionalProperties": False}}}}}
+FORCED = dict(messages=ASK, tools=[BOUNDED_WEATHER, BOUNDED_SEARCH], max_tokens=200, temperature=1.0)
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (BOUNDED_WEATHER, BOUNDED_SEARCH)}
+
+
+def assert_valid_calls(message: dict, names: set[str]) -> list[dict]:
+    import jsonschema
+
+    calls = message["tool_calls"]
+    assert calls and message["content"] is None, message
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_") and call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), PARAMETERS[call["function"]["name"]])
+    return calls
+
+
+def test_required_returns_calls_whose_arguments_fit_their_schema(server: ServerProcess) -> None:
+    """tool_choice "required" on a model with no tool template and no parser: every sampled reply is
+    one or more calls to the offered functions with arguments valid for that function's schema
+    ($refs included); parallel_tool_calls=false allows exactly one."""
+    names = {"get_weather", "search"}
+    called = set()
+    for seed in range(6):
+        body = chat(server, **FORCED, tool_choice="required", seed=seed)
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        called |= {c["function"]["name"] for c in assert_valid_calls(choice["message"], names)}
+    assert called == names  # sampling picks either function
+    single = chat(server, **FORCED, tool_choice="required", parallel_tool_calls=False, seed=1, n=4)
+    for choice in single["choices"]:
+        assert len(assert_valid_calls(choice["message"], names)) == 1
+
+
+def test_named_tool_choice_calls_that_function(server: ServerProcess) -> None:
+    """A named function through the official client: exactly that function, valid arguments."""
+    client = openai_client(server)
+    for name in ("search", "get_weather"):
+        resp = client.chat.completions.create(model=model_id(server), **FORCED, seed=3,
+                                              tool_choice={"type": "function", "function": {"name": name}})
+        message = resp.choices[0].message.model_dump()
+        (call,) = assert_valid_calls(message, {name})
+        assert resp.choices[0].finish_reason == "tool_calls"
+
+
+def test_forced_calls_stream_as_deltas_that_add_up_to_the_calls(server: ServerProcess) -> None:
+    """Seeded, so streamed and whole runs sample the same tokens: the streamed deltas (a named call's
+    first delta comes before any argument text) concatenate to the non-streamed calls."""
+    for choice in ("required", {"type": "function", "function": {"name": "search"}}):
+        body = dict(FORCED, tool_choice=choice, seed=11)
+        whole = chat(server, **body)["choices"][0]["message"]["tool_calls"]
+        deltas = [c["choices"][0]["delta"] for c in stream_chat(server, **body) if c["choices"]]
+        assert not any(d.get("content") for d in deltas)
+        calls: list[dict] = []
+        for piece in (t for d in deltas for t in d.get("tool_calls") or []):
+            if "id" in piece:
+                calls.append(dict(piece["function"]))
+            else:
+                calls[piece["index"]]["arguments"] += piece["function"]["arguments"]
+        assert calls == [c["function"] for c in whole], choice
+
+
+def test_langchain_forced_tool_calls_and_structured_output(server: ServerProcess) -> None:
+    """LangChain: bind_tools with tool_choice "required" and with a named tool give AIMessage.tool_calls
+    with schema-valid args; with_structured_output(method="function_calling") parses into the model."""
+    import jsonschema
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    llm = ChatOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", model=model_id(server), temperature=1.0,
+                     max_tokens=200, max_retries=0, seed=5)
+    for tool_choice, names in (("required", {"get_weather", "search"}), ("search", {"search"})):
+        message = llm.bind_tools([BOUNDED_WEATHER, BOUNDED_SEARCH], tool_choice=tool_choice).invoke("Weather in Paris?")
+        assert message.tool_calls and {c["name"] for c in message.tool_calls} <= names, message
+        for call in message.tool_calls:
+            jsonschema.validate(call["args"], PARAMETERS[call["name"]])
+
+    class City(BaseModel):
+        """A city and its population."""
+
+        name: str = Field(max_length=10)
+        population: int = Field(ge=0, le=10_000_000)
+
+    city = llm.with_structured_output(City, method="function_calling").invoke("Describe Paris.")
+    assert isinstance(city, City) and 0 <= city.population <= 10_000_000

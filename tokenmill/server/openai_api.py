@@ -22,7 +22,7 @@ from tokenmill.engine.input_processor import PromptInput, render_chat
 from tokenmill.engine.outputs import RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 
-from .errors import APIError, bad_request, from_invalid_request
+from .errors import APIError, from_invalid_request
 from .generation import Generation, failure_of
 from .protocol import (
     AssistantMessage,
@@ -45,7 +45,7 @@ from .protocol import (
     parse_request,
 )
 from .state import RequestRecord, ServerState
-from .tools.plan import ToolPlan, plan_tools
+from .tools.plan import ToolPlan, constrained, plan_tools
 from .tools.response import StreamedToolCalls, finish_reason, parsed_message
 
 __all__ = ["ChatJob", "CompletionJob", "Job", "prepare_chat", "prepare_completion", "render_chat"]
@@ -281,9 +281,6 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     state.check_model(req.model)
     logprobs = req.engine_logprobs()
     tools = plan_tools(req, state.tool_parser)
-    if tools is not None and tools.output_schema is not None:
-        raise bad_request(f"tool_choice {_choice_name(req)} needs structured output, which is not supported yet",
-                          param="tool_choice", code="unsupported_parameter")
     processor = state.engine.input_processor
     trusted = state.settings.allow_special_tokens_in_messages
     # Templating + tokenizing a 1 MiB conversation takes a while: keep it off the event loop.
@@ -296,6 +293,8 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     except InvalidRequest as exc:
         raise from_invalid_request(exc) from None
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+    if tools is not None and tools.output_schema is not None:  # tool_choice required / named
+        params = await asyncio.to_thread(constrained, tools, req, params)  # parses the schema: off the loop
     prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages"), req)
     if state.settings.log_prompts:
         record.prompt_text = repr(req.template_messages())
@@ -305,7 +304,3 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
         tokens=state.engine.token_text if logprobs is not None else None,
         top_logprobs=logprobs or 0, tools=tools,
     )
-
-
-def _choice_name(req: ChatCompletionRequest) -> str:
-    return repr(req.tool_choice) if isinstance(req.tool_choice, str) else "naming a function"

@@ -10,10 +10,15 @@ tool_choice, as OpenAI defines it and vLLM implements it:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.structured_outputs import StructuredOutputsParams
 
 from ..errors import bad_request
 from ..protocol import ChatCompletionRequest, NamedToolChoice
@@ -64,6 +69,39 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolCallParser] | N
         return ToolPlan(lambda: ArgumentsOnly(function.name), arguments_schema(function.parameters))
     schema = required_calls_schema([(f.name, f.parameters) for f in by_name.values()], parallel=max_calls is None)
     return ToolPlan(lambda: JsonCallList(max_calls=max_calls), schema)
+
+
+def constrained(plan: ToolPlan, req: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+    """`params` holding the output to the plan's JSON schema (tool_choice required / named). The
+    schema is parsed here (off the event loop: call in a thread) so that one xgrammar cannot
+    enforce is a 400 naming the tool whose parameters it is."""
+    assert plan.output_schema is not None
+    if params.structured_outputs is not None:
+        source = req.structured_output()[1]  # type: ignore[index]
+        raise bad_request(f"{source} cannot be combined with tool_choice {choice_label(req)}, which sets the output "
+                          "format itself", param=source)
+    # json.dumps' layout (one space after "," and ":", no other whitespace): the arguments read as
+    # models write them, and no tokens go to whitespace.
+    constraint = StructuredOutputsParams(json=plan.output_schema, disable_any_whitespace=True)
+    try:
+        constraint.validate()
+    except InvalidRequest as exc:
+        raise bad_request(f"The tools cannot be enforced: {exc.message}", param=_unenforceable_tool(req)) from None
+    return dataclasses.replace(params, structured_outputs=constraint)
+
+
+def _unenforceable_tool(req: ChatCompletionRequest) -> str:
+    """The first tool whose parameters alone xgrammar rejects (else the list as a whole)."""
+    for i, tool in enumerate(req.tools or []):
+        try:
+            StructuredOutputsParams(json=arguments_schema(tool.function.parameters), disable_any_whitespace=True).validate()
+        except InvalidRequest:
+            return f"tools[{i}].function.parameters"
+    return "tools"
+
+
+def choice_label(req: ChatCompletionRequest) -> str:
+    return repr(req.tool_choice) if isinstance(req.tool_choice, str) else "naming a function"
 
 
 def resolve_auto_parser(name: str, tokenizer: Any) -> type[ToolCallParser] | None:
