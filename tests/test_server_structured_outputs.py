@@ -160,8 +160,7 @@ def instruct_server(default_model_dir: Path, server_log_dir: Path) -> Iterator[S
 @pytest.mark.parametrize("method", [
     "json_schema",
     "json_mode",
-    pytest.param("function_calling", marks=pytest.mark.xfail(
-        strict=True, reason="a named tool_choice is 400 until tool calling enforces it with structured outputs")),
+    "function_calling",
 ])
 def test_langchain_with_structured_output(instruct_server: ServerProcess, method: str) -> None:
     """`ChatOpenAI(...).with_structured_output(PydanticModel)`: json_schema sends response_format
@@ -187,6 +186,8 @@ def test_langchain_with_structured_output(instruct_server: ServerProcess, method
     expected = {"json_schema": "json_schema", "json_mode": "json_object"}.get(method)
     if expected:  # the constraint really went to the server
         assert sent[-1]["response_format"]["type"] == expected, sent[-1]
+    else:
+        assert sent[-1]["tool_choice"] == {"type": "function", "function": {"name": "Person"}}, sent[-1]
     assert result["parsing_error"] is None, result
     person = result["parsed"]
     assert isinstance(person, Person) and person.name.strip() and 0 <= person.age <= 150
