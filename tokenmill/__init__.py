@@ -2,7 +2,7 @@
 
 from tokenmill.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from tokenmill.engine.llm import LLM
 
         return LLM
+    if name == "PoolingParams":
+        from tokenmill.engine.pooling_params import PoolingParams
+
+        return PoolingParams
     raise AttributeError(name)

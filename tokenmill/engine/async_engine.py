@@ -20,6 +20,7 @@ from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine, StepStats
 from tokenmill.engine.detokenizer import TokenText
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineStats", "StepStats"]
@@ -75,10 +76,11 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int] | PromptInput, params: SamplingParams,
+    async def generate(self, prompt: str | list[int] | PromptInput, params: SamplingParams | PoolingParams,
                        request_id: str | None = None,
                        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
-        """Yield outputs (of `output_kind`) as tokens arrive; closing the iterator early aborts the request.
+        """Yield outputs (of `output_kind`) as tokens arrive; closing the iterator early aborts the request
+        (PoolingParams: an embedding, in the final output).
         A `PromptInput` (from `input_processor.process`) is queued as it is; text or token ids are
         processed here first (InvalidRequest on bad input)."""
         if not self.is_alive():

@@ -26,6 +26,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.engine.errors import ContextLengthExceeded, InvalidRequest
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 
 Message = Mapping[str, Any]
@@ -189,13 +190,15 @@ class InputProcessor:
                 param=param)
         return self.max_model_len - num_prompt_tokens
 
-    def process(self, prompt: str | Sequence[int] | PromptInput, params: SamplingParams, *,
+    def process(self, prompt: str | Sequence[int] | PromptInput, params: SamplingParams | PoolingParams, *,
                 param: str = "prompt", escape_special: bool = False) -> PromptInput:
-        """Tokenize (text) or check (token ids) a prompt and check it fits with `params`."""
+        """Tokenize (text) or check (token ids) a prompt and check it fits with `params` (an
+        embedding's PoolingParams: the prompt alone must fit)."""
         start = time.time()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest("params must be a SamplingParams")
-        self.check_params(params)
+        if isinstance(params, SamplingParams):
+            self.check_params(params)
+        elif not isinstance(params, PoolingParams):
+            raise InvalidRequest("params must be a SamplingParams or a PoolingParams")
         if isinstance(prompt, PromptInput):
             # Rendered but not yet processed (render_chat_input): its ids are checked like any others.
             result = prompt if prompt.processing_end is not None else dataclasses.replace(
@@ -209,6 +212,11 @@ class InputProcessor:
         ids = result.prompt_token_ids
         if not ids:
             raise InvalidRequest("prompt must not be empty", param=param)
+        if isinstance(params, PoolingParams):
+            if len(ids) > self.max_model_len:
+                raise ContextLengthExceeded(f"this model's maximum context length is {self.max_model_len} tokens; "
+                                            f"the input has {len(ids)} tokens", param=param)
+            return result
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 
 
@@ -27,19 +28,29 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm, "Generating")
+
+    def embed(self, prompts: str | Seq[str] | Seq[list[int]], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = False) -> list[list[float]]:
+        """The pooled final hidden state of each prompt (last-token, L2-normalised by default)."""
+        outputs = self._run(prompts, pooling_params or PoolingParams(), use_tqdm, "Embedding")
+        return [o.embedding for o in outputs]
+
+    def _run(self, prompts: str | Seq[str] | Seq[list[int]],
+             params: SamplingParams | PoolingParams | Seq[SamplingParams | PoolingParams],
+             use_tqdm: bool, desc: str) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text or token ids)
-        params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
-            raise ValueError("give one SamplingParams, or one per prompt")
+            raise ValueError("give one set of params, or one per prompt")
         # Validate everything before anything runs, so a bad prompt cannot leave others half done.
         requests = [self.engine.make_request(f"offline-{id(self)}-{i}", p, sp, output_kind=RequestOutputKind.FINAL_ONLY)
                     for i, (p, sp) in enumerate(zip(prompts, params_list))]
         for request in requests:
             self.engine.add(request)
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm) as bar:
+        with tqdm(total=len(requests), desc=desc, disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished:

@@ -22,6 +22,7 @@ from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
 from tokenmill.engine.model_runner import ModelRunner, StepInput
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from tokenmill.engine.precision import resolve_dtype
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.request import Request
 from tokenmill.engine.result_cache import ResultCache
 from tokenmill.engine.sampler import Sampler
@@ -51,7 +52,7 @@ class RequestFailed(Exception):
 class LaunchedStep:
     scheduled: SchedulerOutput  # what the scheduling thread planned (live sequences: this thread only)
     step_input: StepInput  # what the model thread runs
-    future: Future  # -> (SamplerOutput | None, model-thread seconds)
+    future: Future  # -> (StepOutput, model-thread seconds)
 
 
 def _init_model_thread(num_threads: int, device: torch.device) -> None:
@@ -214,8 +215,8 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt: str | list[int] | PromptInput, params: SamplingParams,
-                     arrival_time: float | None = None,
+    def make_request(self, request_id: str, prompt: str | list[int] | PromptInput,
+                     params: SamplingParams | PoolingParams, arrival_time: float | None = None,
                      output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
         """Validate and tokenize (thread-safe, touches no engine state); `add` queues it."""
         checked = self.input_processor.process(prompt, params)
@@ -226,20 +227,16 @@ class LLMEngine:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise InvalidRequest(f"request id {request.request_id!r} is already running", code="duplicate_request_id")
-        params = request.params
-        key = self.result_cache.key(request.prompt_token_ids, params)
-        if key is not None:
-            cached = self.result_cache.get(key)
-            if cached is not None:
-                self._cached_outputs.append(self._cached_output(request, cached))
-                return
-            request.result_cache_key = key
         prompt = tuple(request.prompt_token_ids)  # shared by the choices, never changed
-        for i in range(params.n):
-            detok = None
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
-            seq = Sequence(next(self._seq_ids), request.request_id, i, prompt, params, detok, request.metrics)
+        if isinstance(request.params, PoolingParams):
+            # An embedding: one prefill-only sequence (its sampling params are never used).
+            seqs = [Sequence(next(self._seq_ids), request.request_id, 0, prompt, SamplingParams(), None,
+                             request.metrics, pooling=request.params)]
+        else:
+            if self._answer_from_result_cache(request):
+                return
+            seqs = [self._sequence(request, i, prompt) for i in range(request.params.n)]
+        for seq in seqs:
             request.seqs.append(seq)
         self.requests[request.request_id] = request
         if params.structured_outputs is None:
@@ -251,8 +248,26 @@ class LLMEngine:
             request.grammar = self.grammars.compile(params.structured_outputs)
             self._awaiting_grammar.append(request)
 
-    def add_request(self, request_id: str, prompt: str | list[int] | PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None,
+    def _answer_from_result_cache(self, request: Request) -> bool:
+        key = self.result_cache.key(request.prompt_token_ids, request.params)
+        if key is None:
+            return False
+        cached = self.result_cache.get(key)
+        if cached is not None:
+            self._cached_outputs.append(self._cached_output(request, cached))
+            return True
+        request.result_cache_key = key
+        return False
+
+    def _sequence(self, request: Request, index: int, prompt: tuple[int, ...]) -> Sequence:
+        params = request.params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
+        return Sequence(next(self._seq_ids), request.request_id, index, prompt, params, detok, request.metrics)
+
+    def add_request(self, request_id: str, prompt: str | list[int] | PromptInput,
+                    params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.add(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time, output_kind))
 
@@ -374,8 +389,9 @@ class LLMEngine:
             result, seconds = step.future.result()
         except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the engine
             return self._recover(step, exc)
-        tokens, logprobs = (result.tokens, result.logprobs) if result is not None else (None, None)
-        touched = self.scheduler.update_from_output(step.scheduled, tokens, logprobs)
+        sampled = result.sampled
+        tokens, logprobs = (sampled.tokens, sampled.logprobs) if sampled is not None else (None, None)
+        touched = self.scheduler.update_from_output(step.scheduled, tokens, logprobs, result.prefill)
         self.num_steps += 1
         batch = step.scheduled
         self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills), len(batch.decodes), seconds))

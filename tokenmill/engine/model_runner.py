@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.engine.cuda_graphs import DecodeGraphs, GraphInputs
 from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.prefill_outputs import PrefillResults, PrefillWork
 from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingInput
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.engine.tensors import to_device
@@ -84,6 +85,7 @@ class StepInput:
     sampling: SamplingInput | None  # None when no row samples
     graph: GraphInputs | None = None
     released_seq_ids: tuple[int, ...] = ()  # sequences ended since the last step (the sampler drops their RNGs)
+    prefill: PrefillWork | None = None  # prompt rows to score or pool (never on a CUDA-graph step)
 
     @property
     def has_placeholders(self) -> bool:
@@ -101,6 +103,14 @@ def _paged_queries(rows: list[tuple[int, int, list[int], int]], block_size: int)
         query_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int32),
         context_lens=torch.tensor([r[3] for r in rows], dtype=torch.int32))
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What the model thread hands back for one step."""
+
+    sampled: SamplerOutput | None  # None when no row samples
+    prefill: PrefillResults | None = None
 
 
 class ModelRunner:
@@ -151,9 +161,11 @@ class ModelRunner:
             sampling = SamplingInput.of([item.seq for item in sampled],
                                         [item.num_tokens_before - len(item.seq.prompt_token_ids) for item in sampled],
                                         self.sampler.vocab_size)
+        prefill = PrefillWork.of(batch.all)
         common = dict(rows=tuple(RowRef(item.seq.seq_id, item.seq.request_id) for item in batch.all),
-                      fresh_blocks=tuple(fresh_blocks), sampling=sampling, released_seq_ids=tuple(released_seq_ids))
-        graph = self._prepare_graph(batch)
+                      fresh_blocks=tuple(fresh_blocks), sampling=sampling, released_seq_ids=tuple(released_seq_ids),
+                      prefill=prefill)
+        graph = None if prefill is not None else self._prepare_graph(batch)  # (graphs keep no hidden states)
         if graph is not None:
             rows = [j for j, item in enumerate(batch.decodes) if item.samples]
             return StepInput(input_ids=graph.input_ids, positions=graph.positions, meta=None,
@@ -233,8 +245,8 @@ class ModelRunner:
         self._last_tokens = self._last_token_list = None
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> SamplerOutput | None:
-        """Zero the step's new blocks, run the model and sample; None when nothing samples."""
+    def run(self, step: StepInput) -> StepOutput:
+        """Zero the step's new blocks, run the model, sample, and score or pool prompt rows."""
         if self._failed:
             raise StepSkipped("an earlier step failed")
         try:
@@ -243,12 +255,13 @@ class ModelRunner:
             self._failed = True
             raise
 
-    def _run(self, step: StepInput) -> SamplerOutput | None:
+    def _run(self, step: StepInput) -> StepOutput:
         self.sampler.release(step.released_seq_ids)
         if self.before_forward is not None:
             self.before_forward(step.rows)
         input_ids = self._resolve_placeholders(step)
         self.kv_cache.zero_blocks(step.fresh_blocks)
+        prefill = None
         if step.graph is not None:
             logits = self.graphs.run(step.graph, input_ids)
             if len(step.sample_rows) != step.graph.num_seqs:
@@ -260,12 +273,14 @@ class ModelRunner:
                 self.tp_group.broadcast((step.fresh_blocks, input_ids, positions, meta))
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
             logits = None if step.sampling is None else self.model.compute_logits(hidden[step.sample_rows.to(self.device)])
+            if step.prefill is not None:
+                prefill = step.prefill.compute(hidden, self.model.compute_logits, self.sampler.vocab_size)
         if step.sampling is None:
             self._last_tokens = self._last_token_list = None
-            return None
+            return StepOutput(None, prefill)
         result = self.sampler(logits, step.sampling, self._last_token_list)
         self._last_tokens, self._last_token_list = result.token_tensor, result.tokens
-        return result
+        return StepOutput(result, prefill)
 
     def _resolve_placeholders(self, step: StepInput) -> torch.Tensor:
         input_ids = step.input_ids.to(self.device, non_blocking=True)

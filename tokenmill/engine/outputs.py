@@ -44,6 +44,14 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class RankedLogprob:
+    """A token's logprob and its rank among the vocabulary (1 = the most likely), like vLLM's Logprob."""
+
+    logprob: float
+    rank: int
+
+
 @dataclass
 class CompletionOutput:
     """One choice of a request. `*_delta` are new since this request's previous output; `text`,
@@ -77,3 +85,8 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # set when the request failed inside the engine (finish_reason "error")
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it), else {token id: RankedLogprob} with the prompt's own token first, then the top
+    # alternatives. Delivered once, in the first output after the whole prompt was prefilled.
+    prompt_logprobs: list[dict[int, RankedLogprob] | None] | None = None
+    embedding: list[float] | None = None  # a PoolingParams request's pooled vector (in its final output)

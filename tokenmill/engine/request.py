@@ -7,7 +7,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from tokenmill.engine.outputs import CompletionOutput, RankedLogprob, RequestMetrics, RequestOutput, RequestOutputKind
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.result_cache import CacheKey
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.sequence import Sequence
@@ -18,7 +19,7 @@ class Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding request
     metrics: RequestMetrics
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     seqs: list[Sequence] = field(default_factory=list)
@@ -54,8 +55,18 @@ class Request:
                         token_ids=seq.resolved_output_ids, logprobs=_copy(seq.logprobs)) for seq in self.seqs]
 
     def _wrap(self, choices: list[CompletionOutput], finished: bool) -> RequestOutput:
+        first = self.seqs[0] if self.seqs else None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, choices, finished, self.metrics,
-                             self.error, num_cached_tokens=self.seqs[0].num_cached_tokens if self.seqs else 0)
+                             self.error, num_cached_tokens=first.num_cached_tokens if first else 0,
+                             prompt_logprobs=self._new_prompt_logprobs(), embedding=first.embedding if first else None)
+
+    def _new_prompt_logprobs(self) -> list[dict[int, RankedLogprob] | None] | None:
+        """The prompt's logprobs (scored by choice 0) once all are landed, in one output only."""
+        seq = self.seqs[0] if self.seqs else None
+        if seq is None or seq.prompt_logprobs is None or seq.reported_prompt_logprobs or not seq.prompt_logprobs_done:
+            return None
+        seq.reported_prompt_logprobs = True
+        return list(seq.prompt_logprobs)
 
     @staticmethod
     def _delta(seq: Sequence) -> CompletionOutput:

@@ -39,8 +39,8 @@ class ResultCache:
 
     def key(self, prompt_token_ids: list[int], params: SamplingParams) -> CacheKey | None:
         """The lookup key, or None when the request must not be served from the cache."""
-        if self.capacity == 0 or not params.deterministic:
-            return None
+        if self.capacity == 0 or not params.deterministic or params.prompt_logprobs is not None:
+            return None  # (prompt logprobs are not stored: such requests always run)
         return tuple(prompt_token_ids), json.dumps(asdict(params), sort_keys=True)
 
     def get(self, key: CacheKey) -> list[CompletionOutput] | None:

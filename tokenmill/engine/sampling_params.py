@@ -36,6 +36,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # number of top logprobs to return per token
+    # Logprobs of the prompt's own tokens (scoring): the number of top alternatives to report with
+    # each (0: only the token's own). max_tokens may then be 0: score the prompt, generate nothing.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # The output must match a JSON schema, regex, choice or grammar (a dict is read as vLLM's object).
     structured_outputs: StructuredOutputsParams | None = None
@@ -88,7 +91,12 @@ class SamplingParams:
             if not lo <= value <= hi:
                 raise InvalidRequest(f"{name} must be in [{lo}, {hi}], got {value}", param=param or name)
 
-        integer("max_tokens", self.max_tokens, 1, 1 << 20)
+        integer("max_tokens", self.max_tokens, 0, 1 << 20)
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
+        elif self.max_tokens == 0:
+            raise InvalidRequest("max_tokens must be at least 1 (0 only scores the prompt: set prompt_logprobs)",
+                                 param="max_tokens")
         number("temperature", self.temperature, 0.0, 100.0)
         number("top_p", self.top_p, 0.0, 1.0)
         if self.top_p <= 0.0:

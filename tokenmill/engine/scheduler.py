@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine.kv_cache import BlockAllocator, block_hash
 from tokenmill.engine.outputs import Logprob
+from tokenmill.engine.prefill_outputs import PrefillResults
 from tokenmill.engine.sequence import Sequence, SequenceStatus, placeholder
 
 
@@ -37,6 +38,24 @@ class ScheduledSeq:
     epoch: int
     num_computed_before: int
     num_tokens_before: int
+    # Positions [from, to) whose logits score the next prompt token (params.prompt_logprobs).
+    prompt_logprobs_from: int = 0
+    prompt_logprobs_to: int = 0
+
+    @property
+    def prompt_logprob_positions(self) -> range:
+        return range(self.prompt_logprobs_from, self.prompt_logprobs_to)
+
+    @property
+    def pooled_positions(self) -> range:
+        """Positions of this chunk whose hidden states an embedding request pools."""
+        pooling = self.seq.pooling
+        end = self.num_computed_before + self.num_new_tokens
+        if pooling is None:
+            return range(0)
+        if pooling.pooling == "mean":
+            return range(self.num_computed_before, end)
+        return range(end - 1, end) if end == len(self.seq.prompt_token_ids) else range(0)
 
 
 @dataclass(frozen=True)
@@ -102,14 +121,22 @@ class Scheduler:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.pooled_sum = None  # pooled rows are summed per epoch: a recomputation starts over
         seq.epoch += 1
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Reuse cached full blocks of the sequence's known tokens (at admission, before any compute)."""
         if not self.allocator.enable_prefix_caching or seq.block_table:
             return
-        # Leave at least one token to compute: its logits give the next token.
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        # Leave at least one token to compute: its logits give the next token (its hidden state, an
+        # embedding). A cached block has no logits or hidden states: mean pooling needs every
+        # position's, scoring the prompt those of the positions not scored yet.
+        limit = seq.num_tokens - 1
+        if seq.pooling is not None and seq.pooling.pooling == "mean":
+            limit = 0
+        if not seq.prompt_logprobs_done:
+            limit = min(limit, len(seq.prompt_logprobs) - 1)
+        max_blocks = limit // self.block_size
         parent: int | None = None
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -145,6 +172,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.free(seq)
+        if seq.prefill_only:
+            seq.finishing = False  # its in-flight last chunk no longer ends it: the recomputation will
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -197,14 +226,18 @@ class Scheduler:
 
     def _advance(self, chunks: list[tuple[Sequence, int]]) -> SchedulerOutput:
         """Fix the step's order and move its sequences past it (placeholders for the sampled tokens)."""
-        items = [ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens, seq.epoch,
-                              seq.num_computed_tokens, seq.num_tokens) for seq, n in chunks]
+        items = [ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens and not seq.prefill_only,
+                              seq.epoch, seq.num_computed_tokens, seq.num_tokens,
+                              *seq.prompt_logprob_range(seq.num_computed_tokens, n)) for seq, n in chunks]
         prefills = tuple(item for item in items if item.num_new_tokens > 1)
         decodes = tuple(sorted((item for item in items if item.num_new_tokens == 1),
                                key=lambda item: len(item.seq.block_table)))
         out = SchedulerOutput(prefills, decodes)
         for item in items:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.prefill_only and seq.num_computed_tokens == seq.num_tokens:
+                seq.finishing = True  # its last chunk is running: it ends when that lands
         for row, item in enumerate(out.sampled):
             seq = item.seq
             seq.append_pending(placeholder(row))
@@ -215,22 +248,49 @@ class Scheduler:
     # -- a step's results ----------------------------------------------------------------------
 
     def update_from_output(self, step: SchedulerOutput, tokens: list[int] | None,
-                           logprobs: list[Logprob | None] | None) -> list[Sequence]:
-        """Land a finished step: register the blocks it filled, append each sampled token, check
-        stops, end and free finished sequences. Returns the step's sequences that were still live."""
+                           logprobs: list[Logprob | None] | None,
+                           prefill: PrefillResults | None = None) -> list[Sequence]:
+        """Land a finished step: register the blocks it filled, land prompt logprobs and pooled
+        states, append each sampled token, check stops, end and free finished sequences (prefill-only
+        ones after their last chunk). Returns the step's sequences that were still live."""
+        if prefill is not None:
+            self._land_prefill(step, prefill)
         touched = []
         for item in step.all:
             seq = item.seq
             if seq.is_finished:  # aborted, or stopped a step earlier than the scheduler knew
                 continue
             if seq.epoch == item.epoch:  # (not preempted since: the blocks are the ones computed)
-                self.register_full_blocks(seq, item.num_computed_before + item.num_new_tokens)
+                computed = item.num_computed_before + item.num_new_tokens
+                self.register_full_blocks(seq, computed)
+                if seq.prefill_only and computed == seq.num_tokens:
+                    if seq.pooling is not None:
+                        seq.embedding = seq.pooling.finish(seq.pooled_sum, len(seq.prompt_token_ids))
+                    self.finish(seq, "length")  # max_tokens 0: nothing to generate
             touched.append(seq)
         if tokens is not None:
             for item, token, logprob in zip(step.sampled, tokens, logprobs or [None] * len(tokens)):
                 if not item.seq.is_finished:
                     self._append_token(item.seq, token, logprob)
         return touched
+
+    @staticmethod
+    def _land_prefill(step: SchedulerOutput, results: PrefillResults) -> None:
+        """Hand each chunk its scored and pooled rows, walking the chunks in `PrefillWork.of`'s order."""
+        row = pooled = 0
+        for item in step.all:
+            seq, scored = item.seq, item.prompt_logprob_positions
+            if scored:
+                # Scores stay valid across a preemption since launch (the step ran on the blocks it had).
+                if not seq.is_finished:
+                    targets = seq.prompt_token_ids[scored.start + 1 : scored.stop + 1]
+                    seq.add_prompt_logprobs(scored.start, results.logprobs_of(row, targets, seq.params.prompt_logprobs))
+                row += len(scored)
+            if item.pooled_positions:
+                # Pooled sums do not: a preempted sequence sums its recomputed chunks anew.
+                if not seq.is_finished and seq.epoch == item.epoch:
+                    seq.add_pooled(results.pooled[pooled])
+                pooled += 1
 
     def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None) -> None:
         seq.resolve(token, logprob)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.outputs import Logprob, RequestMetrics
+from tokenmill.engine.outputs import Logprob, RankedLogprob, RequestMetrics
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 
 
@@ -58,11 +62,58 @@ class Sequence:
     # Structured outputs: the xgrammar matcher at the state after the resolved output tokens (set when
     # the grammar is compiled, before the sequence is scheduled; advanced only by the scheduler).
     grammar: Any = None
+    # Scoring (params.prompt_logprobs, computed by choice 0 only): one entry per prompt token landed
+    # so far, None for the first; and whether a RequestOutput carried them.
+    prompt_logprobs: list[dict[int, RankedLogprob] | None] | None = None
+    reported_prompt_logprobs: bool = False
+    # An embedding request (prefill only): the fp32 sum of the pooled rows of the current epoch's
+    # chunks, and the finished vector.
+    pooling: PoolingParams | None = None
+    pooled_sum: torch.Tensor | None = None
+    embedding: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.wants_prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def prefill_only(self) -> bool:
+        """Scores or embeds its prompt and samples nothing (max_tokens 0, or an embedding)."""
+        return self.pooling is not None or self.params.max_tokens == 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        # The choices of a request share the prompt: choice 0 alone scores it.
+        return self.params.prompt_logprobs is not None and self.index == 0 and self.pooling is None
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) == len(self.prompt_token_ids)
+
+    def prompt_logprob_range(self, first: int, count: int) -> tuple[int, int]:
+        """Positions [start, end) of a chunk of `count` tokens from `first` whose logits score the
+        next prompt token and are not landed yet; (0, 0) when none."""
+        if self.prompt_logprobs is None:
+            return 0, 0
+        start = max(first, len(self.prompt_logprobs) - 1)  # (recomputed chunks are not scored twice)
+        end = min(first + count, len(self.prompt_token_ids) - 1)  # the last position predicts an output
+        return (start, end) if start < end else (0, 0)
+
+    def add_prompt_logprobs(self, first_position: int, entries: Seq[dict[int, RankedLogprob]]) -> None:
+        """Land the entries scored by positions `first_position`, ...: entry i scores prompt token
+        first_position + i + 1. Entries landed before (a step that ran before a preemption) are kept."""
+        assert self.prompt_logprobs is not None
+        for i, entry in enumerate(entries):
+            index = first_position + i + 1
+            assert index <= len(self.prompt_logprobs), (index, len(self.prompt_logprobs))
+            if index == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(entry)
+
+    def add_pooled(self, rows_sum: torch.Tensor) -> None:
+        self.pooled_sum = rows_sum if self.pooled_sum is None else self.pooled_sum + rows_sum
 
     @property
     def num_tokens(self) -> int:

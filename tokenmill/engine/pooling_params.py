@@ -1,0 +1,37 @@
+"""Per-request embedding settings: how a prompt's final hidden states become one vector."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from tokenmill.engine.errors import InvalidRequest
+
+PoolingType = Literal["last", "mean"]
+POOLING_TYPES: tuple[PoolingType, ...] = ("last", "mean")
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: the prompt is prefilled, nothing is sampled, and the output is the
+    pooled final-norm hidden state. Last-token pooling is vLLM's default for decoder LMs (the last
+    position has attended to the whole prompt); mean pooling averages every position."""
+
+    pooling: PoolingType = "last"
+    normalize: bool = True  # L2-normalise the pooled vector (cosine similarity becomes a dot product)
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLING_TYPES:
+            raise InvalidRequest(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}",
+                                 param="pooling")
+        if not isinstance(self.normalize, bool):
+            raise InvalidRequest("normalize must be a boolean", param="normalize")
+
+    def finish(self, pooled_sum: torch.Tensor, num_tokens: int) -> list[float]:
+        """The embedding from the fp32 sum of the pooled rows (the last row alone for "last")."""
+        vector = pooled_sum / num_tokens if self.pooling == "mean" else pooled_sum
+        if self.normalize:
+            vector = torch.nn.functional.normalize(vector, p=2.0, dim=-1)
+        return vector.tolist()
