@@ -194,3 +194,16 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> li
                                  max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
         _HF_CACHE[key] = out[0, len(prompt_ids):].tolist()
     return _HF_CACHE[key]
+
+
+def hf_forward(model_dir: Path, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: one unpadded fp32 forward pass -> (log-softmax of the logits [T, V], final hidden
+    states [T, H], the final norm's output as `output_hidden_states` reports it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = _HF_CACHE.get(str(model_dir))
+    if model is None:
+        model = _HF_CACHE[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt_ids]), output_hidden_states=True)
+    return out.logits[0].float().log_softmax(-1), out.hidden_states[-1][0]

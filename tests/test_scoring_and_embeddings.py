@@ -8,24 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import hf_forward, hf_greedy, mixed_prompts
 from tokenmill import LLM, PoolingParams, SamplingParams
 from tokenmill.engine.kv_cache import bytes_per_block
 
 TOL = 1e-4
-_HF: dict[str, torch.nn.Module] = {}
-
-
-def hf_forward(model_dir: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-softmax of the logits [T, V], final hidden states [T, H]) of one unpadded fp32 forward pass."""
-    from transformers import AutoModelForCausalLM
-
-    model = _HF.get(str(model_dir))
-    if model is None:
-        model = _HF[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = model(torch.tensor([ids]), output_hidden_states=True)
-    return out.logits[0].float().log_softmax(-1), out.hidden_states[-1][0]
 
 
 def assert_prompt_logprobs_match_hf(model_dir: Path, prompt: list[int], entries, num_top: int) -> None:

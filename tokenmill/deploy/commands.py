@@ -17,7 +17,8 @@ logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "Ray Serve is not installed: pip install 'tokenmill[ray]'"
 _SERVER_FLAGS = ("host", "port", "max_queue", "api_key", "max_body_bytes", "log_format", "log_prompts",
-                 "allow_special_tokens_in_messages", "escape_special_tokens_in_prompts", "tool_call_parser")
+                 "allow_special_tokens_in_messages", "escape_special_tokens_in_prompts", "tool_call_parser",
+                 "embedding_pooling")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -64,6 +64,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def hidden_size(self) -> int:
+        """The length of an embedding (the final hidden state)."""
+        return self.engine.spec.hidden_size
+
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._failed is None and not self._stopping
 

@@ -26,6 +26,7 @@ from . import openapi, tokenizer_api
 from .errors import APIError, bad_request, error_body, error_response
 from .generation import Generation
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .embeddings import prepare_embedding
 from .openai_api import Job, prepare_chat, prepare_completion
 from .protocol import (
     ChatCompletionChunk,
@@ -36,6 +37,8 @@ from .protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     HealthStatus,
     ModelCard,
     ModelList,
@@ -51,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 T = TypeVar("T")
 
@@ -280,6 +284,11 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
     async def chat_completions(request: Request) -> Response:
         return await _serve_generation(request, CHAT, prepare_chat)
 
+    @app.post(EMBEDDINGS, dependencies=json_api, openapi_extra=openapi.json_body(EmbeddingRequest),
+              responses=openapi.json_responses(EmbeddingResponse, "One pooled vector per input"))
+    async def embeddings(request: Request) -> Response:
+        return await _serve_generation(request, EMBEDDINGS, prepare_embedding)
+
     def model_card() -> ModelCard:
         return ModelCard(id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
 
@@ -334,8 +343,8 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    openapi.install(app, [CompletionRequest, ChatCompletionRequest, TokenizePromptRequest, TokenizeChatRequest,
-                          DetokenizeRequest], [CompletionChunk, ChatCompletionChunk])
+    openapi.install(app, [CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizePromptRequest,
+                          TokenizeChatRequest, DetokenizeRequest], [CompletionChunk, ChatCompletionChunk])
     return app
 
 
@@ -353,7 +362,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     def count(request: Request, err: APIError) -> None:
         # Rejections before the handler ran (401 from the auth dependency) still count as requests.
-        if request.url.path in (COMPLETIONS, CHAT) and not getattr(request.state, "accounted", False):
+        if request.url.path in (COMPLETIONS, CHAT, EMBEDDINGS) and not getattr(request.state, "accounted", False):
             state: ServerState = request.app.state.server
             record = state.begin(getattr(request.state, "request_id", "-"), request.url.path)
             state.finish(record, status_of(err), http_status=err.status, error=err.message)

@@ -19,7 +19,8 @@ from pydantic import BaseModel
 from tokenmill.engine.detokenizer import TokenText
 from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.input_processor import PromptInput, render_chat
-from tokenmill.engine.outputs import RequestOutputKind
+from tokenmill.engine.outputs import RankedLogprob, RequestOutputKind
+from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 
 from .errors import APIError, from_invalid_request
@@ -38,6 +39,8 @@ from .protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -71,7 +74,7 @@ class Job:
     """What the HTTP layer needs from a validated request."""
 
     prompts: list[PromptInput]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     stream: bool
     include_usage: bool
     model: str
@@ -93,11 +96,15 @@ class Job:
         raise NotImplementedError
 
 
-async def _final_outputs(gen: Generation) -> dict[int, Any]:
+async def _final_outputs(gen: Generation, prompt_logprobs: dict[int, Any] | None = None) -> dict[int, Any]:
+    """The last output of each prompt; `prompt_logprobs` (when given) collects each prompt's prompt
+    logprobs, which the engine delivers in one output only."""
     finals: dict[int, Any] = {}
     async for i, out in gen.outputs():
         _raise_on_failure(out)
         finals[i] = out
+        if prompt_logprobs is not None and out.prompt_logprobs is not None:
+            prompt_logprobs[i] = out.prompt_logprobs
     return finals
 
 
@@ -107,51 +114,128 @@ def _raise_on_failure(out: Any) -> None:
         raise APIError(500, f"Generation failed: {message}", code="engine_error")
 
 
+def _top_of(entry: dict[int, RankedLogprob], token: int, num_top: int) -> list[tuple[int, RankedLogprob]]:
+    """A prompt token's own logprob and its top `num_top` alternatives (the engine may hold more)."""
+    return [(t, lp) for t, lp in entry.items() if t == token or lp.rank <= num_top]
+
+
+def vllm_prompt_logprobs(entries: list[Any], prompt_ids: list[int], num_top: int,
+                         tokens: TokenText) -> PromptLogprobs:
+    """vLLM's prompt_logprobs shape: null for the first token, then {token id: {logprob, rank, decoded_token}}."""
+    out: PromptLogprobs = [None]
+    for token, entry in zip(prompt_ids[1:], entries[1:]):
+        out.append({str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=tokens(t)[0])
+                    for t, lp in _top_of(entry, token, num_top)})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- completions
 
 
 @dataclass
 class CompletionJob(Job):
-    tokens: TokenText | None = None  # set when logprobs were requested
+    tokens: TokenText | None = None  # set when any logprobs are shown
+    num_logprobs: int | None = None  # `logprobs`: top alternatives per shown token
+    prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` extra
+    echo_texts: list[str] | None = None  # with echo: each prompt's text, shown before its completion
+    # Streaming state: choices that ended, logprob text offsets, and each prompt's prompt logprobs.
+    _ended: set[int] = field(default_factory=set, init=False)
+    _offsets: dict[int, int] = field(default_factory=dict, init=False)
+    _prompt_entries: dict[int, Any] = field(default_factory=dict, init=False)
+
+    @property
+    def echo(self) -> bool:
+        return self.echo_texts is not None
 
     async def full(self, gen: Generation) -> CompletionResponse:
-        finals = await _final_outputs(gen)
+        finals = await _final_outputs(gen, self._prompt_entries)
         choices = []
         for i in sorted(finals):
             for o in finals[i].outputs:
-                logprobs = self._logprobs(o.token_ids, o.logprobs, 0)[0] if self.tokens else None
-                choices.append(CompletionChoice(index=self._index(i, o.index), text=o.text,
-                                                logprobs=logprobs, finish_reason=o.finish_reason))
+                choice, _ = self._choice(i, finals[i], o.index, o.text, o.token_ids, o.logprobs, o.finish_reason,
+                                         first=True, offset=0)
+                choices.append(choice)
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                   choices=choices, usage=usage_of(gen.record))
 
     async def chunks(self, gen: Generation) -> AsyncIterator[BaseModel]:
-        reported: set[int] = set()
-        offsets: dict[int, int] = {}
+        held: dict[int, list[Any]] = {}  # outputs of a prompt whose echoed logprobs are not known yet
         async for i, out in gen.outputs():
             _raise_on_failure(out)
-            for o in out.outputs:
-                index = self._index(i, o.index)
-                if index in reported or not (o.text_delta or o.token_ids_delta or o.finish_reason):
-                    continue
-                if o.finish_reason:
-                    reported.add(index)
-                logprobs = None
-                if self.tokens and o.logprobs_delta:
-                    logprobs, offsets[index] = self._logprobs(o.token_ids_delta, o.logprobs_delta, offsets.get(index, 0))
-                choice = CompletionChoice(index=index, text=o.text_delta, logprobs=logprobs, finish_reason=o.finish_reason)
-                yield CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice])
+            if out.prompt_logprobs is not None:
+                self._prompt_entries[i] = out.prompt_logprobs
+            if self.echo and self.num_logprobs is not None and i not in self._prompt_entries:
+                held.setdefault(i, []).append(out)  # (the engine scores the prompt with choice 0)
+                continue
+            for pending in held.pop(i, []) + [out]:
+                for choice in self._stream_choices(i, pending):
+                    yield CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice])
         if self.include_usage:
             yield CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
                                   usage=usage_of(gen.record))
+
+    def _stream_choices(self, prompt_index: int, out: Any) -> list[CompletionChoice]:
+        choices = []
+        for o in out.outputs:
+            index = self._index(prompt_index, o.index)
+            if index in self._ended or not (o.text_delta or o.token_ids_delta or o.finish_reason):
+                continue
+            if o.finish_reason:
+                self._ended.add(index)
+            first = index not in self._offsets  # the echo rides on a choice's first chunk
+            choice, self._offsets[index] = self._choice(
+                prompt_index, out, o.index, o.text_delta, o.token_ids_delta, o.logprobs_delta, o.finish_reason,
+                first=first, offset=self._offsets.get(index, 0))
+            choices.append(choice)
+        return choices
+
+    def _choice(self, prompt_index: int, out: Any, choice_index: int, text: str, token_ids: list[int],
+                entries: list[Any] | None, finish_reason: str | None, *, first: bool,
+                offset: int) -> tuple[CompletionChoice, int]:
+        """A choice (or a streamed piece of one): with echo, the first piece starts with the prompt."""
+        echo_prompt = self.echo and first
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if echo_prompt:
+                offset = self._add_prompt_logprobs(logprobs, out.prompt_token_ids,
+                                                   self._prompt_entries[prompt_index], offset)
+            offset = self._add_logprobs(logprobs, token_ids, entries, offset)
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and first:
+            prompt_logprobs = vllm_prompt_logprobs(self._prompt_entries[prompt_index], out.prompt_token_ids,
+                                                   self.prompt_logprobs, self.tokens)
+        if echo_prompt:
+            text = self.echo_texts[prompt_index] + text
+        choice = CompletionChoice(index=self._index(prompt_index, choice_index), text=text, logprobs=logprobs,
+                                  finish_reason=finish_reason, prompt_logprobs=prompt_logprobs)
+        return choice, offset
 
     def _index(self, prompt_index: int, choice_index: int) -> int:
         # OpenAI numbers a batch's choices prompt-major: prompt i's n choices are i*n .. i*n+n-1.
         return prompt_index * self.params.n + choice_index
 
-    def _logprobs(self, token_ids: list[int], entries: list[Any] | None, offset: int) -> tuple[CompletionLogprobs, int]:
+    def _add_prompt_logprobs(self, lp: CompletionLogprobs, prompt_ids: list[int], entries: list[Any],
+                             offset: int) -> int:
+        """The echoed prompt tokens, as OpenAI shows them: null logprob and alternatives for the first."""
+        assert self.tokens is not None and self.num_logprobs is not None
+        for i, token in enumerate(prompt_ids):
+            text = self.tokens(token)[0]
+            lp.tokens.append(text)
+            if i == 0:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+            else:
+                lp.token_logprobs.append(_finite(entries[i][token].logprob))
+                lp.top_logprobs.append({self.tokens(t)[0]: _finite(v.logprob)
+                                        for t, v in _top_of(entries[i], token, self.num_logprobs)})
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return offset
+
+    def _add_logprobs(self, lp: CompletionLogprobs, token_ids: list[int], entries: list[Any] | None,
+                      offset: int) -> int:
         assert self.tokens is not None
-        lp = CompletionLogprobs()
         for tid, (chosen, top) in zip(token_ids, entries or []):
             text = self.tokens(tid)[0]
             lp.tokens.append(text)
@@ -159,7 +243,7 @@ class CompletionJob(Job):
             lp.top_logprobs.append({self.tokens(t)[0]: _finite(v) for t, v in top.items()})
             lp.text_offset.append(offset)
             offset += len(text)
-        return lp, offset
+        return offset
 
 
 async def prepare_completion(state: ServerState, record: RequestRecord, raw: bytes) -> CompletionJob:
@@ -167,7 +251,8 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     state.check_model(req.model)
     req.check_unsupported()
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs)
+    params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs,
+                                 prompt_logprobs=req.engine_prompt_logprobs(max_tokens))
     batch = req.prompts()
     processor = state.engine.input_processor
     escape = state.settings.escape_special_tokens_in_prompts
@@ -177,12 +262,19 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
 
     # Tokenizing a batch of long prompts (and parsing a big JSON schema) takes a while: keep it off the event loop.
     prompts = await _checked(asyncio.to_thread(process), req)
+    echo_texts = None
+    if req.echo:  # a token-id prompt is echoed as its text, special tokens included
+        echo_texts = await asyncio.to_thread(
+            lambda: [p.prompt if p.prompt is not None else processor.tokenizer.decode(p.prompt_token_ids)
+                     for p in prompts])
     if state.settings.log_prompts:
         record.prompt_text = repr(req.prompt)
+    shows_logprobs = req.logprobs is not None or req.prompt_logprobs is not None
     return CompletionJob(
         prompts=prompts, params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
         model=state.engine.model_name, response_id=f"cmpl-{record.request_id}",
-        tokens=state.engine.token_text if req.logprobs is not None else None,
+        tokens=state.engine.token_text if shows_logprobs else None,
+        num_logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo_texts=echo_texts,
     )
 
 
@@ -202,9 +294,11 @@ class ChatJob(Job):
     tokens: TokenText | None = None
     top_logprobs: int = 0
     tools: ToolPlan | None = None  # set when the output is read as tool calls
+    prompt_logprobs: int | None = None  # vLLM's extra: of the rendered conversation, in the response
 
     async def full(self, gen: Generation) -> ChatCompletionResponse:
-        finals = await _final_outputs(gen)
+        entries: dict[int, Any] = {}
+        finals = await _final_outputs(gen, entries)
         choices = []
         for o in finals[0].outputs:
             message, reason = AssistantMessage(content=o.text), o.finish_reason
@@ -213,8 +307,12 @@ class ChatJob(Job):
                 reason = finish_reason(o.finish_reason, called=bool(message.tool_calls))
             choices.append(ChatChoice(index=o.index, message=message, finish_reason=reason,
                                       logprobs=self._logprobs(o.token_ids, o.logprobs)))
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = vllm_prompt_logprobs(entries[0], finals[0].prompt_token_ids, self.prompt_logprobs,
+                                                   self.tokens)
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                      choices=choices, usage=usage_of(gen.record))
+                                      choices=choices, usage=usage_of(gen.record), prompt_logprobs=prompt_logprobs)
 
     async def chunks(self, gen: Generation) -> AsyncIterator[BaseModel]:
         # OpenAI opens every choice with a role-only delta; clients rely on it to start a message.
@@ -259,7 +357,7 @@ class ChatJob(Job):
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice])
 
     def _logprobs(self, token_ids: list[int], entries: list[Any] | None) -> ChatLogprobs | None:
-        if self.tokens is None:
+        if self.tokens is None or self.params.logprobs is None:
             return None
         content = []
         for tid, (chosen, top) in zip(token_ids, entries or []):
@@ -279,6 +377,7 @@ class ChatJob(Job):
 async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) -> ChatJob:
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
     state.check_model(req.model)
+    req.check_prompt_logprobs()
     logprobs = req.engine_logprobs()
     tools = plan_tools(req, state.tool_parser)
     processor = state.engine.input_processor
@@ -292,7 +391,7 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
         max_tokens = processor.remaining_context(len(rendered.prompt_token_ids)) if requested is None else requested
     except InvalidRequest as exc:
         raise from_invalid_request(exc) from None
-    params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+    params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
     if tools is not None and tools.output_schema is not None:  # tool_choice required / named
         params = await asyncio.to_thread(constrained, tools, req, params)  # parses the schema: off the loop
     prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages"), req)
@@ -301,6 +400,6 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     return ChatJob(
         prompts=[prompt], params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
         model=state.engine.model_name, response_id=f"chatcmpl-{record.request_id}",
-        tokens=state.engine.token_text if logprobs is not None else None,
-        top_logprobs=logprobs or 0, tools=tools,
+        tokens=state.engine.token_text if logprobs is not None or req.prompt_logprobs is not None else None,
+        top_logprobs=logprobs or 0, tools=tools, prompt_logprobs=req.prompt_logprobs,
     )

@@ -57,6 +57,11 @@ def generation_responses(model: type[BaseModel], chunk: type[BaseModel]) -> dict
     return {200: ok, **errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}
 
 
+def json_responses(model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:
+    """A JSON body (never a stream), or an error."""
+    return {200: {"model": model, "description": description}, **errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}
+
+
 def install(app: FastAPI, body_models: list[type[BaseModel]], event_models: list[type[BaseModel]]) -> None:
     """Generate the spec once, with the request bodies and stream events added to its component
     schemas, and without FastAPI's 422 (validation errors are 400s here)."""

@@ -65,7 +65,6 @@ _HARMLESS: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: v == [],
     "function_call": lambda v: v in ("none", "auto"),
     "modalities": lambda v: v == ["text"],
-    "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
 }
 
@@ -86,7 +85,7 @@ class StreamOptions(_Lenient):
 _NULL_MEANS_DEFAULT = frozenset({
     "n", "temperature", "top_p", "stream", "presence_penalty", "frequency_penalty", "logprobs", "echo",
     "top_k", "min_p", "repetition_penalty", "add_generation_prompt", "continue_final_message",
-    "parallel_tool_calls",
+    "parallel_tool_calls", "encoding_format",
 })
 
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
@@ -122,15 +121,32 @@ class ResponseFormat(_Lenient):
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-class _SamplingRequest(_Lenient):
-    """Fields shared by completions and chat completions (OpenAI names, plus vLLM-style extras)."""
-
+class _NullMeansDefault(_Lenient):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_DEFAULT}
         return data
+
+
+def _batch(value: Any, param: str) -> list[str | list[int]]:
+    """A prompt/input field as a batch: a single string or token list becomes a batch of one."""
+    if isinstance(value, str):
+        batch: list[str | list[int]] = [value]
+    elif not value:
+        raise bad_request(f"{param} must not be empty", param=param)
+    elif isinstance(value[0], int):
+        batch = [value]
+    else:
+        batch = list(value)
+    if len(batch) > MAX_BATCH_PROMPTS:
+        raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request", param=param)
+    return batch  # each one is checked by the input processor
+
+
+class _SamplingRequest(_NullMeansDefault):
+    """Fields shared by completions and chat completions (OpenAI names, plus vLLM-style extras)."""
 
     model: str | None = None  # optional: a single-model server knows what to serve
     n: int = Field(1, ge=1, le=MAX_N)
@@ -151,6 +167,8 @@ class _SamplingRequest(_Lenient):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's scoring extra: the prompt tokens' logprobs with this many top alternatives each (not with stream).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Accepted, no effect here.
     user: str | None = ignored("end-user ids are only logged with --log-prompts")
     store: bool | None = ignored()
@@ -206,7 +224,11 @@ class _SamplingRequest(_Lenient):
             return param
         return source
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def check_prompt_logprobs(self) -> None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Translate to engine params; SamplingParams' own validation errors become 400s."""
         values: dict[str, Any] = dict(
             max_tokens=max_tokens,
@@ -224,6 +246,7 @@ class _SamplingRequest(_Lenient):
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
         constraint = self.structured_output()
@@ -239,27 +262,47 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = None
-    echo: bool | None = not_supported_yet()
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' first)
     suffix: str | None = not_supported_yet()
 
     def check_unsupported(self) -> None:
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of must be equal to n (or unset)", param="best_of")
+        self.check_prompt_logprobs()
+
+    def engine_prompt_logprobs(self, max_tokens: int) -> int | None:
+        """The prompt logprobs the engine computes: what echo with logprobs shows and what
+        prompt_logprobs asks for (the larger top count serves both); max_tokens 0 with echo scores
+        the prompt even without logprobs (the engine's prefill-only requests are scoring requests)."""
+        wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        if wanted:
+            return max(wanted)
+        if max_tokens == 0:
+            if not self.echo:
+                raise bad_request("max_tokens must be at least 1 (0 only with echo or prompt_logprobs: score the "
+                                  "prompt without generating)", param="max_tokens")
+            return 0
+        return None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a single string/token list becomes a batch of one."""
-        p = self.prompt
-        if isinstance(p, str):
-            batch: list[str | list[int]] = [p]
-        elif not p:
-            raise bad_request("prompt must not be empty", param="prompt")
-        elif isinstance(p[0], int):
-            batch = [p]  # type: ignore[list-item]
-        else:
-            batch = list(p)  # type: ignore[arg-type]
-        if len(batch) > MAX_BATCH_PROMPTS:
-            raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request", param="prompt")
-        return batch  # each one is checked by the input processor
+        return _batch(self.prompt, "prompt")
+
+
+class EmbeddingRequest(_NullMeansDefault):
+    """OpenAI's /v1/embeddings body, plus tokenmill's pooling extras."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)  # only the model's own hidden size (no truncation)
+    user: str | None = ignored("end-user ids are only logged with --log-prompts")
+    # Extras: override the server's --embedding-pooling, or skip the L2 normalisation.
+    pooling: Literal["last", "mean"] | None = None
+    normalize: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        return _batch(self.input, "input")
 
 
 class ContentPart(_Lenient):
@@ -414,9 +457,22 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # With echo, the first prompt token's entries are null (nothing precedes it), as OpenAI sends them.
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry for one token."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: PromptLogprob}.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -424,6 +480,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -477,6 +534,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extra (of the rendered conversation), when asked for
 
 
 class _OmitUnset(BaseModel):
@@ -533,6 +591,24 @@ class CompletionChunk(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format)
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):

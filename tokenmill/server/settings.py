@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from tokenmill.engine.config import parse_memory
+from tokenmill.engine.pooling_params import POOLING_TYPES
 from tokenmill.options import option
 
 from .tools.parsers import PARSERS
@@ -89,6 +90,9 @@ class ServerSettings:
     otlp_traces_protocol: str | None = option(
         None, f"OTLP transport (default: ${OTLP_PROTOCOL_ENV[0]}, ${OTLP_PROTOCOL_ENV[1]}, else grpc)",
         choices=list(OTLP_PROTOCOLS))
+    embedding_pooling: str = option(
+        "last", "/v1/embeddings: pool the final hidden states of the last token (default, as vLLM does for decoder "
+        "LMs) or the mean over all tokens; a request may choose with `pooling`", choices=list(POOLING_TYPES))
     # Sequences the engine runs at once (the engine's --max-num-seqs); requests beyond it count as
     # waiting for back-pressure.
     max_num_seqs: int = option(128, "", cli=False)
@@ -106,6 +110,8 @@ class ServerSettings:
                 raise ValueError(f"{flag} must be > 0 seconds")
         if self.max_connections < 1:
             raise ValueError("--max-connections must be >= 1")
+        if self.embedding_pooling not in POOLING_TYPES:
+            raise ValueError(f"--embedding-pooling must be one of {', '.join(POOLING_TYPES)}")
         if self.log_format not in ("json", "text"):
             raise ValueError("--log-format must be json or text")
         if self.tool_call_parser not in ("auto", "none", *PARSERS):

@@ -20,7 +20,8 @@ request_log = logging.getLogger("tokenmill.server.requests")
 # The `endpoint` label values of tokenmill_requests_total (fixed set: bounded metric cardinality).
 GRPC_GENERATE = "/tokenmill.v1.Generation/Generate"
 GRPC_GENERATE_STREAM = "/tokenmill.v1.Generation/GenerateStream"
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", GRPC_GENERATE, GRPC_GENERATE_STREAM)
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", GRPC_GENERATE,
+                        GRPC_GENERATE_STREAM)
 
 
 @dataclass
