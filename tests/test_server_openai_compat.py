@@ -132,7 +132,6 @@ def test_what_would_change_the_output_is_not_silently_ignored(server: ServerProc
         ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "function_call": {
             "name": "f", "arguments": "{}"}}, *MSG]}, "messages[0].function_call"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ]
     for path, body, param in rejected:

@@ -32,7 +32,7 @@ from tokenmill.engine.sampling_params import (
     MAX_TOP_LOGPROBS,
 )
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
 TIMEOUT_S = 30.0
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -105,7 +105,13 @@ CURATED: list[tuple[str, bytes] | tuple[str, bytes, str]] = [  # (path, body[, c
     (CHAT, _raw({"messages": MSG, "logprobs": True, "top_logprobs": 1000, "max_tokens": 2})),
     (CHAT, _raw({"messages": MSG, "top_logprobs": 2, "max_tokens": 2})),
     (COMPLETIONS, _raw({"prompt": "x", "best_of": 1000})),
-    (COMPLETIONS, _raw({"prompt": "x", "echo": True})),
+    (COMPLETIONS, _raw({"prompt": "x", "max_tokens": 0})),  # 0 only with echo (scoring)
+    (COMPLETIONS, _raw({"prompt": "x", "echo": True, "prompt_logprobs": 1, "stream": True})),
+    (EMBEDDINGS, _raw({"input": []})),
+    (EMBEDDINGS, _raw({"input": [[]]})),
+    (EMBEDDINGS, _raw({"input": "x", "dimensions": 3})),
+    (EMBEDDINGS, _raw({"input": [-1]})),
+    (EMBEDDINGS, b"{not json"),
     (COMPLETIONS, _raw({"prompt": "x", "suffix": "y"})),
     (COMPLETIONS, _raw({"prompt": "x", "response_format": {"type": "json_object"}})),  # not supported yet
     (CHAT, _raw({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f g"}}]})),
