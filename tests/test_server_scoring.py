@@ -88,6 +88,7 @@ def test_lm_eval_loglikelihood_requests_equal_hf(scoring_server, sharp_tiny_mode
     assert len(choices) == len(contexts)
     assert resp["usage"]["prompt_tokens"] == sum(len(c) + len(k) for c, k in zip(contexts, continuations))
     assert resp["usage"]["completion_tokens"] == max_tokens * len(contexts)
+    assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # scored positions are recomputed
     for choice, context, continuation in zip(choices, contexts, continuations):
         prompt = context + continuation
         lp = choice["logprobs"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from tokenmill.engine.errors import InvalidRequest
 
 PoolingType = Literal["last", "mean"]
@@ -28,10 +26,3 @@ class PoolingParams:
                                  param="pooling")
         if not isinstance(self.normalize, bool):
             raise InvalidRequest("normalize must be a boolean", param="normalize")
-
-    def finish(self, pooled_sum: torch.Tensor, num_tokens: int) -> list[float]:
-        """The embedding from the fp32 sum of the pooled rows (the last row alone for "last")."""
-        vector = pooled_sum / num_tokens if self.pooling == "mean" else pooled_sum
-        if self.normalize:
-            vector = torch.nn.functional.normalize(vector, p=2.0, dim=-1)
-        return vector.tolist()

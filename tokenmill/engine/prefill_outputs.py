@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.engine.outputs import RankedLogprob
+from tokenmill.engine.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
     from tokenmill.engine.scheduler import ScheduledSeq
@@ -94,6 +95,14 @@ class PrefillWork:
             return torch.cat(parts).tolist() if parts else []
 
         return PrefillResults(listed(chosen), listed(ranks), listed(top_ids), listed(top_vals), pooled)
+
+
+def embedding(params: PoolingParams, pooled_sum: torch.Tensor, num_tokens: int) -> list[float]:
+    """The embedding from the fp32 sum of a prompt's pooled rows (its last row alone for "last")."""
+    vector = pooled_sum / num_tokens if params.pooling == "mean" else pooled_sum
+    if params.normalize:
+        vector = torch.nn.functional.normalize(vector, p=2.0, dim=-1)
+    return vector.tolist()
 
 
 def _long(values: list[int]) -> torch.Tensor:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine.kv_cache import BlockAllocator, block_hash
 from tokenmill.engine.outputs import Logprob
-from tokenmill.engine.prefill_outputs import PrefillResults
+from tokenmill.engine.prefill_outputs import PrefillResults, embedding
 from tokenmill.engine.sequence import Sequence, SequenceStatus, placeholder
 
 
@@ -265,7 +265,7 @@ class Scheduler:
                 self.register_full_blocks(seq, computed)
                 if seq.prefill_only and computed == seq.num_tokens:
                     if seq.pooling is not None:
-                        seq.embedding = seq.pooling.finish(seq.pooled_sum, len(seq.prompt_token_ids))
+                        seq.embedding = embedding(seq.pooling, seq.pooled_sum, len(seq.prompt_token_ids))
                     self.finish(seq, "length")  # max_tokens 0: nothing to generate
             touched.append(seq)
         if tokens is not None:

@@ -186,6 +186,8 @@ class CompletionJob(Job):
             choice, self._offsets[index] = self._choice(
                 prompt_index, out, o.index, o.text_delta, o.token_ids_delta, o.logprobs_delta, o.finish_reason,
                 first=first, offset=self._offsets.get(index, 0))
+            if choice.logprobs is not None and not choice.logprobs.tokens:
+                choice.logprobs = None  # (a piece with text but no new token, or only the finish reason)
             choices.append(choice)
         return choices
 
