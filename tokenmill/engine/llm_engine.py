@@ -239,13 +239,14 @@ class LLMEngine:
         for seq in seqs:
             request.seqs.append(seq)
         self.requests[request.request_id] = request
-        if params.structured_outputs is None:
+        constraint = request.params.structured_outputs if isinstance(request.params, SamplingParams) else None
+        if constraint is None:
             for seq in request.seqs:
                 self.scheduler.add(seq)
         else:  # scheduled once its grammar is compiled (see _admit_compiled); others run meanwhile
             if self.grammars is None:
                 raise InvalidRequest("structured outputs need the model's tokenizer", param="structured_outputs")
-            request.grammar = self.grammars.compile(params.structured_outputs)
+            request.grammar = self.grammars.compile(constraint)
             self._awaiting_grammar.append(request)
 
     def _answer_from_result_cache(self, request: Request) -> bool:
