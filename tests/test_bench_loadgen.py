@@ -370,17 +370,20 @@ def test_bench_commands_parse() -> None:
         _parser().parse_args(["bench", "serve", "--request-rate", "-1"])
 
 
-def test_optional_offline_command_is_registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "fake_bench_offline.py").write_text(
-        "def register_offline(bench_subparsers):\n"
-        "    p = bench_subparsers.add_parser('offline')\n"
-        "    p.set_defaults(func=lambda args: 0)\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(commands, "OPTIONAL_BENCH_COMMANDS",
-                        [("fake_bench_offline", "register_offline"), ("no_such_module_xyz", "register_offline")])
-    args = _parser().parse_args(["bench", "offline"])
-    assert args.bench_command == "offline" and args.func(args) == 0
+def test_engine_benchmarks_without_the_bench_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without numpy/httpx/matplotlib the CLI still builds; an engine benchmark says which extra it needs."""
+    args = _parser().parse_args(["bench", "offline", "--model", "tiny"])
+    assert args.bench_command == "offline" and args.model == "tiny"
+    monkeypatch.setitem(sys.modules, "httpx", None)  # `import httpx` now raises ImportError
+    import tokenmill.bench
+
+    for name in ("offline", "features", "moe_dispatch", "serve"):  # forget them: the next import runs again
+        monkeypatch.delitem(sys.modules, f"tokenmill.bench.{name}", raising=False)
+        monkeypatch.delattr(tokenmill.bench, name, raising=False)
+    for command in (["bench", "offline"], ["bench", "features"], ["bench", "serve"]):
+        args = _parser().parse_args(command)
+        with pytest.raises(ValueError, match=r"tokenmill\[bench\]"):
+            args.func(args)
 
 
 def test_wait_ready_reports_a_dead_server(tmp_path: Path) -> None:

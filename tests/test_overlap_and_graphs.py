@@ -18,7 +18,7 @@ from tests.conftest import hf_greedy, mixed_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets
 from tokenmill.engine.kv_cache import bytes_per_block
-from tokenmill.engine.llm_engine import RequestFailed
+from tokenmill.engine.errors import RequestFailed
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 

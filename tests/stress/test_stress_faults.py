@@ -255,7 +255,7 @@ def test_fault_hook_is_off_by_default_and_hits_only_marked_requests() -> None:
     from types import SimpleNamespace
 
     from tokenmill.engine import faults
-    from tokenmill.engine.llm_engine import RequestFailed
+    from tokenmill.engine.errors import RequestFailed
 
     engine = SimpleNamespace(runner=SimpleNamespace(before_forward=None))
     assert not faults.install(engine, environ={})

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.commands import positive_int
+from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.offline import _grid, add_bench_engine_args, environment, make_llm, resolve_bench_model
 from tokenmill.bench.serve import write_json
 

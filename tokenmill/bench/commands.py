@@ -1,6 +1,6 @@
 """`tokenmill bench ...` command line: `serve` (load-test a running server) and `compare`
-(tokenmill vs the naive Hugging Face baseline); `offline` joins them when tokenmill.bench.offline
-exists and exposes `register_offline(bench_subparsers)`.
+(tokenmill vs the naive Hugging Face baseline), and the engine benchmarks `offline`, `features`,
+`moe-dispatch`, `profile` and `agreement`, which register their own flags.
 
 Heavy imports (transformers, matplotlib, httpx) happen inside the command functions, so building
 the `tokenmill` parser stays fast.
@@ -10,46 +10,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import math
 from typing import Any
 
-# Sub-subcommands that live in optional modules: (module, registration function).
-OPTIONAL_BENCH_COMMANDS = [
-    ("tokenmill.bench.offline", "register_offline"),
-    ("tokenmill.bench.features", "register_features"),
-    ("tokenmill.bench.moe_dispatch", "register_moe_dispatch"),
-    ("tokenmill.bench.profile", "register_profile"),
-    ("tokenmill.bench.agreement", "register_agreement"),
-]
+from tokenmill.bench.arg_types import positive_int, range_ratio, request_rate
 
-
-def request_rate(value: str) -> float:
-    """argparse type for --request-rate: a positive number of requests/s, or 'inf'."""
-    try:
-        rate = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'inf', got {value!r}") from None
-    if math.isnan(rate) or rate <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (or 'inf'), got {value!r}")
-    return rate
-
-
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value!r}")
-    return number
-
-
-def range_ratio(value: str) -> float:
-    ratio = float(value)
-    if not 0.0 <= ratio < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value!r}")
-    return ratio
+BENCH_EXTRA_HINT = "the benchmarks need the bench extra: pip install 'tokenmill[bench]'"
+# Engine benchmarks whose modules import the bench extra's packages (numpy, httpx, matplotlib).
+ENGINE_BENCHMARKS = {"offline": "benchmark the engine in-process (offline LLM.generate), optionally vs HF",
+                     "features": "each speed feature off vs on, in one process",
+                     "moe-dispatch": "time the ways of running one MoE layer's experts",
+                     "profile": "share of a step in attention, GEMMs, elementwise ops, sampler and host Python",
+                     "agreement": "teacher-forced top-1 agreement of a dtype/quantization with fp32 on real text"}
 
 
 def add_workload_args(
@@ -86,16 +58,20 @@ def add_workload_args(
     parser.set_defaults(synthetic_output_len=output_len)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from tokenmill.bench import serve
+def _bench_module(name: str) -> Any:
+    """tokenmill.bench.<name>, imported when its command runs (it needs the bench extra)."""
+    try:
+        return importlib.import_module(f"tokenmill.bench.{name}")
+    except ImportError as exc:
+        raise ValueError(f"{BENCH_EXTRA_HINT} ({exc})") from None
 
-    return serve.main(args)
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    return _bench_module("serve").main(args)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from tokenmill.bench import compare
-
-    return compare.main(args)
+    return _bench_module("compare").main(args)
 
 
 def _register_serve(bench_subparsers: Any) -> None:
@@ -143,10 +119,26 @@ def _register_compare(bench_subparsers: Any) -> None:
     parser.set_defaults(func=_cmd_compare)
 
 
-def _register_optional(bench_subparsers: Any) -> None:
-    for module_name, function_name in OPTIONAL_BENCH_COMMANDS:
-        if importlib.util.find_spec(module_name) is not None:
-            getattr(importlib.import_module(module_name), function_name)(bench_subparsers)
+def _register_engine_benchmarks(bench_subparsers: Any) -> None:
+    try:  # imported here, not at the top: without the bench extra the rest of the CLI still works
+        from tokenmill.bench import agreement, features, moe_dispatch, offline, profile
+    except ImportError as exc:
+        for name, summary in ENGINE_BENCHMARKS.items():
+            parser = bench_subparsers.add_parser(name, help=f"{summary} (needs the bench extra)", add_help=True)
+            parser.set_defaults(func=_missing_extra(exc))
+        return
+    offline.register_offline(bench_subparsers)
+    features.register_features(bench_subparsers)
+    moe_dispatch.register_moe_dispatch(bench_subparsers)
+    profile.register_profile(bench_subparsers)
+    agreement.register_agreement(bench_subparsers)
+
+
+def _missing_extra(exc: ImportError) -> Any:
+    def fail(args: argparse.Namespace) -> int:
+        raise ValueError(f"{BENCH_EXTRA_HINT} ({exc})")
+
+    return fail
 
 
 def register(subparsers: Any) -> None:
@@ -156,8 +148,8 @@ def register(subparsers: Any) -> None:
         description="Benchmarks: `serve` load-tests a running server, `compare` runs tokenmill against a naive "
                     "Hugging Face baseline.",
     )
-    # The one place the bench sub-subparsers are created; optional modules register into it.
+    # The one place the bench sub-subparsers are created; the engine benchmarks register into it.
     bench_subparsers = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", required=True)
     _register_serve(bench_subparsers)
     _register_compare(bench_subparsers)
-    _register_optional(bench_subparsers)
+    _register_engine_benchmarks(bench_subparsers)

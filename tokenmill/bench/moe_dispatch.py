@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.commands import positive_int
+from tokenmill.bench.arg_types import positive_int
 
 
 @dataclass

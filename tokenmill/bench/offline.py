@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.commands import positive_int
+from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.serve import json_safe, percentiles, write_json
 
 TINY_MODEL = "tiny"
@@ -547,8 +547,8 @@ def parse_values(text: str) -> list[int]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from tokenmill.engine.llm_engine import resolve_device
     from tokenmill.engine.precision import resolve_dtype
+    from tokenmill.engine.setup import resolve_device
     from tokenmill.models.loader import load_spec
 
     if args.num_threads:

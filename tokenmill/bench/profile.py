@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.commands import positive_int
+from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.offline import (
     MIN_PROMPT_TOKEN_ID,
     _grid,

@@ -1,4 +1,8 @@
-"""Engine subcommands: `tokenmill generate` and `tokenmill make-tiny-model`."""
+"""Engine subcommands: `tokenmill generate` and `tokenmill make-tiny-model`.
+
+The engine (torch, transformers) is imported when a command runs, not when the parser is built,
+so `tokenmill --help` stays fast.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,11 @@ import argparse
 import json
 import sys
 
+from tokenmill.engine.config import EngineConfig
+from tokenmill.models.hub import TINY_ARCHITECTURES
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from tokenmill.engine.config import EngineConfig
-    from tokenmill.models.hub import TINY_ARCHITECTURES
-
     gen = subparsers.add_parser("generate", help="generate text for one prompt (offline, no server)",
                                 description="Generate text for a prompt with the engine, in this process.")
     gen.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for several prompts, batched together)")
@@ -40,7 +44,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tokenmill.engine.config import EngineConfig
     from tokenmill.engine.llm import LLM
     from tokenmill.engine.sampling_params import SamplingParams
 

@@ -84,10 +84,6 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
-    @property
-    def num_captured(self) -> int:
-        return len(self.graphs)
-
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.batch_sizes[-1] and max_blocks <= self.widths[-1]
 
@@ -132,7 +128,7 @@ class DecodeGraphs:
         mask = (self.slot_index[:ctx][None, :] < self.context_lens[:b, None]).view(b, 1, 1, ctx)
         group = DecodeGroup(0, b, self.blocks[: b * w], mask)
         meta = AttentionMetadata(slot_mapping=self.slot_mapping[:b], block_size=self.block_size,
-                                 decode_groups=[group], num_decodes=b)
+                                 decode_groups=[group])
         hidden = self.model(self.input_ids[:b], self.positions[:b], self.kv_cache.layers, meta)
         return self.model.compute_logits(hidden)
 

@@ -1,4 +1,4 @@
-"""Typed errors of bad input, raised by the input processor and SamplingParams.
+"""Typed errors: bad input (raised by the input processor and SamplingParams), and failed requests.
 
 Each front end maps them to its own answer (HTTP 400 in OpenAI's shape, gRPC INVALID_ARGUMENT, a
 one-line CLI message) from their type, `param` and `code`, never from the message text. They are
@@ -26,3 +26,12 @@ class ContextLengthExceeded(InvalidRequest):
     """The prompt, or the prompt plus max_tokens, does not fit the model's context."""
 
     code = "context_length_exceeded"
+
+
+class RequestFailed(Exception):
+    """Raised inside a model step (e.g. by the fault-injection hook) to fail specific requests while
+    the rest of the batch goes on."""
+
+    def __init__(self, request_ids: set[str], message: str) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids

@@ -14,6 +14,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tokenmill.engine.errors import RequestFailed
+
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "TOKENMILL_FAULT_INJECTION"
@@ -28,8 +30,6 @@ def enabled(environ: dict[str, str] | None = None) -> bool:
 def make_hook(previous: Callable[[list[Any]], None] | None = None,
               marker: str = FAULT_MARKER) -> Callable[[Sequence[Any]], None]:
     """A `ModelRunner.before_forward` hook failing the marked requests (after any `previous` hook)."""
-    from tokenmill.engine.llm_engine import RequestFailed  # late: llm_engine imports this module
-
     def before_forward(seqs: Sequence[Any]) -> None:
         if previous is not None:
             previous(list(seqs))

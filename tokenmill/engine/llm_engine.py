@@ -12,13 +12,14 @@ from typing import Any, Callable
 
 import torch
 
-from tokenmill.engine.config import EngineConfig, parse_memory
+from tokenmill.engine import faults
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.cuda_graphs import DecodeGraphs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenText
-from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.errors import InvalidRequest, RequestFailed
 from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
-from tokenmill.engine.kv_cache import BlockAllocator, KVCache, bytes_per_block
+from tokenmill.engine.kv_cache import BlockAllocator, KVCache
 from tokenmill.engine.model_runner import ModelRunner, StepInput
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from tokenmill.engine.precision import resolve_dtype
@@ -29,23 +30,19 @@ from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.setup import (
+    check_tensor_parallel,
+    load_prepared_model,
+    load_tokenizer,
+    num_kv_blocks,
+    resolve_device,
+)
+from tokenmill.engine.tensor_parallel import TensorParallelGroup, rank_device
 from tokenmill.models.hub import resolve_model
-from tokenmill.models.loader import load_model, load_spec, resolve_architecture
-from tokenmill.models.registry import NATIVE
-from tokenmill.models.parallel import TPInfo, check_shardable
 
 logger = logging.getLogger(__name__)
 
-_CPU_DEFAULT_KV_CAP = 4 << 30  # like vLLM's CPU default KV space: plenty for a CPU's batch sizes
 _GRAMMAR_POLL_S = 0.01  # how long an otherwise idle step waits for a grammar compile
-
-
-class RequestFailed(Exception):
-    """Raised by a model-runner hook to fail specific requests while the rest of the batch goes on."""
-
-    def __init__(self, request_ids: set[str], message: str) -> None:
-        super().__init__(message)
-        self.request_ids = request_ids
 
 
 @dataclass
@@ -68,10 +65,8 @@ def _timed(fn: Callable[[StepInput], Any], step: StepInput) -> tuple[Any, float]
 
 @dataclass
 class StepStats:
-    batch_size: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    step_time_s: float
+    batch_size: int  # sequences in the step
+    step_time_s: float  # model-thread time (forward pass and sampling)
 
 
 @dataclass
@@ -90,25 +85,6 @@ class EngineStats:
     result_cache_entries: int = 0
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA device is available")
-    return torch.device(name)
-
-
-def _kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    if config.kv_cache_memory:
-        return parse_memory(config.kv_cache_memory)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * config.kv_cache_memory_fraction)
-    import psutil
-
-    return min(int(psutil.virtual_memory().available * config.kv_cache_memory_fraction), _CPU_DEFAULT_KV_CAP)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
@@ -120,29 +96,15 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_dir)
         self.model_name = config.served_model_name or self.model_dir.name
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
-        self.tp_group = None
-        if config.tensor_parallel_size < 1:
-            raise ValueError(f"--tensor-parallel-size must be >= 1, got {config.tensor_parallel_size}")
-        if self.device.type == "cuda" and config.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} needs as many GPUs; "
-                             f"{torch.cuda.device_count()} visible")
+        self.tp_group: TensorParallelGroup | None = None
+        check_tensor_parallel(config, self.model_dir, self.device)
         if config.tensor_parallel_size > 1:
-            from tokenmill.engine.tensor_parallel import TensorParallelGroup, rank_device
-
-            # Before any process starts: the architecture must be native and split evenly.
-            if resolve_architecture(self.model_dir, config.model_impl)[0].path != NATIVE:
-                raise ValueError("--tensor-parallel-size > 1 needs the native path (`tokenmill models`), "
-                                 "not the generic transformers path")
-            check_shardable(load_spec(self.model_dir), config.tensor_parallel_size)
             self.device = rank_device(self.device, 0)
             self.tp_group = TensorParallelGroup(config, self.device)  # workers load their shards meanwhile
         try:
-            self.model, self.spec = load_model(self.model_dir, self.dtype, self.device, progress=progress,
-                                               tp=TPInfo(0, config.tensor_parallel_size),
-                                               max_model_len=config.max_model_len, model_impl=config.model_impl)
-            prepare_model(self.model, config, self.device)
+            self.model, self.spec = load_prepared_model(config, self.model_dir, self.dtype, self.device, progress=progress)
         except BaseException:
             self.close()
             raise
@@ -168,18 +130,11 @@ class LLMEngine:
             # The model runs on its own thread, one step ahead of the completions.
             self._model_thread = ThreadPoolExecutor(1, "tokenmill-model", initializer=_init_model_thread,
                                                     initargs=(torch.get_num_threads(), self.device))
-        from tokenmill.engine import faults  # test-only hook, off unless TOKENMILL_FAULT_INJECTION=1
-
-        faults.install(self)
+        faults.install(self)  # test-only hook, off unless TOKENMILL_FAULT_INJECTION=1
 
     def _build_cache(self) -> None:
         spec, bs = self.spec, self.block_size
-        per_block = bytes_per_block(bs, spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
-        num_blocks = _kv_budget_bytes(self.config, self.device) // per_block
-        # More blocks than every sequence slot at full length (x2 for the prefix cache) are never used.
-        num_blocks = min(num_blocks, 2 * self.config.max_num_seqs * -(-self.max_model_len // bs) + 1)
-        if num_blocks < 2:
-            raise ValueError(f"--kv-cache-memory is too small for a single {bs}-token block ({per_block} bytes)")
+        num_blocks, per_block = num_kv_blocks(self.config, spec, self.dtype, self.device, self.max_model_len)
         usable_tokens = (num_blocks - 1) * bs  # block 0 is the allocator's zero block
         if usable_tokens < self.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", usable_tokens, self.max_model_len)
@@ -394,8 +349,7 @@ class LLMEngine:
         tokens, logprobs = (sampled.tokens, sampled.logprobs) if sampled is not None else (None, None)
         touched = self.scheduler.update_from_output(step.scheduled, tokens, logprobs, result.prefill)
         self.num_steps += 1
-        batch = step.scheduled
-        self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills), len(batch.decodes), seconds))
+        self._notify(StepStats(len(step.scheduled.all), seconds))
         requests = {seq.request_id: self.requests[seq.request_id] for seq in touched if seq.request_id in self.requests}
         return [out for r in requests.values() if (out := self._output(r)) is not None]
 
@@ -460,37 +414,3 @@ class LLMEngine:
 def _cancel_mask(step: StepInput, reason: str) -> None:
     if step.sampling is not None and step.sampling.grammar is not None:
         step.sampling.grammar.cancel(reason)
-
-
-def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
-    """Quantize, pack for oneDNN or compile the loaded model, as the config asks (every TP rank alike)."""
-    if config.quantization:
-        from tokenmill.models.quant import quantize_model
-
-        quantize_model(model, config.quantization)
-    elif config.onednn_linear and device.type == "cpu" and not config.compile:
-        # (inductor cannot lower oneDNN ops on packed weights it did not pack itself)
-        from tokenmill.models.onednn import onednn_linear_available, pack_linears
-
-        if onednn_linear_available():
-            pack_linears(model)
-        else:
-            logger.warning("--onednn-linear: this torch build has no oneDNN linear; using the default GEMMs")
-    if config.compile:
-        # The dense parts of the step (attention stays eager); the token count is dynamic.
-        logger.info("compiling the model step with torch.compile (first steps are slow)")
-        model.forward = torch.compile(model.forward, dynamic=True)
-
-
-def _load_tokenizer(model_dir) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError) as exc:
-        logger.warning("no usable tokenizer in %s (%s): only token-id prompts will work", model_dir, exc)
-        return None
-    if getattr(tokenizer, "backend_tokenizer", None) is None:  # incremental detokenization needs `tokenizers`
-        raise ValueError(f"the tokenizer in {model_dir} ({type(tokenizer).__name__}) has no fast (tokenizers) "
-                         "backend; tokenmill needs one (a tokenizer.json)")
-    return tokenizer

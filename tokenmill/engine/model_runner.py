@@ -230,7 +230,6 @@ class ModelRunner:
                 paged.extend((num_prefill + j, 1, t, c + 1) for j, (t, c) in enumerate(zip(tables, computed)))
             else:
                 meta.decode_groups = self._decode_groups(tables, ctx_lens)
-            meta.num_decodes = len(tables)
             sample_rows.extend(num_prefill + j for j, item in enumerate(batch.decodes) if item.samples)
 
         meta.slot_mapping = torch.cat(slot_chunks)

@@ -19,9 +19,15 @@ import socket
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.kv_cache import KVCache
+from tokenmill.engine.precision import resolve_dtype
+from tokenmill.engine.setup import load_prepared_model, resolve_device
 from tokenmill.engine.tensors import to_device
+from tokenmill.models.hub import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +56,6 @@ class TensorParallelGroup:
     """Rank 0's side: starts the workers, joins the process group, broadcasts steps."""
 
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        import torch.distributed as dist
-        import torch.multiprocessing as mp
-
         self.world_size = config.tensor_parallel_size
         self.device = device
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -71,8 +74,6 @@ class TensorParallelGroup:
         logger.info("tensor parallel: %d ranks over %s", self.world_size, backend_for(device))
 
     def broadcast(self, payload: Any) -> None:
-        import torch.distributed as dist
-
         if self.device.type == "cuda":
             payload = to_device(payload, torch.device("cpu"))  # each worker moves it to its own GPU
         dist.broadcast_object_list([payload], src=0)
@@ -81,8 +82,6 @@ class TensorParallelGroup:
         if self._closed:
             return
         self._closed = True
-        import torch.distributed as dist
-
         try:
             self.broadcast(None)  # the workers' signal to exit
         except Exception:  # noqa: BLE001 - a dead worker: nothing left to tell
@@ -105,15 +104,6 @@ def _die_with_parent() -> None:
 
 def worker_main(rank: int, config: EngineConfig, init_method: str) -> None:
     """A worker rank: load the shard, size the cache as rank 0 says, replay steps until told to stop."""
-    import torch.distributed as dist
-
-    from tokenmill.engine.kv_cache import KVCache
-    from tokenmill.engine.llm_engine import prepare_model, resolve_device
-    from tokenmill.engine.precision import resolve_dtype
-    from tokenmill.models.hub import resolve_model
-    from tokenmill.models.loader import load_model
-    from tokenmill.models.parallel import TPInfo
-
     _die_with_parent()
     world = config.tensor_parallel_size
     device = rank_device(resolve_device(config.device), rank)
@@ -125,9 +115,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str) -> None:
     dtype = resolve_dtype(config.dtype, device, model_dir)
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
                             timeout=_INIT_TIMEOUT)
-    model, spec = load_model(model_dir, dtype, device, progress=False, tp=TPInfo(rank, world),
-                             max_model_len=config.max_model_len)
-    prepare_model(model, config, device)
+    model, spec = load_prepared_model(config, model_dir, dtype, device, rank=rank)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)
     num_blocks = box[0]

@@ -61,7 +61,6 @@ class AttentionMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
     num_prefill_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    num_decodes: int = 0
     paged: PagedQueries | None = None  # queries for the fused CPU kernel (tokenmill.kernels)
 
 

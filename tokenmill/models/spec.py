@@ -48,11 +48,6 @@ class ModelSpec:
     def window(self, layer_idx: int) -> int | None:
         return self.layer_windows[layer_idx] if self.layer_windows else None
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K+V per token over all layers, per byte of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
 
 def as_list(value: Any) -> list[int]:
     if value is None:

@@ -80,11 +80,6 @@ class ServerState:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.engine.model_name}`.",
                            code="model_not_found", param="model")
 
-    def waiting(self) -> int:
-        """Sequences waiting for a batch slot: the engine's own queue, or our in-flight count beyond
-        --max-num-seqs, whichever is larger (the engine's count lags new submissions by a step)."""
-        return max(int(self.engine.stats().num_waiting), self.active_seqs - self.settings.max_num_seqs)
-
     def admit(self, record: RequestRecord, n_seqs: int) -> None:
         """Count the request against capacity, or refuse it now (cheap 429/503 beats a slow timeout)."""
         if self.draining:

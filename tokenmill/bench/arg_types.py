@@ -1,0 +1,34 @@
+"""argparse value types shared by the benchmark commands."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def request_rate(value: str) -> float:
+    """argparse type for --request-rate: a positive number of requests/s, or 'inf'."""
+    try:
+        rate = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'inf', got {value!r}") from None
+    if math.isnan(rate) or rate <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or 'inf'), got {value!r}")
+    return rate
+
+
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value!r}")
+    return number
+
+
+def range_ratio(value: str) -> float:
+    ratio = float(value)
+    if not 0.0 <= ratio < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value!r}")
+    return ratio
