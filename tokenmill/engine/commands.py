@@ -11,7 +11,8 @@ import json
 import sys
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.models.hub import TINY_ARCHITECTURES
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.models.hub import TINY_ARCHITECTURES, make_tiny_model
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,7 +46,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm import LLM
-    from tokenmill.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=args.stop)
@@ -66,7 +66,5 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from tokenmill.models.hub import make_tiny_model
-
     print(make_tiny_model(args.dir, seed=args.seed, tokenizer_dir=args.tokenizer, architecture=args.architecture))
     return 0
