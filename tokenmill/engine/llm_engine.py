@@ -66,6 +66,8 @@ def _timed(fn: Callable[[StepInput], Any], step: StepInput) -> tuple[Any, float]
 @dataclass
 class StepStats:
     batch_size: int  # sequences in the step
+    num_prefill_tokens: int  # prompt tokens computed in the step (bench profile counts tokens per step)
+    num_decode_tokens: int
     step_time_s: float  # model-thread time (forward pass and sampling)
 
 
@@ -349,7 +351,8 @@ class LLMEngine:
         tokens, logprobs = (sampled.tokens, sampled.logprobs) if sampled is not None else (None, None)
         touched = self.scheduler.update_from_output(step.scheduled, tokens, logprobs, result.prefill)
         self.num_steps += 1
-        self._notify(StepStats(len(step.scheduled.all), seconds))
+        batch = step.scheduled
+        self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills), len(batch.decodes), seconds))
         requests = {seq.request_id: self.requests[seq.request_id] for seq in touched if seq.request_id in self.requests}
         return [out for r in requests.values() if (out := self._output(r)) is not None]
 
