@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "tokenmill.server.commands",
     "tokenmill.bench.commands",
     "tokenmill.deploy.commands",
+    "tokenmill.export.commands",
 ]
 
 

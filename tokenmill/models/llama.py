@@ -73,6 +73,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = self.qk_norm_class(spec.head_dim, spec.norm_eps)
 
     def forward(self, x, cos, sin, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+        q, k, v = self.project_qkv(x, cos, sin)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window, self.softcap)
+        return all_reduce(self.o_proj(out), self.tp)
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q [T, heads, dim] and k, v [T, kv_heads, dim] of tokens x [T, hidden], rotated (q, k)."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -80,9 +86,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm_class is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.window, self.softcap)
-        return all_reduce(self.o_proj(out), self.tp)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class LlamaMLP(nn.Module):
