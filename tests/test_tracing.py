@@ -106,6 +106,7 @@ def test_streamed_request_is_one_trace_whose_stages_add_up(traced):
     server_spans = [s for s in spans if s["kind"] == "SpanKind.SERVER"]
     assert len(server_spans) == 1 and server_spans[0]["name"] == "POST /v1/chat/completions", named.keys()
     server_span = server_spans[0]
+    assert all(s["resource"]["attributes"]["service.name"] == "tokenmill" for s in spans)
     generation = next(s for s in spans if s["name"].startswith("chat "))
     assert generation["parent_id"] == server_span["context"]["span_id"]
     for stage in STAGES:
@@ -162,6 +163,21 @@ def test_traceparent_links_the_server_span_to_the_clients_trace(traced):
     time.sleep(0.5)
     new = [s for s in span_file.spans() if s["context"]["trace_id"] not in before]
     assert [s["parent_id"] for s in new if s["kind"] == "SpanKind.SERVER"] == [None]
+
+
+def test_rejected_request_is_traced_without_stages(traced):
+    server, span_file = traced
+    trace_id = _trace_id(5)
+    response = httpx.post(f"{server.base_url}/v1/completions", timeout=60.0, headers={"traceparent": _traceparent(trace_id)},
+                          json={"prompt": "The mill", "max_tokens": 3, "temperature": -1})
+    assert response.status_code == 400
+    spans = span_file.trace(trace_id, expected=2)
+    assert len(spans) == 2, [s["name"] for s in spans]  # no stage ran
+    generation = next(s for s in spans if s["name"].startswith("text_completion "))
+    assert generation["attributes"]["tokenmill.status"] == "invalid"
+    assert generation["status"]["status_code"] == "UNSET"  # a client's mistake is not a server error
+    server_span = next(s for s in spans if s["kind"] == "SpanKind.SERVER")
+    assert server_span["attributes"]["http.status_code"] == 400
 
 
 def test_grpc_stream_is_traced_under_the_grpc_server_span(traced):

@@ -99,13 +99,20 @@ def span_processor(endpoint: str, protocol: str) -> SpanProcessor:
     return BatchSpanProcessor(_otlp_exporter(endpoint, protocol))
 
 
+def _resource() -> Resource:
+    """The SDK's resource (OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES), named tokenmill unless they name it."""
+    detected = Resource.create()
+    if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        return detected.merge(Resource({SERVICE_NAME: "tokenmill"}))
+    return detected
+
+
 class RequestTracing:
     """The tracer provider of one server, its instrumentations and the spans of finished requests."""
 
     def __init__(self, settings: ServerSettings, model: str) -> None:
         assert settings.otlp_traces_endpoint
-        # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, when set, win over the default name.
-        self.provider = TracerProvider(resource=Resource.create({SERVICE_NAME: "tokenmill"}).merge(Resource.create()))
+        self.provider = TracerProvider(resource=_resource())
         self.provider.add_span_processor(span_processor(settings.otlp_traces_endpoint, settings.otlp_traces_protocol))
         self.tracer = self.provider.get_tracer("tokenmill", __version__)
         self.model = model
