@@ -107,6 +107,9 @@ def _resource() -> Resource:
     return detected
 
 
+ERROR_MESSAGE = "tokenmill.error"
+
+
 class RequestTracing:
     """The tracer provider of one server, its instrumentations and the spans of finished requests."""
 
@@ -148,8 +151,12 @@ class RequestTracing:
                 stage = self.tracer.start_span(name, context=parent, start_time=_ns(start),
                                                attributes={PROMPT_INDEX: index, **attributes})
                 stage.end(end_time=_ns(max(start, stop)))
-        if error or status == "error":
+        # Only the server's own failures are span errors; a client's mistake (invalid, unauthorized,
+        # rejected, aborted) leaves the status unset, as OTel's HTTP conventions do for 4xx.
+        if status == "error":
             span.set_status(Status(StatusCode.ERROR, error))
+        elif error:
+            span.set_attribute(ERROR_MESSAGE, error)
         span.end(end_time=_ns(end))
 
     def _request_attributes(self, record: RequestRecord, status: str,
