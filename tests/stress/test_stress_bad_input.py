@@ -113,7 +113,10 @@ CURATED: list[tuple[str, bytes] | tuple[str, bytes, str]] = [  # (path, body[, c
     (EMBEDDINGS, _raw({"input": [-1]})),
     (EMBEDDINGS, b"{not json"),
     (COMPLETIONS, _raw({"prompt": "x", "suffix": "y"})),
-    (COMPLETIONS, _raw({"prompt": "x", "response_format": {"type": "json_object"}})),  # not supported yet
+    (COMPLETIONS, _raw({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "s"}}})),
+    (COMPLETIONS, _raw({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}})),
+    (COMPLETIONS, _raw({"prompt": "x", "guided_regex": "(unclosed"})),
+    (COMPLETIONS, _raw({"prompt": "x", "guided_regex": "a+", "guided_choice": ["a", "b"]})),  # one constraint only
     (CHAT, _raw({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f g"}}]})),
     (CHAT, _raw({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]})),
     (CHAT, _raw({"messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}})),
