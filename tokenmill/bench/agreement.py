@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.arg_types import add_report_args, positive_int
 from tokenmill.bench.offline import _grid, add_bench_engine_args, environment, make_llm, resolve_bench_model
 from tokenmill.bench.serve import write_json
 
@@ -112,7 +112,6 @@ def register_agreement(bench_subparsers: Any) -> None:
                         help="teacher-forced positions compared (default: 2048)")
     parser.add_argument("--chunk", type=positive_int, default=256, metavar="N",
                         help="tokens per prefill: each chunk is read from its own start (default: 256)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON to PATH")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_report_args(parser, "the results")
     add_bench_engine_args(parser)
     parser.set_defaults(func=main)

@@ -216,7 +216,6 @@ def main(args: argparse.Namespace) -> int:
             "ratios": ratios,
             "reports": {name: rep.to_dict() for name, rep in reports.items()},
         }))
-        print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
         title = (f"tokenmill vs naive HF: output throughput ratio {ratios['output_throughput_ratio']:.2f}x, "
                  f"p50 TTFT ratio {ratios['p50_ttft_ratio']:.2f}x (>1: tokenmill better)\n"

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.arg_types import add_report_args, positive_int
 from tokenmill.bench.offline import (
     MIN_PROMPT_TOKEN_ID,
     OfflineRequest,
@@ -172,7 +172,6 @@ def main(args: argparse.Namespace) -> int:
     print(f"({time.perf_counter() - start:.0f} s in all)", file=sys.stderr)
     if args.json:
         write_json(args.json, json_safe({"environment": environment(), "rows": [asdict(r) for r in rows]}))
-        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
@@ -190,7 +189,6 @@ def register_features(bench_subparsers: Any) -> None:
                         help="longest output of the mixed workload (default: 64)")
     parser.add_argument("--only", nargs="+", metavar="WORD", default=None,
                         help="run only the features whose name contains one of these words (e.g. int8 compile)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON to PATH")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_report_args(parser, "the rows")
     add_bench_engine_args(parser)
     parser.set_defaults(func=main)

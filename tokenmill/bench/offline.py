@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.arg_types import add_report_args, positive_int
 from tokenmill.bench.serve import json_safe, percentiles, write_json
 
 TINY_MODEL = "tiny"
@@ -639,7 +639,6 @@ def main(args: argparse.Namespace) -> int:
 
     if args.json:
         write_json(args.json, json_safe(report))
-        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
@@ -691,9 +690,7 @@ def register_offline(bench_subparsers: Any) -> None:
                        help="prompt length of --long-outputs requests (default: 32)")
     bench.add_argument("--skip-main", action="store_true",
                        help="skip the main tokenmill run (e.g. only --sweep or --roofline)")
-    bench.add_argument("--json", metavar="PATH", default=None,
-                       help="write every number, the command line, date, torch version and threads as JSON")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_report_args(bench, "every number, the command line, date, torch version and threads")
     add_bench_engine_args(parser)
     parser.set_defaults(func=main)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.arg_types import add_report_args, positive_int
 from tokenmill.bench.offline import (
     MIN_PROMPT_TOKEN_ID,
     _grid,
@@ -275,8 +275,7 @@ def register_profile(bench_subparsers: Any) -> None:
                         help="steps timed, then profiled, per workload (default: 32)")
     parser.add_argument("--context", type=positive_int, default=256, metavar="TOKENS",
                         help="prompt length of the batch-1 decode (default: 256)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write the profiles as JSON to PATH")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_report_args(parser, "the profiles")
     add_bench_engine_args(parser)
     parser.set_defaults(func=main)
 

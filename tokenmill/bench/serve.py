@@ -523,6 +523,7 @@ def write_json(path: str | Path, data: Mapping[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def plot_reports(reports: Mapping[str, BenchReport], path: str | Path, title: str = "tokenmill bench serve") -> None:
@@ -623,7 +624,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
     if args.json:
         write_json(args.json, report.to_dict())
-        print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
         plot_reports({report.model or "server": report}, args.plot, title=f"tokenmill bench serve: {args.url}")
         print(f"wrote {args.plot}", file=sys.stderr)
