@@ -212,7 +212,7 @@ def test_overlap_scheduling_fills_masks_after_the_previous_step_lands(tiny_model
 def test_padded_vocabulary_never_samples_padding(tmp_path, default_model_dir) -> None:
     """The model's vocabulary (logits width) is larger than the tokenizer's: the padding ids have
     random logits but no text, and the mask must exclude them."""
-    from conftest import save_random_model
+    from tests.conftest import save_random_model
     from safetensors.torch import load_file, save_file
     from transformers import LlamaConfig
 
