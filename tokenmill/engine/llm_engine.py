@@ -184,6 +184,9 @@ class LLMEngine:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise InvalidRequest(f"request id {request.request_id!r} is already running", code="duplicate_request_id")
+        constraint = request.params.structured_outputs if isinstance(request.params, SamplingParams) else None
+        if constraint is not None and self.grammars is None:  # refused before anything is registered
+            raise InvalidRequest("structured outputs need the model's tokenizer", param="structured_outputs")
         prompt = tuple(request.prompt_token_ids)  # shared by the choices, never changed
         if isinstance(request.params, PoolingParams):
             # An embedding: one prefill-only sequence (its sampling params are never used).
@@ -196,13 +199,10 @@ class LLMEngine:
         for seq in seqs:
             request.seqs.append(seq)
         self.requests[request.request_id] = request
-        constraint = request.params.structured_outputs if isinstance(request.params, SamplingParams) else None
         if constraint is None:
             for seq in request.seqs:
                 self.scheduler.add(seq)
         else:  # scheduled once its grammar is compiled (see _admit_compiled); others run meanwhile
-            if self.grammars is None:
-                raise InvalidRequest("structured outputs need the model's tokenizer", param="structured_outputs")
             request.grammar = self.grammars.compile(constraint)
             self._awaiting_grammar.append(request)
 
