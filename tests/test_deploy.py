@@ -23,8 +23,8 @@ import re
 import shlex
 import shutil
 import subprocess
-import zipfile
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
