@@ -87,8 +87,8 @@ def test_offline_run_consistent(tiny_llm, small_workload):
     assert run.output_tokens == run.requested_tokens == sum(r.output_len for r in small_workload)
     assert run.output_throughput == pytest.approx(run.output_tokens / run.duration_s)
     assert run.request_throughput == pytest.approx(4 / run.duration_s)
-    assert 0 < run.ttft.mean <= run.latency.mean
-    assert run.latency.p50 <= run.latency.p99 <= run.duration_s + 0.5
+    assert 0 < run.ttft.mean_ms <= run.latency.mean_ms
+    assert run.latency.p50_ms <= run.latency.p99_ms <= (run.duration_s + 0.5) * 1e3
     data = run.to_dict()
     assert "token_ids" not in data
     json.dumps(data)

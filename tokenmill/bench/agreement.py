@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.arg_types import add_report_args, positive_int
-from tokenmill.bench.offline import _grid, add_bench_engine_args, environment, make_llm, resolve_bench_model
-from tokenmill.bench.serve import write_json
+from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.offline import add_bench_engine_args, make_llm, print_report, resolve_bench_model
+from tokenmill.bench.serve import format_grid
 
 TEXT_SOURCE = "pydoc_data.topics (CPython reference documentation), topics in sorted order"
 
@@ -93,25 +93,17 @@ def main(args: argparse.Namespace) -> int:
     setting, results = measure(args)
     rows = [["reference", "tokens", "top-1 agreement"],
             *([r.reference, str(r.tokens), f"{100 * r.top1_agreement:.2f}%"] for r in results)]
-    print(_grid(rows, f"Teacher-forced top-1 agreement of {setting} (text: {TEXT_SOURCE})"))
-    if args.json:
-        write_json(args.json, {"environment": environment(), "setting": setting, "text": TEXT_SOURCE,
-                               "chunk": args.chunk, "results": [asdict(r) for r in results]})
-    return 0
+    title = f"Teacher-forced top-1 agreement of {setting} (text: {TEXT_SOURCE})"
+    return print_report(args, format_grid(rows, title),
+                        {"setting": setting, "text": TEXT_SOURCE, "chunk": args.chunk,
+                         "results": [asdict(r) for r in results]})
 
 
-def register_agreement(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "agreement", help="teacher-forced top-1 agreement of a dtype/quantization with fp32 (or bf16) on real text",
-        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--references", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                         help="dtypes of the unquantized reference engines (default: float32)")
     parser.add_argument("--tokens", type=positive_int, default=2048, metavar="N",
                         help="teacher-forced positions compared (default: 2048)")
     parser.add_argument("--chunk", type=positive_int, default=256, metavar="N",
                         help="tokens per prefill: each chunk is read from its own start (default: 256)")
-    add_report_args(parser, "the results")
     add_bench_engine_args(parser)
-    parser.set_defaults(func=main)

@@ -17,12 +17,6 @@ def request_rate(value: str) -> float:
     return rate
 
 
-def add_report_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str) -> None:
-    """--json and --no-progress, as every engine benchmark has them."""
-    parser.add_argument("--json", metavar="PATH", default=None, help=f"write {what} as JSON to PATH")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
 def positive_int(value: str) -> int:
     try:
         number = int(value)

@@ -1,6 +1,6 @@
 """`tokenmill bench ...` command line: `serve` (load-test a running server) and `compare`
 (tokenmill vs the naive Hugging Face baseline), and the engine benchmarks `offline`, `features`,
-`moe-dispatch`, `profile` and `agreement`, which register their own flags.
+`moe-dispatch`, `profile` and `agreement`, whose modules add their own flags.
 
 Heavy imports (transformers, matplotlib, httpx) happen inside the command functions, so building
 the `tokenmill` parser stays fast.
@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import math
+from collections.abc import Callable
 from typing import Any
 
 from tokenmill.bench.arg_types import positive_int, range_ratio, request_rate
 
 BENCH_EXTRA_HINT = "the benchmarks need the bench extra: pip install 'tokenmill[bench]'"
-# Engine benchmarks whose modules import the bench extra's packages (numpy, httpx, matplotlib).
-ENGINE_BENCHMARKS = {"offline": "benchmark the engine in-process (offline LLM.generate), optionally vs HF",
-                     "features": "each speed feature off vs on, in one process",
-                     "moe-dispatch": "time the ways of running one MoE layer's experts",
-                     "profile": "share of a step in attention, GEMMs, elementwise ops, sampler and host Python",
-                     "agreement": "teacher-forced top-1 agreement of a dtype/quantization with fp32 on real text"}
+# Engine benchmarks: command -> one-line summary. The module tokenmill.bench.<command, "-" as "_">
+# has `add_args(parser)` and `main(args)`, its docstring is the command's description, and it
+# imports the bench extra's packages (numpy, httpx, matplotlib).
+ENGINE_BENCHMARKS = {
+    "offline": "benchmark the engine in-process (offline LLM.generate), optionally vs HF",
+    "features": "each speed feature off vs on, one flag at a time",
+    "moe-dispatch": "time the ways of running one MoE layer's experts",
+    "profile": "share of a step in attention, GEMMs, elementwise ops, sampler and host Python",
+    "agreement": "teacher-forced top-1 agreement of a dtype/quantization with fp32 (or bf16) on real text",
+}
 
 
 def add_workload_args(
@@ -74,12 +80,20 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return _bench_module("compare").main(args)
 
 
+def add_bench_command(bench_subparsers: Any, name: str, summary: str, description: str | None,
+                      func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """Add `tokenmill bench NAME`, run by `func`; `description` keeps its own line breaks."""
+    parser = bench_subparsers.add_parser(name, help=summary, description=description,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def _register_serve(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "serve", help="load-test a running OpenAI-compatible server",
-        description="Send a seeded trace of streaming /v1/completions requests to a running OpenAI-compatible "
-                    "server at Poisson arrival times and report throughput and TTFT/TPOT/ITL/e2e latency.",
-    )
+    parser = add_bench_command(
+        bench_subparsers, "serve", "load-test a running OpenAI-compatible server",
+        "Send a seeded trace of streaming /v1/completions requests to a running OpenAI-compatible server\n"
+        "at Poisson arrival times and report throughput and TTFT/TPOT/ITL/e2e latency.", _cmd_serve)
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="server base URL, or its /v1/completions endpoint (default: http://127.0.0.1:8000)")
     parser.add_argument("--model", default=None,
@@ -89,16 +103,14 @@ def _register_serve(bench_subparsers: Any) -> None:
     parser.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON to PATH")
     parser.add_argument("--plot", metavar="PATH", default=None,
                         help="write a PNG with TTFT/e2e histograms and CDFs and throughput bars to PATH")
-    parser.set_defaults(func=_cmd_serve)
 
 
 def _register_compare(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "compare", help="tokenmill vs a naive Hugging Face server on the same trace",
-        description="Start `tokenmill serve` and the naive one-request-at-a-time Hugging Face baseline on "
-                    "127.0.0.1, drive both with the identical request trace, print one table with both and "
-                    "their ratios, write it as JSON and plot both side by side; both servers are always stopped.",
-    )
+    parser = add_bench_command(
+        bench_subparsers, "compare", "tokenmill vs a naive Hugging Face server on the same trace",
+        "Start `tokenmill serve` and the naive one-request-at-a-time Hugging Face baseline on 127.0.0.1,\n"
+        "drive both with the identical request trace, print one table with both and their ratios, write\n"
+        "it as JSON and plot both side by side; both servers are always stopped.", _cmd_compare)
     parser.add_argument("--model", metavar="DIR", default=None,
                         help="Hugging Face model directory both servers load (default: the bundled "
                              "SmolLM2-135M-Instruct)")
@@ -116,25 +128,23 @@ def _register_compare(bench_subparsers: Any) -> None:
                              "(default: bench/compare.json)")
     parser.add_argument("--plot", metavar="PATH", default="bench/compare.png",
                         help="write the side-by-side PNG to PATH; '' to skip (default: bench/compare.png)")
-    parser.set_defaults(func=_cmd_compare)
 
 
 def _register_engine_benchmarks(bench_subparsers: Any) -> None:
-    try:  # imported here, not at the top: without the bench extra the rest of the CLI still works
-        from tokenmill.bench import agreement, features, moe_dispatch, offline, profile
-    except ImportError as exc:
-        for name, summary in ENGINE_BENCHMARKS.items():
-            parser = bench_subparsers.add_parser(name, help=f"{summary} (needs the bench extra)", add_help=True)
-            parser.set_defaults(func=_missing_extra(exc))
-        return
-    offline.register_offline(bench_subparsers)
-    features.register_features(bench_subparsers)
-    moe_dispatch.register_moe_dispatch(bench_subparsers)
-    profile.register_profile(bench_subparsers)
-    agreement.register_agreement(bench_subparsers)
+    for name, summary in ENGINE_BENCHMARKS.items():
+        try:  # imported here, not at the top: without the bench extra the rest of the CLI still works
+            module = importlib.import_module(f"tokenmill.bench.{name.replace('-', '_')}")
+        except ImportError as exc:
+            add_bench_command(bench_subparsers, name, f"{summary} (needs the bench extra)", None, _missing_extra(exc))
+            continue
+        parser = add_bench_command(bench_subparsers, name, summary, inspect.cleandoc(module.__doc__), module.main)
+        module.add_args(parser)
+        parser.add_argument("--json", metavar="PATH", default=None,  # (read by offline.print_report)
+                            help="write the results, the command line, date, torch version and threads as JSON "
+                                 "to PATH")
 
 
-def _missing_extra(exc: ImportError) -> Any:
+def _missing_extra(exc: ImportError) -> Callable[[argparse.Namespace], int]:
     def fail(args: argparse.Namespace) -> int:
         raise ValueError(f"{BENCH_EXTRA_HINT} ({exc})")
 

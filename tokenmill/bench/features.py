@@ -1,10 +1,11 @@
 """`tokenmill bench features`: each speed feature off vs on, one flag at a time, in one command.
 
-Every row is one engine, in a fresh process, built with the default settings except for that one flag, running a
-workload the feature is for (a shared system prompt for prefix caching, repeated requests for the
-result cache, the mixed workload of `bench offline` for the rest). Reported: useful output tok/s,
-TTFT, the model's weight bytes and greedy agreement of "on" with "off". Server features (request
-tracing) run a `tokenmill serve` instead, streamed requests over HTTP (`served_features`).
+Every row is one engine, in a fresh process, built with the default settings except for that one
+flag, running a workload the feature is for (a shared system prompt for prefix caching, repeated
+requests for the result cache, the mixed workload of `bench offline` for the rest). Reported:
+useful output tok/s, TTFT, the model's weight bytes and greedy agreement of "on" with "off".
+Server features (request tracing) run a `tokenmill serve` instead, streamed requests over HTTP
+(`served_features`); `--only` lists every feature.
 """
 
 from __future__ import annotations
@@ -19,21 +20,21 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.arg_types import add_report_args, positive_int
+from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.offline import (
     MIN_PROMPT_TOKEN_ID,
     OfflineRequest,
-    _grid,
+    _fmt,
     add_bench_engine_args,
     engine_kwargs,
-    environment,
     greedy_agreement,
     in_fresh_process,
     make_workload,
+    print_report,
     resolve_bench_model,
     tokenmill_run,
 )
-from tokenmill.bench.serve import json_safe, load_tokenizer, synthetic_requests, write_json
+from tokenmill.bench.serve import format_grid, load_tokenizer, synthetic_requests
 from tokenmill.bench.served_features import COLLECTOR_STUB, served_run
 
 
@@ -112,9 +113,9 @@ def measure(args: argparse.Namespace, features: Sequence[Feature],
             if setting == "on":
                 agreement = greedy_agreement(tokens["on"], tokens["off"])["exact_match_fraction"]
             rows.append(FeatureRow(feature.name, setting, feature.workload, result.output_throughput,
-                                   result.ttft.mean, result.latency.p50, weights / 2**20, agreement))
+                                   result.ttft.mean_ms / 1e3, result.latency.p50_ms / 1e3, weights / 2**20, agreement))
             log(f"  {feature.name} {setting}: {result.output_throughput:.1f} tok/s, "
-                f"mean TTFT {result.ttft.mean:.3f} s, weights {weights / 2**20:.1f} MiB")
+                f"mean TTFT {result.ttft.mean_ms / 1e3:.3f} s, weights {weights / 2**20:.1f} MiB")
     return rows
 
 
@@ -134,10 +135,6 @@ def _served_rows(args: argparse.Namespace, model_dir: Any, feature: Feature,
     return rows
 
 
-def _f(value: float | None, spec: str) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-
-
 def format_rows(rows: Sequence[FeatureRow]) -> str:
     table = [["feature", "setting", "workload", "output tok/s", "speed-up", "mean TTFT (s)", "p50 latency (s)",
               "weights (MiB)", "greedy = off"]]
@@ -147,11 +144,12 @@ def format_rows(rows: Sequence[FeatureRow]) -> str:
             off[r.feature] = r
         base = off.get(r.feature)
         speedup = r.output_tok_s / base.output_tok_s if base and r.setting == "on" else None
-        table.append([r.feature, r.setting, r.workload, _f(r.output_tok_s, ".1f"), _f(speedup, ".2f") + ("x" if speedup else ""),
-                      _f(r.mean_ttft_s, ".3f"), _f(r.p50_latency_s, ".2f"), _f(r.weight_mib, ".1f"),
-                      _f(None if r.greedy_agreement_with_off is None else r.greedy_agreement_with_off * 100, ".0f")
+        table.append([r.feature, r.setting, r.workload, _fmt(r.output_tok_s, ".1f"),
+                      _fmt(speedup, ".2f") + ("x" if speedup else ""), _fmt(r.mean_ttft_s, ".3f"),
+                      _fmt(r.p50_latency_s, ".2f"), _fmt(r.weight_mib, ".1f"),
+                      _fmt(None if r.greedy_agreement_with_off is None else r.greedy_agreement_with_off * 100, ".0f")
                       + ("%" if r.greedy_agreement_with_off is not None else "")])
-    return _grid(table, title="Speed features, each off vs on (one flag changed per pair)")
+    return format_grid(table, title="Speed features, each off vs on (one flag changed per pair)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -168,27 +166,15 @@ def main(args: argparse.Namespace) -> int:
             chosen.remove(feature)
     start = time.perf_counter()
     rows = measure(args, chosen)
-    print(format_rows(rows))
     print(f"({time.perf_counter() - start:.0f} s in all)", file=sys.stderr)
-    if args.json:
-        write_json(args.json, json_safe({"environment": environment(), "rows": [asdict(r) for r in rows]}))
-    return 0
+    return print_report(args, format_rows(rows), {"rows": [asdict(r) for r in rows]})
 
 
-def register_features(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "features", help="each speed feature off vs on, one flag at a time",
-        description="For each speed feature (oneDNN linear, prefix caching, result cache, int8 weights, bf16, "
-                    "torch.compile, overlap scheduling, CUDA graphs on a GPU) build the engine twice, differing "
-                    "only in that flag, run a workload the feature is for and print tok/s, TTFT, weight memory "
-                    "and greedy agreement of on vs off. Request tracing is measured through `tokenmill serve` "
-                    "(streamed HTTP requests, spans exported over OTLP to a collector stub on 127.0.0.1).",
-    )
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=positive_int, default=32, metavar="N", help="requests per run (default: 32)")
     parser.add_argument("--max-output", type=positive_int, default=64, metavar="TOKENS",
                         help="longest output of the mixed workload (default: 64)")
     parser.add_argument("--only", nargs="+", metavar="WORD", default=None,
-                        help="run only the features whose name contains one of these words (e.g. int8 compile)")
-    add_report_args(parser, "the rows")
+                        help="run only the features whose name contains one of these words (e.g. int8 compile); the "
+                             f"features: {'; '.join(f.name for f in FEATURES)}")
     add_bench_engine_args(parser)
-    parser.set_defaults(func=main)

@@ -10,7 +10,6 @@ Every way is checked against the first before it is timed (fp32: within 1e-4; in
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,6 +17,8 @@ from typing import Any
 import torch
 
 from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.offline import print_report
+from tokenmill.bench.serve import format_grid
 
 
 @dataclass
@@ -97,24 +98,15 @@ def main(args: argparse.Namespace) -> int:
           f"{args.num_experts} experts, top-{args.top_k}, fp32, {torch.get_num_threads()} threads; "
           f"best of {args.reps}")
     rows = run(args)
-    print(f"{'tokens':>7}  {'method':<24}{'ms':>10}  {'vs grouped_mm':>13}  max |diff|")
     base = {r.tokens: r.best_ms for r in rows if r.method == "grouped_mm"}
-    for r in rows:
-        print(f"{r.tokens:>7}  {r.method:<24}{r.best_ms:>10.2f}  {base[r.tokens] / r.best_ms:>12.2f}x  {r.max_abs_diff:.1e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "func"},
-                       "rows": [asdict(r) for r in rows]}, f, indent=2)
-    return 0
+    table = [["tokens", "method", "ms", "vs grouped_mm", "max |diff|"],
+             *([str(r.tokens), r.method, f"{r.best_ms:.2f}", f"{base[r.tokens] / r.best_ms:.2f}x",
+                f"{r.max_abs_diff:.1e}"] for r in rows)]
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    return print_report(args, format_grid(table), {"args": settings, "rows": [asdict(r) for r in rows]})
 
 
-def register_moe_dispatch(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "moe-dispatch", help="time the ways of running one MoE layer's experts",
-        description="Route random tokens through one mixture-of-experts layer and time each way tokenmill can "
-                    "run its experts: stacked weights through grouped_mm, a loop over the experts that received "
-                    "tokens on MKL linears, on oneDNN-packed linears and on int8 linears.",
-    )
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=positive_int, default=1024, help="model width (default: 1024)")
     parser.add_argument("--intermediate-size", type=positive_int, default=3584,
                         help="each expert's intermediate size (default: 3584)")
@@ -126,5 +118,3 @@ def register_moe_dispatch(bench_subparsers: Any) -> None:
     parser.add_argument("--num-threads", type=positive_int, default=None,
                         help="torch threads (default: torch's default, one per core)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
-    parser.add_argument("--json", metavar="PATH", default=None, help="write the rows as JSON to PATH")
-    parser.set_defaults(func=main)

@@ -1,7 +1,9 @@
 """`tokenmill bench offline`: the engine in this process, no server, on a mixed-length workload.
 
-All requests are submitted at once (`LLM.generate`), each with ignore_eos and its own max_tokens,
-so every run produces exactly the requested number of tokens. Options add, in the same process:
+A seeded workload goes through the offline API with all requests submitted at once
+(`LLM.generate`), each with ignore_eos and its own max_tokens, so every run produces exactly the
+requested number of tokens; reported: useful output tokens/s, latency and TTFT. `--model tiny`
+uses a random ~28M Llama built once in the cache. Options add, in the same process:
 
 - `--compare hf`: Hugging Face `generate` in padded static batches on the same prompts (the naive
   baseline), its padding waste, the tokenmill/HF throughput ratio and greedy agreement;
@@ -31,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.arg_types import add_report_args, positive_int
-from tokenmill.bench.serve import json_safe, percentiles, write_json
+from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.serve import LatencyStats, format_grid, json_safe, write_json
 
 TINY_MODEL = "tiny"
 # Token ids for synthetic prompts start here: SmolLM2's special tokens all sit below 100.
@@ -78,22 +80,6 @@ def describe_workload(workload: Sequence[OfflineRequest]) -> str:
 
 
 @dataclass
-class Stats:
-    """Mean/p50/p99 in seconds (NaN without samples)."""
-
-    mean: float
-    p50: float
-    p99: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Stats:
-        if len(values) == 0:
-            return cls(math.nan, math.nan, math.nan)
-        p = percentiles(values, (50, 99))
-        return cls(float(np.mean(values)), p[50], p[99])
-
-
-@dataclass
 class RunResult:
     name: str
     num_requests: int
@@ -103,8 +89,8 @@ class RunResult:
     duration_s: float
     output_throughput: float  # useful output tokens / s
     request_throughput: float
-    latency: Stats
-    ttft: Stats
+    latency: LatencyStats
+    ttft: LatencyStats
     max_num_seqs: int | None = None
     generated_tokens: int | None = None  # HF: every position decoded, padding included
     padding_waste: float | None = None  # HF: fraction of generated tokens nobody asked for
@@ -128,7 +114,8 @@ def _result(name: str, workload: Sequence[OfflineRequest], token_ids: list[list[
         duration_s=duration,
         output_throughput=produced / duration if duration > 0 else math.nan,
         request_throughput=len(workload) / duration if duration > 0 else math.nan,
-        latency=Stats.of(latencies), ttft=Stats.of(ttfts), token_ids=token_ids, **extra,
+        latency=LatencyStats.from_seconds(latencies), ttft=LatencyStats.from_seconds(ttfts),
+        token_ids=token_ids, **extra,
     )
 
 
@@ -415,35 +402,25 @@ def format_runs(runs: Sequence[RunResult]) -> str:
         ("Total time (s)", ".2f", lambda r: r.duration_s),
         ("Useful output tok/s", ".1f", lambda r: r.output_throughput),
         ("Requests/s", ".3f", lambda r: r.request_throughput),
-        ("Mean latency (s)", ".2f", lambda r: r.latency.mean),
-        ("P50 latency (s)", ".2f", lambda r: r.latency.p50),
-        ("P99 latency (s)", ".2f", lambda r: r.latency.p99),
-        ("Mean TTFT (s)", ".3f", lambda r: r.ttft.mean),
-        ("P50 TTFT (s)", ".3f", lambda r: r.ttft.p50),
-        ("P99 TTFT (s)", ".3f", lambda r: r.ttft.p99),
+        ("Mean latency (s)", ".2f", lambda r: r.latency.mean_ms / 1e3),
+        ("P50 latency (s)", ".2f", lambda r: r.latency.p50_ms / 1e3),
+        ("P99 latency (s)", ".2f", lambda r: r.latency.p99_ms / 1e3),
+        ("Mean TTFT (s)", ".3f", lambda r: r.ttft.mean_ms / 1e3),
+        ("P50 TTFT (s)", ".3f", lambda r: r.ttft.p50_ms / 1e3),
+        ("P99 TTFT (s)", ".3f", lambda r: r.ttft.p99_ms / 1e3),
     ]
     table = [["Metric", *(r.name for r in runs)]]
     table += [[label, *(_fmt(get(r), spec) for r in runs)] for label, spec, get in rows]
-    return _grid(table)
-
-
-def _grid(table: Sequence[Sequence[str]], title: str | None = None) -> str:
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    rule = "-" * len(line(table[0]))
-    head = [rule, title, rule] if title else [rule]
-    return "\n".join([*head, line(table[0]), rule, *(line(r) for r in table[1:]), rule])
+    return format_grid(table)
 
 
 def format_sweep(runs: Sequence[RunResult]) -> str:
     table = [["concurrency", "mean latency (s)", "p99 latency (s)", "mean TTFT (s)", "p99 TTFT (s)", "output tok/s"]]
     for r in runs:
-        table.append([str(r.max_num_seqs), _fmt(r.latency.mean, ".2f"), _fmt(r.latency.p99, ".2f"),
-                      _fmt(r.ttft.mean, ".3f"), _fmt(r.ttft.p99, ".3f"), _fmt(r.output_throughput, ".1f")])
-    return _grid(table, title="Concurrency sweep (max_num_seqs)")
+        table.append([str(r.max_num_seqs), _fmt(r.latency.mean_ms / 1e3, ".2f"), _fmt(r.latency.p99_ms / 1e3, ".2f"),
+                      _fmt(r.ttft.mean_ms / 1e3, ".3f"), _fmt(r.ttft.p99_ms / 1e3, ".3f"),
+                      _fmt(r.output_throughput, ".1f")])
+    return format_grid(table, title="Concurrency sweep (max_num_seqs)")
 
 
 def plot_sweep(runs: Sequence[RunResult], path: str | Path, title: str = "tokenmill bench offline --sweep") -> None:
@@ -456,9 +433,9 @@ def plot_sweep(runs: Sequence[RunResult], path: str | Path, title: str = "tokenm
     ax_tp, ax_lat = fig.subplots(1, 2)
     ax_tp.plot(conc, [r.output_throughput for r in runs], "o-")
     ax_tp.set(title="Output tokens/s vs concurrency", xlabel="max_num_seqs", ylabel="output tok/s", xscale="log")
-    ax_lat.plot(conc, [r.latency.mean for r in runs], "o-", label="mean latency")
-    ax_lat.plot(conc, [r.latency.p99 for r in runs], "s--", label="p99 latency")
-    ax_lat.plot(conc, [r.ttft.mean for r in runs], "^:", label="mean TTFT")
+    ax_lat.plot(conc, [r.latency.mean_ms / 1e3 for r in runs], "o-", label="mean latency")
+    ax_lat.plot(conc, [r.latency.p99_ms / 1e3 for r in runs], "s--", label="p99 latency")
+    ax_lat.plot(conc, [r.ttft.mean_ms / 1e3 for r in runs], "^:", label="mean TTFT")
     ax_lat.set(title="Latency vs concurrency", xlabel="max_num_seqs", ylabel="seconds", xscale="log")
     ax_lat.legend()
     for ax in (ax_tp, ax_lat):
@@ -491,6 +468,16 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def print_report(args: argparse.Namespace, table: str | None, data: dict[str, Any]) -> int:
+    """How every engine benchmark ends: print its table, write `data` and the environment as JSON
+    to --json (which `tokenmill bench` gives every engine benchmark) when given; returns the exit code."""
+    if table is not None:
+        print(table)
+    if args.json:
+        write_json(args.json, json_safe({"environment": environment(), **data}))
+    return 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -555,8 +542,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     progress = not args.no_progress
     model_dir = resolve_bench_model(args.model)
-    report: dict[str, Any] = {"environment": environment(), "model_dir": str(model_dir),
-                              "engine": engine_kwargs(args, model_dir)}
+    report: dict[str, Any] = {"model_dir": str(model_dir), "engine": engine_kwargs(args, model_dir)}
     print(f"model: {model_dir}", file=sys.stderr)
     device = resolve_device(args.device)
     workload = make_workload(args.num_prompts, args.min_input, args.max_input, args.min_output, args.max_output,
@@ -566,7 +552,6 @@ def main(args: argparse.Namespace) -> int:
                           "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
                           "requested_output_tokens": sum(r.output_len for r in workload)}
     print(describe_workload(workload), file=sys.stderr)
-    report["environment"]["num_threads"] = torch.get_num_threads()
 
     # The engine of this process serves the main run, the roofline and the long outputs; sweep
     # points and the model-impl and structured-output comparisons build their own.
@@ -614,8 +599,8 @@ def main(args: argparse.Namespace) -> int:
                                    f"concurrency {value}", progress)
             run.max_num_seqs = value
             sweep_runs.append(run)
-            print(f"  concurrency {value}: {run.output_throughput:.1f} tok/s, mean latency {run.latency.mean:.2f} s",
-                  file=sys.stderr)
+            print(f"  concurrency {value}: {run.output_throughput:.1f} tok/s, "
+                  f"mean latency {run.latency.mean_ms / 1e3:.2f} s", file=sys.stderr)
         print(format_sweep(sweep_runs))
         report["sweep"] = [r.to_dict() for r in sweep_runs]
         if args.plot:
@@ -637,21 +622,10 @@ def main(args: argparse.Namespace) -> int:
         print(format_roofline(result))
         report["roofline"] = result.to_dict()
 
-    if args.json:
-        write_json(args.json, json_safe(report))
-    return 0
+    return print_report(args, None, report)
 
 
-def register_offline(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "offline", help="benchmark the engine in-process (offline LLM.generate), optionally vs HF",
-        description="Run a seeded mixed-length workload through tokenmill's offline API with every request "
-                    "submitted at once (ignore_eos, per-request max_tokens) and report useful output tokens/s, "
-                    "latency and TTFT. --compare hf runs Hugging Face generate in static padded batches on the "
-                    "same prompts; --sweep varies max_num_seqs; --roofline compares the batch-1 decode step "
-                    "with the memory-bandwidth bound. --model tiny uses a random ~28M Llama built once in the "
-                    "cache.",
-    )
+def add_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--num-prompts", type=positive_int, default=64, metavar="N", help="requests (default: 64)")
     group.add_argument("--min-input", type=positive_int, default=4, metavar="TOKENS", help="shortest prompt (default: 4)")
@@ -690,13 +664,12 @@ def register_offline(bench_subparsers: Any) -> None:
                        help="prompt length of --long-outputs requests (default: 32)")
     bench.add_argument("--skip-main", action="store_true",
                        help="skip the main tokenmill run (e.g. only --sweep or --roofline)")
-    add_report_args(bench, "every number, the command line, date, torch version and threads")
     add_bench_engine_args(parser)
-    parser.set_defaults(func=main)
 
 
 def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags of the offline benchmarks: --model also takes 'tiny', a bench KV budget."""
+    """The engine flags of the offline benchmarks: --model also takes 'tiny', a bench KV budget;
+    --no-progress."""
     from tokenmill.engine.config import EngineConfig
 
     EngineConfig.add_cli_args(parser, model={
@@ -706,3 +679,4 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     }, seed={
         "help": "seed of the prompts and of the engine's unseeded sampling (default: 0)",
     })
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")

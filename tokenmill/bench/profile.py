@@ -27,16 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.arg_types import add_report_args, positive_int
+from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.offline import (
     MIN_PROMPT_TOKEN_ID,
-    _grid,
     add_bench_engine_args,
-    environment,
     make_llm,
+    print_report,
     resolve_bench_model,
 )
-from tokenmill.bench.serve import write_json
+from tokenmill.bench.serve import format_grid
 
 CATEGORIES = ("attention", "gemm", "elementwise", "sampler", "host")
 _SCOPES = {"tokenmill::attention": "attention", "tokenmill::sampler": "sampler"}
@@ -234,9 +233,9 @@ def format_profiles(results: list[WorkloadProfile]) -> str:
     header = ["workload", "ms/step", "tok/step", *(f"{c} %" for c in CATEGORIES)]
     rows = [[r.name, f"{r.ms_per_step:.2f}", f"{r.tokens_per_step:.1f}", *(f"{100 * r.shares[c]:.1f}" for c in CATEGORIES)]
             for r in results]
-    parts = [_grid([header, *rows], "Step profile (shares of the profiled step)")]
+    parts = [format_grid([header, *rows], "Step profile (shares of the profiled step)")]
     for r in results:
-        parts.append(_grid([["op (self time)", "ms/step"], *([op, f"{ms:.3f}"] for op, ms in r.top_ops)],
+        parts.append(format_grid([["op (self time)", "ms/step"], *([op, f"{ms:.3f}"] for op, ms in r.top_ops)],
                            f"{r.name}: top ops"))
     return "\n\n".join(parts)
 
@@ -253,29 +252,17 @@ def main(args: argparse.Namespace) -> int:
     attention = "fused CPU kernel" if llm.engine.runner.fused_attention else "gather + SDPA"
     print(f"dtype {str(llm.engine.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
           f"attention: {attention} (TOKENMILL_CPU_KERNELS=0 for gather + SDPA)")
-    print(format_profiles(results))
-    if args.json:
-        write_json(args.json, {"environment": environment(), "dtype": str(llm.engine.dtype),
-                               "num_threads": torch.get_num_threads(), "attention": attention,
-                               "profiles": [asdict(r) for r in results]})
-    return 0
+    return print_report(args, format_profiles(results),
+                        {"dtype": str(llm.engine.dtype), "num_threads": torch.get_num_threads(),
+                         "attention": attention, "profiles": [asdict(r) for r in results]})
 
 
-def register_profile(bench_subparsers: Any) -> None:
-    parser = bench_subparsers.add_parser(
-        "profile", help="share of a step in attention, GEMMs, elementwise ops, sampler and host Python",
-        description="Profile the engine's steps (torch.profiler) on batch-1 decode, batch-64 decode and the "
-                    "first steps of a mixed workload, and split each step's time into attention, GEMMs, "
-                    "elementwise ops, the sampler and host time (Python, scheduling); ms/step is measured "
-                    "without the profiler.",
-    )
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", nargs="+", choices=["decode-bs1", "decode-bs64", "mixed"],
                         default=["decode-bs1", "decode-bs64", "mixed"], help="which workloads (default: all three)")
     parser.add_argument("--steps", type=positive_int, default=32, metavar="N",
                         help="steps timed, then profiled, per workload (default: 32)")
     parser.add_argument("--context", type=positive_int, default=256, metavar="TOKENS",
                         help="prompt length of the batch-1 decode (default: 256)")
-    add_report_args(parser, "the profiles")
     add_bench_engine_args(parser)
-    parser.set_defaults(func=main)
 

@@ -504,19 +504,26 @@ def _latency_rows() -> list[tuple[str, Callable[[BenchReport], float], str]]:
 
 METRIC_ROWS += _latency_rows()
 
-def format_table(columns: Mapping[str, BenchReport], extra_rows: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
-    """A plain-text table: one row per metric, one column per report."""
-    header = ["Metric", *columns.keys()]
-    rows = [[label, *(fmt.format(get(rep)) for rep in columns.values())] for label, get, fmt in METRIC_ROWS]
-    rows += [[label, *values] for label, values in extra_rows]
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+def format_grid(table: Sequence[Sequence[str]], title: str | None = None) -> str:
+    """A plain-text table of a header row and rows of cells: the first column left-aligned, the
+    others right-aligned, between rules (every benchmark prints its results this way)."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
 
     def line(cells: Sequence[str]) -> str:
         padded = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
         return "  ".join(padded)
 
-    rule = "-" * len(line(header))
-    return "\n".join([rule, line(header), rule, *(line(r) for r in rows), rule])
+    rule = "-" * len(line(table[0]))
+    head = [rule, title, rule] if title else [rule]
+    return "\n".join([*head, line(table[0]), rule, *(line(r) for r in table[1:]), rule])
+
+
+def format_table(columns: Mapping[str, BenchReport], extra_rows: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
+    """One row per metric, one column per report."""
+    rows = [[label, *(fmt.format(get(rep)) for rep in columns.values())] for label, get, fmt in METRIC_ROWS]
+    rows += [[label, *values] for label, values in extra_rows]
+    return format_grid([["Metric", *columns.keys()], *rows])
 
 
 def write_json(path: str | Path, data: Mapping[str, Any]) -> None:
