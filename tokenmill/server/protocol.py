@@ -483,14 +483,22 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM extra, when asked for
 
 
-class CompletionResponse(BaseModel):
+class _ChoicesEnvelope(BaseModel):
+    """What OpenAI's completion responses and stream chunks put around their choices; each kind
+    narrows `object` and `choices` (the fields keep this order)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Any]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+
+
+class CompletionResponse(_ChoicesEnvelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -519,21 +527,21 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChoice(BaseModel):
+class _ChatChoiceBase(BaseModel):
+    """What a chat choice has, whole (`message`) or streamed (`delta`)."""
+
     index: int
-    message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatChoice(_ChatChoiceBase):
+    message: AssistantMessage
+
+
+class ChatCompletionResponse(_ChoicesEnvelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # vLLM extra (of the rendered conversation), when asked for
 
 
@@ -566,31 +574,17 @@ class ChatDelta(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatStreamChoice(_ChatChoiceBase):
     delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_ChoicesEnvelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
+class CompletionChunk(CompletionResponse):
+    """A streamed piece of a completion: OpenAI sends it in the response's own shape."""
 
 
 class EmbeddingData(BaseModel):

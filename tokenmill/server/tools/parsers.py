@@ -206,8 +206,9 @@ class _Mode(Enum):
 
 
 class _CallsInText(ToolCallParser):
-    """Formats whose calls are JSON objects within the text. Subclasses move between modes in
-    `_run` and say what a call that turned out to be no call was (`_text_of_non_call`)."""
+    """Formats whose calls are JSON objects within the text. Subclasses read what comes before a
+    call (`_before_call`) and after one (`_after_call`) and say what a call that turned out to be
+    no call was (`_text_of_non_call`)."""
 
     def __init__(self, max_calls: int | None, mode: _Mode) -> None:
         super().__init__(max_calls)
@@ -232,9 +233,29 @@ class _CallsInText(ToolCallParser):
         self._pending = ""
         return out
 
-    @abstractmethod
     def _run(self, out: ParsedDelta, final: bool) -> None:
         """Consume `_pending` as far as it can be decided (all of it when `final`)."""
+        while True:
+            if self._mode is _Mode.CALL:
+                if self._scan_call(out):
+                    return
+            elif self._mode is _Mode.PLAIN:
+                out.content += self._content.add(self._pending)
+                self._pending = ""
+                return
+            elif self._mode is _Mode.AFTER_CALL:
+                if not self._after_call(out, final):
+                    return
+            elif not self._before_call(out, final):  # START or TEXT
+                return
+
+    @abstractmethod
+    def _before_call(self, out: ParsedDelta, final: bool) -> bool:
+        """START or TEXT: look for the start of a call; False while more text is needed."""
+
+    @abstractmethod
+    def _after_call(self, out: ParsedDelta, final: bool) -> bool:
+        """AFTER_CALL: a closing tag, a separator or text; False while more text is needed."""
 
     @abstractmethod
     def _text_of_non_call(self) -> str:
@@ -269,10 +290,6 @@ class _CallsInText(ToolCallParser):
             out.content += self._content.restore() + self._content.add(self._text_of_non_call())
         self._mode = _Mode.PLAIN
 
-    def _plain(self, out: ParsedDelta) -> None:
-        out.content += self._content.add(self._pending)
-        self._pending = ""
-
 
 @register("hermes")
 class HermesParser(_CallsInText):
@@ -287,33 +304,29 @@ class HermesParser(_CallsInText):
     def __init__(self, max_calls: int | None = None) -> None:
         super().__init__(max_calls, _Mode.TEXT)
 
-    def _run(self, out: ParsedDelta, final: bool) -> None:
-        while True:
-            if self._mode is _Mode.TEXT:
-                start = self._pending.find(self.OPEN)
-                if start < 0:
-                    keep = 0 if final else _partial_suffix(self._pending, self.OPEN)
-                    cut = len(self._pending) - keep
-                    out.content += self._content.add(self._pending[:cut])
-                    self._pending = self._pending[cut:]
-                    return
-                out.content += self._content.add(self._pending[:start])
-                self._content.call_starts()
-                self._pending = self._pending[start + len(self.OPEN):]
-                self._start_call()
-            elif self._mode is _Mode.CALL:
-                if self._scan_call(out):
-                    return
-            elif self._mode is _Mode.AFTER_CALL:
-                rest = self._pending.lstrip()
-                if rest.startswith(self.CLOSE):
-                    self._pending = rest[len(self.CLOSE):]
-                elif not final and self.CLOSE.startswith(rest):
-                    return  # whitespace or part of the closing tag so far
-                self._content.call_ends()
-                self._mode = _Mode.TEXT
-            else:
-                return self._plain(out)
+    def _before_call(self, out: ParsedDelta, final: bool) -> bool:
+        start = self._pending.find(self.OPEN)
+        if start < 0:
+            keep = 0 if final else _partial_suffix(self._pending, self.OPEN)
+            cut = len(self._pending) - keep
+            out.content += self._content.add(self._pending[:cut])
+            self._pending = self._pending[cut:]
+            return False
+        out.content += self._content.add(self._pending[:start])
+        self._content.call_starts()
+        self._pending = self._pending[start + len(self.OPEN):]
+        self._start_call()
+        return True
+
+    def _after_call(self, out: ParsedDelta, final: bool) -> bool:
+        rest = self._pending.lstrip()
+        if rest.startswith(self.CLOSE):
+            self._pending = rest[len(self.CLOSE):]
+        elif not final and self.CLOSE.startswith(rest):
+            return False  # whitespace or part of the closing tag so far
+        self._content.call_ends()
+        self._mode = _Mode.TEXT
+        return True
 
     def _text_of_non_call(self) -> str:
         return self.OPEN + self._call_text
@@ -331,36 +344,32 @@ class Llama3JsonParser(_CallsInText):
         super().__init__(max_calls, _Mode.START)
         self._lead = ""  # whitespace / python tag before the first call
 
-    def _run(self, out: ParsedDelta, final: bool) -> None:
-        while True:
-            if self._mode is _Mode.START:
-                rest = self._pending.lstrip()
-                if rest.startswith(self.PYTHON_TAG):
-                    rest = rest[len(self.PYTHON_TAG):].lstrip()
-                if not final and (not rest or self.PYTHON_TAG.startswith(rest)):
-                    return
-                if not rest.startswith("{"):
-                    self._mode = _Mode.PLAIN
-                    continue
-                self._lead = self._pending[: len(self._pending) - len(rest)]
-                self._pending = rest
-                self._start_call()
-            elif self._mode is _Mode.CALL:
-                if self._scan_call(out):
-                    return
-            elif self._mode is _Mode.AFTER_CALL:
-                rest = self._pending.lstrip()
-                after = rest[1:].lstrip() if rest.startswith(";") else None
-                if after is not None and after.startswith("{"):
-                    self._pending = after
-                    self._start_call()
-                    continue
-                if not final and not (after if after is not None else rest):
-                    return  # whitespace, or "; " with the next call not begun
-                self._content.call_ends()
-                self._mode = _Mode.PLAIN
-            else:
-                return self._plain(out)
+    def _before_call(self, out: ParsedDelta, final: bool) -> bool:
+        rest = self._pending.lstrip()
+        if rest.startswith(self.PYTHON_TAG):
+            rest = rest[len(self.PYTHON_TAG):].lstrip()
+        if not final and (not rest or self.PYTHON_TAG.startswith(rest)):
+            return False
+        if not rest.startswith("{"):
+            self._mode = _Mode.PLAIN
+            return True
+        self._lead = self._pending[: len(self._pending) - len(rest)]
+        self._pending = rest
+        self._start_call()
+        return True
+
+    def _after_call(self, out: ParsedDelta, final: bool) -> bool:
+        rest = self._pending.lstrip()
+        after = rest[1:].lstrip() if rest.startswith(";") else None
+        if after is not None and after.startswith("{"):
+            self._pending = after
+            self._start_call()
+            return True
+        if not final and not (after if after is not None else rest):
+            return False  # whitespace, or "; " with the next call not begun
+        self._content.call_ends()
+        self._mode = _Mode.PLAIN
+        return True
 
     def _text_of_non_call(self) -> str:
         assert self._call is not None
