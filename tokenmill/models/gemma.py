@@ -6,25 +6,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.models.llama import LLAMA_REQUIRED_KEYS, LlamaForCausalLM, LlamaLayer, llama_spec
+from tokenmill.models.llama import (LLAMA_REQUIRED_KEYS, LlamaForCausalLM, LlamaLayer, RMSNorm, llama_spec,
+                                    rms_normalize)
 from tokenmill.models.registry import Architecture, register
 from tokenmill.models.spec import ModelSpec
 
 GEMMA_REQUIRED_KEYS = LLAMA_REQUIRED_KEYS + ("head_dim",)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """HF's GemmaRMSNorm: weights stored as offsets from 1; normalised and scaled in fp32, then cast."""
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).type_as(x)
+        return (rms_normalize(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
 
 
 class GemmaLayer(LlamaLayer):

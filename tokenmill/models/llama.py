@@ -20,6 +20,12 @@ from tokenmill.models.spec import ModelSpec, layer_windows, rope_from_config
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x divided by its root mean square over the last dim, computed (and returned) in fp32."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -28,10 +34,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same op order as transformers' LlamaRMSNorm: normalise in fp32, then scale in the input dtype.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
