@@ -6,6 +6,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace tokenmill {
 
@@ -57,15 +58,23 @@ inline void dot_rows(const float* const* q_rows, const float* k, int64_t dim, fl
   }
 }
 
-inline void dot_rows_any(const float* const* q_rows, int n, const float* k, int64_t dim, float* dots) {
+// Calls group(std::integral_constant<int, N>{}, first) for rows [0, n) cut into groups of N rows:
+// kRowGroup at a time, then one group of what is left, so each group's row count is a compile-time N.
+template <typename Group>
+inline void for_row_groups(int n, Group&& group) {
+  static_assert(kRowGroup == 4, "the cases below cover the 1 to kRowGroup - 1 rows left");
   int r = 0;
-  for (; r + kRowGroup <= n; r += kRowGroup) dot_rows<kRowGroup>(q_rows + r, k, dim, dots + r);
+  for (; r + kRowGroup <= n; r += kRowGroup) group(std::integral_constant<int, kRowGroup>{}, r);
   switch (n - r) {
-    case 3: dot_rows<3>(q_rows + r, k, dim, dots + r); break;
-    case 2: dot_rows<2>(q_rows + r, k, dim, dots + r); break;
-    case 1: dot_rows<1>(q_rows + r, k, dim, dots + r); break;
+    case 3: group(std::integral_constant<int, 3>{}, r); break;
+    case 2: group(std::integral_constant<int, 2>{}, r); break;
+    case 1: group(std::integral_constant<int, 1>{}, r); break;
     default: break;
   }
+}
+
+inline void dot_rows_any(const float* const* q_rows, int n, const float* k, int64_t dim, float* dots) {
+  for_row_groups(n, [&](auto rows, int r) { dot_rows<decltype(rows)::value>(q_rows + r, k, dim, dots + r); });
 }
 
 // out[r] += p[r] * v for N rows, one load of each V chunk.
@@ -86,14 +95,7 @@ inline void axpy_rows(const float* p, const float* v, int64_t dim, float* const*
 }
 
 inline void axpy_rows_any(const float* p, int n, const float* v, int64_t dim, float* const* out) {
-  int r = 0;
-  for (; r + kRowGroup <= n; r += kRowGroup) axpy_rows<kRowGroup>(p + r, v, dim, out + r);
-  switch (n - r) {
-    case 3: axpy_rows<3>(p + r, v, dim, out + r); break;
-    case 2: axpy_rows<2>(p + r, v, dim, out + r); break;
-    case 1: axpy_rows<1>(p + r, v, dim, out + r); break;
-    default: break;
-  }
+  for_row_groups(n, [&](auto rows, int r) { axpy_rows<decltype(rows)::value>(p + r, v, dim, out + r); });
 }
 
 }  // namespace tokenmill
