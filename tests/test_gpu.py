@@ -1,4 +1,5 @@
-"""GPU correctness: fp32 exactness, CUDA graphs, overlap scheduling, fp16/bf16 and int8 on CUDA.
+"""GPU correctness: fp32 exactness, CUDA graphs, overlap scheduling, fp16/bf16 and int8 on CUDA,
+speculative decoding.
 
 Skipped without CUDA. `bench/gpu_check.sh` runs this module (and the benchmark) on a GPU machine.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import hf_greedy, mixed_prompts, run_staggered
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -25,20 +26,6 @@ def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-def _staggered(llm: LLM, prompts, params) -> list[list[int]]:
-    """Two new requests per step, so decode batches of many sizes and context widths occur."""
-    engine, pending, done = llm.engine, list(enumerate(prompts)), {}
-    while pending or engine.has_unfinished():
-        for _ in range(2):
-            if pending:
-                i, p = pending.pop(0)
-                engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
-    return [done[i] for i in range(len(prompts))]
-
-
 def test_fp32_cuda_greedy_matches_hf(tiny_model_dir):
     prompts = mixed_prompts(8, 1, 200, seed=41)
     got = _tokens(_cuda_llm(tiny_model_dir, dtype="float32"), prompts)
@@ -49,13 +36,25 @@ def test_fp32_cuda_greedy_matches_hf(tiny_model_dir):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_cuda_graphs_equal_eager_fp32(tiny_model_dir, overlap):
     prompts = mixed_prompts(40, 1, 300, seed=42)
-    eager = _staggered(_cuda_llm(tiny_model_dir, dtype="float32", overlap_scheduling=overlap), prompts, GREEDY)
+    eager = run_staggered(_cuda_llm(tiny_model_dir, dtype="float32", overlap_scheduling=overlap), prompts, GREEDY)
     graphed_llm = _cuda_llm(tiny_model_dir, dtype="float32", overlap_scheduling=overlap, cuda_graphs=True)
-    graphed = _staggered(graphed_llm, prompts, GREEDY)
+    graphed = run_staggered(graphed_llm, prompts, GREEDY)
     graphs = graphed_llm.engine.runner.graphs
     assert graphs is not None and len({b for b, _ in graphs.graphs}) >= 3, graphs.graphs
     assert graphed == eager
     assert not graphed_llm.engine.kv_cache.data[:, 0].any()  # padding rows never wrote the zero block
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_on_cuda_equals_plain_greedy(tiny_model_dir, method):
+    """Speculation on CUDA with decode graphs asked for: steps with draft tokens run eagerly, the
+    others may replay graphs; greedy tokens equal plain decoding (the model as its own draft)."""
+    prompts = [p * 3 for p in mixed_prompts(12, 3, 20, seed=45)] + mixed_prompts(8, 1, 120, seed=46)
+    plain = run_staggered(_cuda_llm(tiny_model_dir, dtype="float32"), prompts, GREEDY)
+    draft = {"speculative_model": str(tiny_model_dir)} if method == "draft" else {}
+    llm = _cuda_llm(tiny_model_dir, dtype="float32", cuda_graphs=True, speculative_method=method, **draft)
+    assert run_staggered(llm, prompts, GREEDY) == plain
+    assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
 
 
 def test_cuda_graphs_fp16_agree_with_eager(tiny_model_dir):

@@ -6,6 +6,8 @@ requests for the result cache, the mixed workload of `bench offline` for the res
 useful output tok/s, TTFT, the model's weight bytes and greedy agreement of "on" with "off".
 Server features (request tracing) run a `tokenmill serve` instead, streamed requests over HTTP
 (`served_features`); `--only` lists every feature.
+Speculative decoding runs chat requests one at a time (batch size 1; `speculative`): code
+rewrites, whose answers repeat the prompt, and free text, and reports the drafts' acceptance rate.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from tokenmill.bench.offline import (
 )
 from tokenmill.bench.serve import format_grid, load_tokenizer, synthetic_requests
 from tokenmill.bench.served_features import COLLECTOR_STUB, served_run
+from tokenmill.bench.speculative import BS1_WORKLOADS, bs1_run, bs1_workloads
 
 
 @dataclass
@@ -48,6 +51,8 @@ class FeatureRow:
     p50_latency_s: float
     weight_mib: float
     greedy_agreement_with_off: float | None = None  # exact-match fraction of requests
+    spec_acceptance_rate: float | None = None  # speculative decoding: accepted / proposed draft tokens
+    spec_mean_accepted_length: float | None = None  # tokens per verification step
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class Feature:
     name: str
     off: dict[str, Any]
     on: dict[str, Any]
-    workload: str  # "mixed" | "shared-prefix" | "repeat" | "serve"
+    workload: str  # "mixed" | "shared-prefix" | "repeat" | "serve" | one of BS1_WORKLOADS
     gpu_only: bool = False  # skipped (and said so) where no CUDA device is available
     # off/on are `tokenmill serve` settings, measured through a real server ("serve" workload).
     server: bool = False
@@ -74,6 +79,8 @@ FEATURES = [
     Feature("CUDA graphs (--cuda-graphs)", {"cuda_graphs": False}, {"cuda_graphs": True}, "mixed", gpu_only=True),
     Feature("request tracing (--otlp-traces-endpoint)", {}, {"otlp_traces_endpoint": COLLECTOR_STUB}, "serve",
             server=True),
+    *(Feature("ngram speculation (--speculative-method ngram)", {"speculative_method": None},
+              {"speculative_method": "ngram"}, workload) for workload in BS1_WORKLOADS),
 ]
 
 
@@ -97,11 +104,16 @@ def measure(args: argparse.Namespace, features: Sequence[Feature],
         "shared-prefix": shared_prefix_workload(args.num_prompts, 200, 16, 16, vocab, args.seed),
         "repeat": make_workload(args.num_prompts, 4, 200, 16, args.max_output, vocab, args.seed + 1),
     }
+    if any(f.workload in BS1_WORKLOADS for f in features):
+        workloads.update(bs1_workloads(load_tokenizer(model_dir), args.bs1_prompts, args.max_output))
     warm = make_workload(2, 4, 64, 8, 8, vocab, args.seed + 99)
     rows: list[FeatureRow] = []
     for feature in features:
         if feature.server:
             rows += _served_rows(args, model_dir, feature, log)
+            continue
+        if feature.workload in BS1_WORKLOADS:
+            rows += _bs1_rows(args, model_dir, feature, workloads[feature.workload], log)
             continue
         tokens: dict[str, list[list[int]]] = {}
         for setting, overrides in (("off", feature.off), ("on", feature.on)):
@@ -135,20 +147,41 @@ def _served_rows(args: argparse.Namespace, model_dir: Any, feature: Feature,
     return rows
 
 
+def _bs1_rows(args: argparse.Namespace, model_dir: Any, feature: Feature, workload: list[OfflineRequest],
+              log: Callable[[str], None]) -> list[FeatureRow]:
+    """Requests one at a time, off vs on (speculative decoding)."""
+    rows, tokens = [], {}
+    for setting, overrides in (("off", feature.off), ("on", feature.on)):
+        result = in_fresh_process(bs1_run, engine_kwargs(args, model_dir, **overrides), workload,
+                                  f"{feature.name} {setting}", False)
+        run, tokens[setting] = result.run, result.run.token_ids
+        agreement = greedy_agreement(tokens["on"], tokens["off"])["exact_match_fraction"] if setting == "on" else None
+        rows.append(FeatureRow(feature.name, setting, feature.workload, run.output_throughput, run.ttft.mean_ms / 1e3,
+                               run.latency.p50_ms / 1e3, (run.weight_bytes or 0) / 2**20, agreement,
+                               result.acceptance_rate, result.mean_accepted_length))
+        accepted = "" if result.acceptance_rate is None else (
+            f", {result.acceptance_rate:.0%} of drafts accepted, {result.mean_accepted_length:.2f} tokens per step")
+        log(f"  {feature.name} {setting} ({feature.workload}): {run.output_throughput:.1f} tok/s, "
+            f"p50 latency {run.latency.p50_ms / 1e3:.2f} s{accepted}")
+    return rows
+
+
 def format_rows(rows: Sequence[FeatureRow]) -> str:
     table = [["feature", "setting", "workload", "output tok/s", "speed-up", "mean TTFT (s)", "p50 latency (s)",
-              "weights (MiB)", "greedy = off"]]
+              "weights (MiB)", "greedy = off", "drafts accepted"]]
     off: dict[str, FeatureRow] = {}
     for r in rows:
         if r.setting == "off":
-            off[r.feature] = r
-        base = off.get(r.feature)
+            off[r.feature + r.workload] = r
+        base = off.get(r.feature + r.workload)
         speedup = r.output_tok_s / base.output_tok_s if base and r.setting == "on" else None
         table.append([r.feature, r.setting, r.workload, _fmt(r.output_tok_s, ".1f"),
                       _fmt(speedup, ".2f") + ("x" if speedup else ""), _fmt(r.mean_ttft_s, ".3f"),
                       _fmt(r.p50_latency_s, ".2f"), _fmt(r.weight_mib, ".1f"),
                       _fmt(None if r.greedy_agreement_with_off is None else r.greedy_agreement_with_off * 100, ".0f")
-                      + ("%" if r.greedy_agreement_with_off is not None else "")])
+                      + ("%" if r.greedy_agreement_with_off is not None else ""),
+                      "-" if r.spec_acceptance_rate is None else
+                      f"{r.spec_acceptance_rate:.0%} ({r.spec_mean_accepted_length:.2f}/step)"])
     return format_grid(table, title="Speed features, each off vs on (one flag changed per pair)")
 
 
@@ -174,6 +207,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=positive_int, default=32, metavar="N", help="requests per run (default: 32)")
     parser.add_argument("--max-output", type=positive_int, default=64, metavar="TOKENS",
                         help="longest output of the mixed workload (default: 64)")
+    parser.add_argument("--bs1-prompts", type=positive_int, default=4, metavar="N",
+                        help="requests of each batch-size-1 workload (speculation), run one at a time (default: 4)")
     parser.add_argument("--only", nargs="+", metavar="WORD", default=None,
                         help="run only the features whose name contains one of these words (e.g. int8 compile); the "
                              f"features: {'; '.join(f.name for f in FEATURES)}")

@@ -50,6 +50,22 @@ class EngineConfig:
         "N's tokens detokenized and streamed, while the model runs step N (default: on with CUDA; off on CPU, "
         "where the model's threads already use every core and sharing them measured 0.7x)",
         action=argparse.BooleanOptionalAction)
+    speculative_method: str | None = option(
+        None, "speculative decoding: propose up to --num-speculative-tokens tokens per decoding sequence and "
+        "verify them all in one forward pass of the model (greedy output unchanged, sampled output from the same "
+        "distribution); ngram = continuations of the latest n-gram found earlier in the prompt and output (no "
+        "extra model), draft = a small model with the same tokenizer (--speculative-model). Turns overlap "
+        "scheduling off (default: off)", choices=["ngram", "draft"])
+    num_speculative_tokens: int = option(
+        4, "most tokens proposed per sequence and step with --speculative-method (default: 4)", metavar="K")
+    speculative_model: str | None = option(
+        None, "--speculative-method draft: local Hugging Face directory of the draft model (same vocabulary "
+        "and tokenizer as --model)", metavar="DIR")
+    ngram_prompt_lookup_min: int = option(
+        2, "--speculative-method ngram: shortest n-gram to look up (default: 2)", metavar="N")
+    ngram_prompt_lookup_max: int = option(
+        4, "--speculative-method ngram: longest n-gram to look up; longer matches are tried first (default: 4)",
+        metavar="N")
     seed: int = option(0, "engine seed for unseeded sampling")
     tensor_parallel_size: int = option(
         1, "split attention heads and MLP columns over N processes on this machine (gloo on CPU, NCCL with "

@@ -87,8 +87,9 @@ class GrammarMask:
     """The allowed-token bitmask of one step's constrained sampling rows (rows of `SamplingInput`).
     Filled once by the scheduling thread (`fill`); the sampler waits for it (`wait`)."""
 
-    def __init__(self, rows: tuple[int, ...], num_rows: int, vocab_size: int) -> None:
+    def __init__(self, rows: tuple[int, ...], num_rows: int, vocab_size: int, items: tuple[int, ...]) -> None:
         self.rows = rows
+        self.items = items  # the step's sampled sequence (`SchedulerOutput.sampled` index) of each row
         self.num_rows = num_rows
         self.vocab_size = vocab_size
         self._result: Future = Future()
@@ -98,7 +99,7 @@ class GrammarMask:
         return self._result.done()
 
     def fill(self, matchers: list[Any | None]) -> None:
-        """`matchers[i]`: the matcher of row `rows[i]`, at the state before this step's token, or
+        """`matchers[i]`: the matcher of row `rows[i]` (of sequence `items[i]`), at the state before this step's token, or
         None for a row whose sequence ended meanwhile (its token is discarded: left unmasked)."""
         if self.filled:
             return

@@ -37,6 +37,9 @@ from tokenmill.engine.setup import (
     num_kv_blocks,
     resolve_device,
 )
+from tokenmill.engine.spec_decode import check_speculative_config
+from tokenmill.engine.spec_decode.draft import DraftProposer, check_draft_model, load_draft_model
+from tokenmill.engine.spec_decode.ngram import NgramProposer
 from tokenmill.engine.tensor_parallel import TensorParallelGroup, rank_device
 from tokenmill.models.hub import resolve_model
 
@@ -67,7 +70,7 @@ def _timed(fn: Callable[[StepInput], Any], step: StepInput) -> tuple[Any, float]
 class StepStats:
     batch_size: int  # sequences in the step
     num_prefill_tokens: int  # prompt tokens computed in the step (bench profile counts tokens per step)
-    num_decode_tokens: int
+    num_decode_tokens: int  # decoding sequences' tokens, draft tokens included
     step_time_s: float  # model-thread time (forward pass and sampling)
 
 
@@ -85,6 +88,10 @@ class EngineStats:
     result_cache_hits_total: int = 0
     result_cache_misses_total: int = 0
     result_cache_entries: int = 0
+    spec_decode_num_drafts: int = 0  # speculative decoding: verification steps of a sequence
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()  # [i]: drafts accepted at position i
 
 
 class LLMEngine:
@@ -101,6 +108,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
         self.tp_group: TensorParallelGroup | None = None
+        check_speculative_config(config)
         check_tensor_parallel(config, self.model_dir, self.device)
         if config.tensor_parallel_size > 1:
             self.device = rank_device(self.device, 0)
@@ -112,6 +120,9 @@ class LLMEngine:
             raise
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or self.spec.max_position, self.spec.max_position)
+        self._draft: tuple[torch.nn.Module, Any] | None = None  # (model, spec) with --speculative-method draft
+        if config.speculative_method == "draft":
+            self._draft = self._load_draft()
         self._build_cache()
         self.input_processor = InputProcessor(self.tokenizer, self.spec.vocab_size, self.max_model_len)
         self.eos_token_ids = set(self.spec.eos_token_ids)
@@ -126,7 +137,12 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.num_steps = 0
         overlap = config.overlap_scheduling
-        if overlap is None:  # auto: a GPU runs the model while the CPU prepares; a CPU has no core to spare
+        if config.speculative_method is not None:
+            if overlap:
+                logger.warning("--overlap-scheduling is off with speculative decoding: drafts are proposed from "
+                               "each step's tokens, so a step cannot be planned before the previous one lands")
+            overlap = False
+        elif overlap is None:  # auto: a GPU runs the model while the CPU prepares; a CPU has no core to spare
             overlap = self.device.type == "cuda"
         if overlap:
             # The model runs on its own thread, one step ahead of the completions.
@@ -134,9 +150,24 @@ class LLMEngine:
                                                     initargs=(torch.get_num_threads(), self.device))
         faults.install(self)  # test-only hook, off unless TOKENMILL_FAULT_INJECTION=1
 
+    def _load_draft(self) -> tuple[torch.nn.Module, Any]:
+        draft_dir = resolve_model(self.config.speculative_model)
+        try:
+            draft_spec = check_draft_model(draft_dir, self.spec, self.tokenizer)
+            model = load_draft_model(self.config, draft_dir, self.dtype, self.device)
+        except BaseException:
+            self.close()
+            raise
+        if draft_spec.max_position < self.max_model_len:
+            logger.warning("the draft model's context is %d tokens: max_model_len lowered from %d",
+                           draft_spec.max_position, self.max_model_len)
+            self.max_model_len = draft_spec.max_position
+        return model, draft_spec
+
     def _build_cache(self) -> None:
-        spec, bs = self.spec, self.block_size
-        num_blocks, per_block = num_kv_blocks(self.config, spec, self.dtype, self.device, self.max_model_len)
+        spec, bs, config = self.spec, self.block_size, self.config
+        draft_bytes = DraftProposer.bytes_per_block(self._draft[1], bs, self.dtype) if self._draft else 0
+        num_blocks, per_block = num_kv_blocks(config, spec, self.dtype, self.device, self.max_model_len, draft_bytes)
         usable_tokens = (num_blocks - 1) * bs  # block 0 is the allocator's zero block
         if usable_tokens < self.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", usable_tokens, self.max_model_len)
@@ -145,12 +176,25 @@ class LLMEngine:
             self.tp_group.broadcast(num_blocks)  # every rank's cache has the same block ids
         self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
         self.kv_cache = KVCache(spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
-        self.scheduler = Scheduler(self.allocator, self.config.max_num_seqs, max(self.config.max_num_batched_tokens, 1),
-                                   self.max_model_len, spec.eos_token_ids)
+        ngram = config.speculative_method == "ngram"
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, max(config.max_num_batched_tokens, 1),
+                                   self.max_model_len, spec.eos_token_ids,
+                                   config.num_speculative_tokens if config.speculative_method else 0,
+                                   NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+                                   if ngram else None)
+        self.drafter = None
+        if self._draft is not None:
+            self.drafter = DraftProposer(*self._draft, num_blocks, bs, self.dtype, self.device)
         self.sampler = Sampler(spec.vocab_size, self.config.seed, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device, self.tp_group,
                                   self._decode_graphs())
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, bs, num_blocks * per_block / 2**20)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB%s)", num_blocks, bs, num_blocks * per_block / 2**20,
+                    ", the draft model's included" if self._draft else "")
+        if config.speculative_method:
+            source = (f"n-grams of {config.ngram_prompt_lookup_min}-{config.ngram_prompt_lookup_max} tokens looked "
+                      "up in the prompt and output" if ngram else f"draft model {config.speculative_model}")
+            logger.info("speculative decoding: up to %d draft tokens per sequence and step from %s",
+                        config.num_speculative_tokens, source)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not self.config.cuda_graphs:
@@ -315,12 +359,24 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return None
-        step_input = self.runner.prepare(scheduled, self.allocator.take_fresh(), self.scheduler.take_released())
+        fresh = self.allocator.take_fresh()
+        if self.drafter is not None:
+            scheduled = self._propose(scheduled, fresh)
+        step_input = self.runner.prepare(scheduled, fresh, self.scheduler.take_released())
         launched = LaunchedStep(scheduled, step_input, Future())
         if not self._inflight:  # no step before it is running: its rows' earlier tokens are all known
             self._fill_grammar_mask(launched)
         launched.future = self._submit(step_input)
         return launched
+
+    def _propose(self, scheduled: SchedulerOutput, fresh: list[int]) -> SchedulerOutput:
+        """The step with the draft model's tokens; without drafts if the draft model failed (the
+        requests go on without speculation for this step; it cannot make a token wrong)."""
+        try:
+            return self.drafter.propose(scheduled, fresh)
+        except Exception:  # noqa: BLE001 - a proposal is an optimisation, never worth a request
+            logger.exception("the draft model failed: this step runs without speculation")
+            return scheduled.without_drafts()
 
     @staticmethod
     def _fill_grammar_mask(step: LaunchedStep) -> None:
@@ -330,7 +386,7 @@ class LLMEngine:
         if mask is None or mask.filled:
             return
         sampled = step.scheduled.sampled
-        mask.fill([None if sampled[row].seq.is_finished else sampled[row].seq.grammar for row in mask.rows])
+        mask.fill([None if sampled[item].seq.is_finished else sampled[item].seq.grammar for item in mask.items])
 
     def _submit(self, step: StepInput) -> Future:
         if self._model_thread is not None:
@@ -348,11 +404,15 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the engine
             return self._recover(step, exc)
         sampled = result.sampled
-        tokens, logprobs = (sampled.tokens, sampled.logprobs) if sampled is not None else (None, None)
-        touched = self.scheduler.update_from_output(step.scheduled, tokens, logprobs, result.prefill)
+        if sampled is None:
+            touched = self.scheduler.update_from_output(step.scheduled, None, None, result.prefill)
+        else:
+            touched = self.scheduler.update_from_output(step.scheduled, sampled.tokens, sampled.logprobs, result.prefill,
+                                                        sampled.accepted, sampled.accepted_logprobs)
         self.num_steps += 1
         batch = step.scheduled
-        self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills), len(batch.decodes), seconds))
+        self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills),
+                               len(batch.decodes) + sum(i.num_new_tokens for i in batch.speculative), seconds))
         requests = {seq.request_id: self.requests[seq.request_id] for seq in touched if seq.request_id in self.requests}
         return [out for r in requests.values() if (out := self._output(r)) is not None]
 
@@ -398,6 +458,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         a = self.allocator
         rc = self.result_cache.stats()
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_waiting=len(self.scheduler.waiting) + sum(len(r.seqs) for r in self._awaiting_grammar),
             num_running=len(self.scheduler.running),
@@ -411,6 +472,10 @@ class LLMEngine:
             result_cache_hits_total=rc.hits,
             result_cache_misses_total=rc.misses,
             result_cache_entries=rc.entries,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(spec.accepted_per_position),
         )
 
 

@@ -10,6 +10,7 @@ previous step's sampled tokens, on the device, without a round trip through Pyth
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from tokenmill.engine.cuda_graphs import DecodeGraphs, GraphInputs
 from tokenmill.engine.kv_cache import KVCache
 from tokenmill.engine.prefill_outputs import PrefillResults, PrefillWork
 from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingInput
-from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.engine.tensors import to_device
 from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.models.attention import AttentionMetadata, DecodeGroup, PagedQueries, PrefillSegment
@@ -92,6 +93,27 @@ class StepInput:
         return bool((self.input_ids < 0).any())
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens of one sequence that a forward pass runs, at positions start, start + 1, ...; the
+    logits of its last `num_sampled` rows are wanted."""
+
+    token_ids: Seq[int]
+    start: int
+    block_table: list[int]
+    num_sampled: int = 0
+
+
+@dataclass(frozen=True)
+class ForwardInput:
+    """Host tensors of one eager forward pass."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the hidden states whose logits are wanted, in chunk order
+
+
 def _paged_queries(rows: list[tuple[int, int, list[int], int]], block_size: int) -> PagedQueries:
     """The fused kernel's view of a step, built once for all layers: per sequence its first query
     row, query count, block table (only the blocks its context uses, padded with the zero block) and
@@ -103,6 +125,85 @@ def _paged_queries(rows: list[tuple[int, int, list[int], int]], block_size: int)
         query_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in used], dtype=torch.int32),
         context_lens=torch.tensor([r[3] for r in rows], dtype=torch.int32))
+
+
+def _decode_groups(tables: list[list[int]], ctx_lens: torch.Tensor, block_size: int) -> list[DecodeGroup]:
+    """Decodes (sorted by context) in length groups, each padded only to its own longest table."""
+    groups = []
+    for start, end in split_by_length([len(t) for t in tables]):
+        members = tables[start:end]
+        width = max(len(t) for t in members)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in members], dtype=torch.long)
+        # Unused tail slots of a sequence's last block were zeroed when the block was allocated
+        # and padded table entries are the zero block: masked positions never hold NaN garbage.
+        valid = torch.arange(width * block_size)[None, :] < ctx_lens[start:end, None]
+        groups.append(DecodeGroup(start, end, padded.flatten(), valid.view(end - start, 1, 1, -1)))
+    return groups
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def build_forward(chunks: Seq[Chunk], decodes: Seq[Chunk], block_size: int, fused_attention: bool) -> ForwardInput:
+    """Flatten chunks of several tokens (prefill chunks, speculative decodes) and then one-token
+    decodes (best sorted by block table length) into one forward pass over the paged cache."""
+    bs = block_size
+    ids: list[int] = []
+    pos_chunks: list[torch.Tensor] = []
+    slot_chunks: list[torch.Tensor] = []
+    segments: list[PrefillSegment] = []
+    paged: list[tuple[int, int, list[int], int]] = []  # fused kernel: (first row, queries, table, context)
+    sample_rows: list[int] = []
+    for chunk in chunks:
+        n, c, start = len(chunk.token_ids), chunk.start, len(ids)
+        ids.extend(chunk.token_ids)
+        table = torch.tensor(chunk.block_table, dtype=torch.long)
+        positions = torch.arange(c, c + n)
+        pos_chunks.append(positions)
+        slot_chunks.append(_slots(table, positions, bs))
+        if c == 0:
+            segments.append(PrefillSegment(start, start + n, None, None))
+        elif fused_attention:
+            paged.append((start, n, chunk.block_table, c + n))
+        else:
+            ctx = torch.arange(c + n)
+            mask = ctx[None, :] <= positions[:, None]
+            segments.append(PrefillSegment(start, start + n, _slots(table, ctx, bs), mask))
+        sample_rows.extend(range(start + n - chunk.num_sampled, start + n))
+    num_prefill = len(ids)
+
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs, prefills=segments,
+                             num_prefill_tokens=num_prefill)
+    if decodes:
+        tables = [d.block_table for d in decodes]
+        computed = [d.start for d in decodes]
+        ctx_lens = torch.tensor([c + 1 for c in computed])
+        positions = ctx_lens - 1  # each decode's new token
+        last_blocks = torch.tensor([t[c // bs] for t, c in zip(tables, computed)], dtype=torch.long)
+        pos_chunks.append(positions)
+        slot_chunks.append(last_blocks * bs + positions % bs)
+        ids.extend(d.token_ids[0] for d in decodes)
+        if fused_attention:
+            paged.extend((num_prefill + j, 1, t, c + 1) for j, (t, c) in enumerate(zip(tables, computed)))
+        else:
+            meta.decode_groups = _decode_groups(tables, ctx_lens, bs)
+        sample_rows.extend(num_prefill + j for j, d in enumerate(decodes) if d.num_sampled)
+
+    meta.slot_mapping = torch.cat(slot_chunks)
+    meta.paged = _paged_queries(paged, bs) if paged else None
+    return ForwardInput(torch.tensor(ids, dtype=torch.long), torch.cat(pos_chunks), meta,
+                        torch.tensor(sample_rows, dtype=torch.long))
+
+
+def _chunk(item: ScheduledSeq) -> Chunk:
+    """A scheduled sequence's tokens in the step: its own, then its draft tokens."""
+    c, seq = item.num_computed_before, item.seq
+    tokens = seq.token_ids[c : c + item.num_known_tokens]
+    if item.num_spec_tokens:
+        assert len(item.draft_tokens) == item.num_spec_tokens, "draft tokens were never filled in"
+        tokens = tokens + list(item.draft_tokens)
+    return Chunk(tokens, c, seq.block_table, (1 + item.num_spec_tokens) if item.samples else 0)
 
 
 @dataclass(frozen=True)
@@ -135,23 +236,6 @@ class ModelRunner:
 
     # -- scheduling thread ---------------------------------------------------------------------
 
-    def _slots(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return block_table[positions // self.block_size] * self.block_size + positions % self.block_size
-
-    def _decode_groups(self, tables: list[list[int]], ctx_lens: torch.Tensor) -> list[DecodeGroup]:
-        """Decodes (sorted by context) in length groups, each padded only to its own longest table."""
-        bs = self.block_size
-        groups = []
-        for start, end in split_by_length([len(t) for t in tables]):
-            members = tables[start:end]
-            width = max(len(t) for t in members)
-            padded = torch.tensor([t + [0] * (width - len(t)) for t in members], dtype=torch.long)
-            # Unused tail slots of a sequence's last block were zeroed when the block was allocated
-            # and padded table entries are the zero block: masked positions never hold NaN garbage.
-            valid = torch.arange(width * bs)[None, :] < ctx_lens[start:end, None]
-            groups.append(DecodeGroup(start, end, padded.flatten(), valid.view(end - start, 1, 1, -1)))
-        return groups
-
     def prepare(self, batch: SchedulerOutput, fresh_blocks: list[int], released_seq_ids: list[int]) -> StepInput:
         """Flatten the step's tokens (prefill chunks first, then decodes) and build attention metadata.
         Reads the scheduled sequences (block tables, token ids) without changing anything."""
@@ -160,7 +244,8 @@ class ModelRunner:
         if sampled:
             sampling = SamplingInput.of([item.seq for item in sampled],
                                         [item.num_tokens_before - len(item.seq.prompt_token_ids) for item in sampled],
-                                        self.sampler.vocab_size)
+                                        self.sampler.vocab_size,
+                                        [item.draft_tokens for item in sampled] if batch.speculative else None)
         prefill = PrefillWork.of(batch.all)
         common = dict(rows=tuple(RowRef(item.seq.seq_id, item.seq.request_id) for item in batch.all),
                       fresh_blocks=tuple(fresh_blocks), sampling=sampling, released_seq_ids=tuple(released_seq_ids),
@@ -170,13 +255,14 @@ class ModelRunner:
             rows = [j for j, item in enumerate(batch.decodes) if item.samples]
             return StepInput(input_ids=graph.input_ids, positions=graph.positions, meta=None,
                              sample_rows=torch.tensor(rows, dtype=torch.long), graph=graph, **common)
-        input_ids, positions, meta, sample_rows = self._prepare_eager(batch)
-        return StepInput(input_ids=input_ids, positions=positions, meta=meta,
-                         sample_rows=torch.tensor(sample_rows, dtype=torch.long), **common)
+        forward = build_forward([_chunk(item) for item in batch.chunks], [_chunk(item) for item in batch.decodes],
+                                self.block_size, self.fused_attention)
+        return StepInput(input_ids=forward.input_ids, positions=forward.positions, meta=forward.meta,
+                         sample_rows=forward.sample_rows, **common)
 
     def _prepare_graph(self, batch: SchedulerOutput) -> GraphInputs | None:
         """Padded inputs of a decode-only step that a CUDA graph can run, else None."""
-        if self.graphs is None or batch.prefills or not batch.decodes:
+        if self.graphs is None or batch.chunks or not batch.decodes:
             return None
         tables = [item.seq.block_table for item in batch.decodes]
         if not self.graphs.fits(len(tables), max(len(t) for t in tables)):
@@ -186,55 +272,6 @@ class ModelRunner:
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
         return self.graphs.pad([item.seq.token_ids[p] for item, p in zip(batch.decodes, positions)],
                                [p + 1 for p in positions], slots, tables)
-
-    def _prepare_eager(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos_chunks: list[torch.Tensor] = []
-        slot_chunks: list[torch.Tensor] = []
-        segments: list[PrefillSegment] = []
-        paged: list[tuple[int, int, list[int], int]] = []  # fused kernel: (first row, queries, table, context)
-        sample_rows: list[int] = []
-        for item in batch.prefills:
-            seq, n = item.seq, item.num_new_tokens
-            start, c = len(ids), item.num_computed_before
-            ids.extend(seq.token_ids[c : c + n])
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            positions = torch.arange(c, c + n)
-            pos_chunks.append(positions)
-            slot_chunks.append(self._slots(table, positions))
-            if c == 0:
-                segments.append(PrefillSegment(start, start + n, None, None))
-            elif self.fused_attention:
-                paged.append((start, n, seq.block_table, c + n))
-            else:
-                ctx = torch.arange(c + n)
-                mask = ctx[None, :] <= positions[:, None]
-                segments.append(PrefillSegment(start, start + n, self._slots(table, ctx), mask))
-            if item.samples:
-                sample_rows.append(start + n - 1)
-        num_prefill = len(ids)
-
-        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs, prefills=segments,
-                                 num_prefill_tokens=num_prefill)
-        if batch.decodes:
-            tables = [item.seq.block_table for item in batch.decodes]
-            computed = [item.num_computed_before for item in batch.decodes]
-            ctx_lens = torch.tensor([c + 1 for c in computed])
-            positions = ctx_lens - 1  # each decode's new token
-            last_blocks = torch.tensor([t[c // bs] for t, c in zip(tables, computed)], dtype=torch.long)
-            pos_chunks.append(positions)
-            slot_chunks.append(last_blocks * bs + positions % bs)
-            ids.extend(item.seq.token_ids[c] for item, c in zip(batch.decodes, computed))
-            if self.fused_attention:
-                paged.extend((num_prefill + j, 1, t, c + 1) for j, (t, c) in enumerate(zip(tables, computed)))
-            else:
-                meta.decode_groups = self._decode_groups(tables, ctx_lens)
-            sample_rows.extend(num_prefill + j for j, item in enumerate(batch.decodes) if item.samples)
-
-        meta.slot_mapping = torch.cat(slot_chunks)
-        meta.paged = _paged_queries(paged, bs) if paged else None
-        return torch.tensor(ids, dtype=torch.long), torch.cat(pos_chunks), meta, sample_rows
 
     # -- model thread --------------------------------------------------------------------------
 

@@ -11,6 +11,15 @@ the scheduling thread once those rows' earlier tokens are known) is applied firs
 temperature, top-k/top-p/min-p, logit_bias and penalties all act on allowed tokens only. Returned
 logprobs are those of the model's raw distribution, as in vLLM: the grammar changes which token
 is picked, not what the model thought of it.
+
+Speculative decoding: a row whose sequence runs draft tokens becomes one row per position (its
+next token, then one after each draft), each with the history up to it, so every transform above
+acts exactly as it would have if the drafts had been generated one by one. The rows are then
+verified with the standard rejection-sampling rule for a deterministic proposal: a greedy row
+accepts its draft if it is the argmax; a sampled row accepts it with probability p(draft), and on
+rejection samples from p without the draft (renormalised), which leaves each output token
+distributed exactly as p. The first rejected row's token, or the last row's when every draft is
+accepted, follows the accepted drafts.
 """
 
 from __future__ import annotations
@@ -55,16 +64,37 @@ class SamplingInput:
     penalties: Penalties | None
     num_logprobs: tuple[int | None, ...]  # top alternatives to report; None = no logprobs
     grammar: GrammarMask | None = None  # allowed tokens of the rows with structured outputs
+    # Speculative steps only: per row the draft token it verifies (-1: none, the sequence's last
+    # row), and per sampled sequence its (first row, number of rows).
+    draft_tokens: tuple[int, ...] | None = None
+    spans: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
-    def of(cls, seqs: Seq[Sequence], num_outputs: Seq[int], vocab_size: int) -> SamplingInput:
-        """The rows `seqs`, each sampling its output token number `num_outputs[i]`."""
+    def of(cls, seqs: Seq[Sequence], num_outputs: Seq[int], vocab_size: int,
+           drafts: Seq[tuple[int, ...]] | None = None) -> SamplingInput:
+        """The rows `seqs`, each sampling its output token number `num_outputs[i]` (and, with
+        `drafts`, one more row after each of its draft tokens `drafts[i]`)."""
+        spans = draft_tokens = None
         params = [s.params for s in seqs]
         penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
+        # Per row: the output tokens before the one it samples (read only for penalties).
+        histories = [tuple(s.output_token_ids[:n]) if penalised else () for s, n in zip(seqs, num_outputs)]
+        items = list(range(len(seqs)))  # the sampled sequence of each row
+        if drafts is not None and any(drafts):
+            spans, draft_tokens, rows, row_histories, items = [], [], [], [], []
+            for item, (seq, history, seq_drafts) in enumerate(zip(seqs, histories, drafts, strict=True)):
+                spans.append((len(rows), len(seq_drafts) + 1))
+                for i in range(len(seq_drafts) + 1):
+                    rows.append(seq)
+                    items.append(item)
+                    row_histories.append(history + seq_drafts[:i] if penalised else ())
+                    draft_tokens.append(seq_drafts[i] if i < len(seq_drafts) else -1)
+            seqs, histories = rows, row_histories
+            params = [s.params for s in seqs]
         penalties = None
         if penalised:
             penalties = Penalties(
-                histories=tuple(tuple(s.output_token_ids[:n]) for s, n in zip(seqs, num_outputs)),
+                histories=tuple(histories),
                 prompts=tuple(tuple(s.prompt_token_ids) if s.params.repetition_penalty != 1.0 else None for s in seqs),
                 repetition=tuple(p.repetition_penalty for p in params),
                 presence=tuple(p.presence_penalty for p in params),
@@ -83,23 +113,28 @@ class SamplingInput:
                              for token, bias in p.logit_bias.items() if 0 <= token < vocab_size),
             penalties=penalties,
             num_logprobs=tuple(p.logprobs for p in params),
-            grammar=_grammar_mask(seqs, vocab_size),
+            grammar=_grammar_mask(seqs, items, vocab_size),
+            draft_tokens=None if draft_tokens is None else tuple(draft_tokens),
+            spans=None if spans is None else tuple(spans),
         )
 
     def __len__(self) -> int:
         return len(self.seq_ids)
 
 
-def _grammar_mask(seqs: Seq[Sequence], vocab_size: int) -> GrammarMask | None:
+def _grammar_mask(seqs: Seq[Sequence], items: Seq[int], vocab_size: int) -> GrammarMask | None:
     rows = tuple(i for i, s in enumerate(seqs) if s.grammar is not None)
-    return GrammarMask(rows, len(seqs), vocab_size) if rows else None
+    return GrammarMask(rows, len(seqs), vocab_size, tuple(items[i] for i in rows)) if rows else None
 
 
 @dataclass
 class SamplerOutput:
-    tokens: list[int]
-    logprobs: list[Logprob | None]  # per row, only when asked for
+    tokens: list[int]  # per sampled sequence (after its accepted drafts, in a speculative step)
+    logprobs: list[Logprob | None]  # per sampled sequence, only when asked for
     token_tensor: torch.Tensor | None = None  # `tokens` on the device (the next step's placeholders read it)
+    # Speculative steps: per sampled sequence, the draft tokens accepted before `tokens[i]` and their logprobs.
+    accepted: list[list[int]] | None = None
+    accepted_logprobs: list[list[Logprob | None]] | None = None
 
 
 def _resolved(tokens: tuple[int, ...], prev_tokens: list[int] | None) -> list[int]:
@@ -142,18 +177,66 @@ class Sampler:
                                       torch.tensor(bias, device=logits.device, dtype=logits.dtype), accumulate=True)
         if batch.penalties is not None:
             logits = self._apply_penalties(logits, batch.penalties, prev_tokens)
+        if batch.spans is not None:
+            return self._verify(raw, logits, batch)
 
         if all(batch.greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, batch)
+            tokens = self._race(self._probs(logits, batch), batch)
             greedy_rows = [i for i, g in enumerate(batch.greedy) if g]
             if greedy_rows:
                 rows = torch.tensor(greedy_rows, device=logits.device)
                 tokens[rows] = logits[rows].argmax(dim=-1)
         return SamplerOutput(tokens.tolist(), self._logprobs(raw, batch.num_logprobs, tokens), tokens)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingInput) -> torch.Tensor:
+    def _verify(self, raw: torch.Tensor, logits: torch.Tensor, batch: SamplingInput) -> SamplerOutput:
+        """Rejection sampling of a speculative step's rows (see the module docstring)."""
+        dev = logits.device
+        drafts = torch.tensor(batch.draft_tokens, device=dev)
+        has_draft = drafts >= 0
+        drafts_or_0 = drafts.clamp(min=0).unsqueeze(1)
+        tokens = logits.argmax(dim=-1)
+        accept = has_draft & (tokens == drafts)
+        if not all(batch.greedy):
+            probs = self._probs(logits, batch)
+            probs = probs / probs.sum(dim=-1, keepdim=True)  # (top-p and min-p leave the kept mass unnormalised)
+            accept_sampled = has_draft & (self._uniform(batch, dev) < probs.gather(1, drafts_or_0).squeeze(1))
+            # A rejected draft's row samples from p without the draft (the race needs no renormalising).
+            residual = torch.where(has_draft.unsqueeze(1), probs.scatter(1, drafts_or_0, 0.0), probs)
+            greedy = torch.tensor(batch.greedy, device=dev)
+            tokens = torch.where(greedy, tokens, self._race(residual, batch))
+            accept = torch.where(greedy, accept, accept_sampled)
+        chosen = torch.where(accept, drafts, tokens)  # each row's output token, if the sequence gets that far
+        row_logprobs = self._logprobs(raw, batch.num_logprobs, chosen)
+        accepted_rows = accept.tolist()
+        last_rows, accepted, accepted_logprobs = [], [], []
+        for first, count in batch.spans:
+            num_accepted = 0
+            while num_accepted < count - 1 and accepted_rows[first + num_accepted]:
+                num_accepted += 1
+            last_rows.append(first + num_accepted)
+            accepted.append(list(batch.draft_tokens[first : first + num_accepted]))
+            accepted_logprobs.append(row_logprobs[first : first + num_accepted])
+        final = chosen[torch.tensor(last_rows, device=dev)]
+        return SamplerOutput(final.tolist(), [row_logprobs[r] for r in last_rows], final, accepted, accepted_logprobs)
+
+    def _uniform(self, batch: SamplingInput, device: torch.device) -> torch.Tensor:
+        """A U[0, 1) draw for each sampled row with a draft (from the row's own RNG when it is
+        seeded; rows without a draft draw nothing, so their RNG streams are as without speculation);
+        1 elsewhere."""
+        u = torch.ones(len(batch), device=device)
+        rows = [i for i, (d, g) in enumerate(zip(batch.draft_tokens, batch.greedy)) if d >= 0 and not g]
+        unseeded = [i for i in rows if batch.seeds[i] is None]
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), device=device, generator=self.generator)
+        for i in rows:
+            if batch.seeds[i] is not None:
+                u[i : i + 1].uniform_(generator=self._generator(batch.seq_ids[i], batch.seeds[i]))
+        return u
+
+    def _probs(self, logits: torch.Tensor, batch: SamplingInput) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k, top-p, min-p."""
         dev = logits.device
         logits = logits / torch.tensor(batch.temperature, device=dev).unsqueeze(1)
         if any(batch.top_k):
@@ -166,6 +249,11 @@ class Sampler:
         if any(batch.min_p):
             min_p = torch.tensor(batch.min_p, device=dev).unsqueeze(1)
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    def _race(self, probs: torch.Tensor, batch: SamplingInput) -> torch.Tensor:
+        """A token per row drawn from `probs` (unnormalised weights will do)."""
+        dev = probs.device
         # Exponential-race sampling (argmax p/q, q ~ Exp(1)) lets each seeded row use its own RNG.
         q = torch.empty_like(probs)
         unseeded = [i for i, seed in enumerate(batch.seeds) if seed is None]

@@ -12,14 +12,22 @@ past the step's tokens and each sampling sequence gets a placeholder for its nex
 next step can be planned while this one runs. `update_from_output` is where the sampled tokens
 land: placeholders resolved, stop conditions checked, finished sequences freed. `take_back`
 undoes a step that failed.
+
+Speculative decoding: a sequence about to decode one token may also run up to K draft tokens
+after it (from the n-gram `draft_lookup` at scheduling, or filled in by the draft model right
+after: `SchedulerOutput.with_drafts`), a small chunk with cached context that the budget and the
+block allocation count in full. `update_from_output` lands the drafts the sampler accepted, then
+its own token, one at a time through the stop checks; the K/V of rejected drafts are forgotten
+(the computed count stops before them, blocks past the sequence's end are freed, and only blocks
+of accepted tokens are ever hashed into the prefix cache).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence as Seq
+from dataclasses import dataclass, field, replace
 
 from tokenmill.engine.kv_cache import BlockAllocator, block_hash
 from tokenmill.engine.outputs import Logprob
@@ -41,6 +49,15 @@ class ScheduledSeq:
     # Positions [from, to) whose logits score the next prompt token (params.prompt_logprobs).
     prompt_logprobs_from: int = 0
     prompt_logprobs_to: int = 0
+    # Speculative decoding: draft tokens run after the sequence's next token (counted in
+    # num_new_tokens), and the tokens themselves once known (the draft model fills them after scheduling).
+    num_spec_tokens: int = 0
+    draft_tokens: tuple[int, ...] = ()
+
+    @property
+    def num_known_tokens(self) -> int:
+        """The sequence's own tokens computed by the step (without the drafts)."""
+        return self.num_new_tokens - self.num_spec_tokens
 
     @property
     def prompt_logprob_positions(self) -> range:
@@ -64,11 +81,30 @@ class SchedulerOutput:
     # Exactly one new token each, attended in one batched call; shortest block table first, so the
     # runner's length groups are contiguous runs.
     decodes: tuple[ScheduledSeq, ...]
+    # Speculative decodes: one token and its drafts each, attended like chunks with cached context.
+    speculative: tuple[ScheduledSeq, ...] = ()
 
     @property
     def all(self) -> tuple[ScheduledSeq, ...]:
         """Every scheduled sequence, in the order of the step's tokens."""
-        return self.prefills + self.decodes
+        return self.prefills + self.speculative + self.decodes
+
+    @property
+    def chunks(self) -> tuple[ScheduledSeq, ...]:
+        """The sequences that run more than one token (prefill chunks, speculative decodes)."""
+        return self.prefills + self.speculative
+
+    def without_drafts(self) -> SchedulerOutput:
+        """This step with its speculative decodes as plain decodes (their drafts could not be made)."""
+        plain = (replace(item, num_new_tokens=item.num_known_tokens, num_spec_tokens=0) for item in self.speculative)
+        return replace(self, speculative=(), decodes=tuple(sorted((*self.decodes, *plain),
+                                                                  key=lambda item: len(item.seq.block_table))))
+
+    def with_drafts(self, drafts: Seq[tuple[int, ...]]) -> SchedulerOutput:
+        """This step with the draft tokens of its speculative decodes filled in, in their order."""
+        assert all(len(d) == item.num_spec_tokens for item, d in zip(self.speculative, drafts, strict=True))
+        return replace(self, speculative=tuple(replace(item, draft_tokens=tuple(d))
+                                               for item, d in zip(self.speculative, drafts)))
 
     @property
     def sampled(self) -> tuple[ScheduledSeq, ...]:
@@ -80,12 +116,38 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.all)
 
     def __bool__(self) -> bool:
-        return bool(self.prefills or self.decodes)
+        return bool(self.prefills or self.decodes or self.speculative)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding totals since the engine started."""
+
+    num_drafts: int = 0  # verification steps of a sequence
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+# Draft tokens for a sequence's tokens, at most the given number (n-gram lookup).
+DraftLookup = Callable[[Seq[int], int], tuple[int, ...]]
 
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: Iterable[int] = ()) -> None:
+                 max_model_len: int, eos_token_ids: Iterable[int] = (), num_speculative_tokens: int = 0,
+                 draft_lookup: DraftLookup | None = None) -> None:
+        """`num_speculative_tokens`: most drafts per decoding sequence (0: no speculation); they come
+        from `draft_lookup` when given, else a draft model fills them in after scheduling."""
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -98,6 +160,9 @@ class Scheduler:
         # Keep a few blocks free when admitting new sequences so running ones can keep decoding.
         self.watermark_blocks = max(1, allocator.num_blocks // 100)
         self._released: list[int] = []  # ids of sequences ended since the last step (see take_released)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft_lookup = draft_lookup
+        self.spec_stats = SpecDecodeStats()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -178,10 +243,26 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _drafts(self, seq: Sequence, budget: int) -> tuple[int, tuple[int, ...]]:
+        """(how many draft tokens, the tokens when known now) to run after a decoding sequence's
+        next token. Never more than could be accepted: each accepted draft is one more output token,
+        within max_tokens and the context length."""
+        if (not self.num_speculative_tokens or seq.grammar is not None or seq.num_pending or seq.prefill_only
+                or seq.num_tokens - seq.num_computed_tokens != 1):
+            return 0, ()  # (a structured output's grammar decides each token after the one before)
+        limit = min(self.num_speculative_tokens, budget - 1, seq.params.max_tokens - seq.num_resolved_outputs - 1,
+                    self.max_model_len - seq.num_tokens - 1)
+        if limit <= 0:
+            return 0, ()
+        if self.draft_lookup is None:
+            return limit, ()
+        drafts = self.draft_lookup(seq.token_ids, limit)
+        return len(drafts), drafts
+
     def schedule(self) -> SchedulerOutput:
         """Plan the next step and advance its sequences as if its tokens were already known."""
         budget = self.max_num_batched_tokens
-        chunks: list[tuple[Sequence, int]] = []
+        chunks: list[tuple[Sequence, int, int, tuple[int, ...]]] = []  # (seq, own tokens, drafts, draft tokens)
         scheduled: set[int] = set()
 
         i = 0
@@ -191,6 +272,9 @@ class Scheduler:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_drafts, drafts = self._drafts(seq, budget)
+            if num_drafts and not self._grow(seq, seq.num_computed_tokens + n + num_drafts):
+                num_drafts, drafts = 0, ()  # no blocks to spare for drafts: a plain decode (or a preemption)
             while not self._grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 if victim.seq_id in scheduled:  # never preempt what this step already runs
@@ -199,9 +283,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                chunks.append((seq, n))
+                chunks.append((seq, n, num_drafts, drafts))
                 scheduled.add(seq.seq_id)
-                budget -= n
+                budget -= n + num_drafts
                 i += 1
                 continue
             # `seq` itself was preempted; the list shifted, so the same index is the next sequence.
@@ -220,22 +304,24 @@ class Scheduler:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
             self.running.append(seq)
-            chunks.append((seq, n))
+            chunks.append((seq, n, 0, ()))
             budget -= n
         return self._advance(chunks)
 
-    def _advance(self, chunks: list[tuple[Sequence, int]]) -> SchedulerOutput:
+    def _advance(self, chunks: list[tuple[Sequence, int, int, tuple[int, ...]]]) -> SchedulerOutput:
         """Fix the step's order and move its sequences past it (placeholders for the sampled tokens)."""
-        items = [ScheduledSeq(seq, n, seq.num_computed_tokens + n == seq.num_tokens and not seq.prefill_only,
+        items = [ScheduledSeq(seq, n + k, seq.num_computed_tokens + n == seq.num_tokens and not seq.prefill_only,
                               seq.epoch, seq.num_computed_tokens, seq.num_tokens,
-                              *seq.prompt_logprob_range(seq.num_computed_tokens, n)) for seq, n in chunks]
-        prefills = tuple(item for item in items if item.num_new_tokens > 1)
+                              *seq.prompt_logprob_range(seq.num_computed_tokens, n), k, drafts)
+                 for seq, n, k, drafts in chunks]
+        prefills = tuple(item for item in items if item.num_new_tokens > 1 and not item.num_spec_tokens)
+        speculative = tuple(item for item in items if item.num_spec_tokens)
         decodes = tuple(sorted((item for item in items if item.num_new_tokens == 1),
                                key=lambda item: len(item.seq.block_table)))
-        out = SchedulerOutput(prefills, decodes)
+        out = SchedulerOutput(prefills, decodes, speculative)
         for item in items:
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += item.num_known_tokens  # (accepted drafts are added when they land)
             if seq.prefill_only and seq.num_computed_tokens == seq.num_tokens:
                 seq.finishing = True  # its last chunk is running: it ends when that lands
         for row, item in enumerate(out.sampled):
@@ -249,10 +335,13 @@ class Scheduler:
 
     def update_from_output(self, step: SchedulerOutput, tokens: list[int] | None,
                            logprobs: list[Logprob | None] | None,
-                           prefill: PrefillResults | None = None) -> list[Sequence]:
+                           prefill: PrefillResults | None = None,
+                           accepted: Seq[Seq[int]] | None = None,
+                           accepted_logprobs: Seq[Seq[Logprob | None]] | None = None) -> list[Sequence]:
         """Land a finished step: register the blocks it filled, land prompt logprobs and pooled
-        states, append each sampled token, check stops, end and free finished sequences (prefill-only
-        ones after their last chunk). Returns the step's sequences that were still live."""
+        states, append each sampled token (after the draft tokens `accepted` before it, per sampled
+        row), check stops, end and free finished sequences (prefill-only ones after their last
+        chunk). Returns the step's sequences that were still live."""
         if prefill is not None:
             self._land_prefill(step, prefill)
         touched = []
@@ -261,7 +350,7 @@ class Scheduler:
             if seq.is_finished:  # aborted, or stopped a step earlier than the scheduler knew
                 continue
             if seq.epoch == item.epoch:  # (not preempted since: the blocks are the ones computed)
-                computed = item.num_computed_before + item.num_new_tokens
+                computed = item.num_computed_before + item.num_known_tokens
                 self.register_full_blocks(seq, computed)
                 if seq.prefill_only and computed == seq.num_tokens:
                     if seq.pooling is not None:
@@ -269,10 +358,38 @@ class Scheduler:
                     self.finish(seq, "length")  # max_tokens 0: nothing to generate
             touched.append(seq)
         if tokens is not None:
-            for item, token, logprob in zip(step.sampled, tokens, logprobs or [None] * len(tokens)):
-                if not item.seq.is_finished:
+            for row, (item, token, logprob) in enumerate(zip(step.sampled, tokens, logprobs or [None] * len(tokens))):
+                if item.seq.is_finished:
+                    continue
+                if item.num_spec_tokens:
+                    drafts = accepted[row] if accepted is not None else ()
+                    draft_logprobs = accepted_logprobs[row] if accepted_logprobs is not None else [None] * len(drafts)
+                    self._land_speculative(item, drafts, draft_logprobs, token, logprob)
+                else:
                     self._append_token(item.seq, token, logprob)
         return touched
+
+    def _land_speculative(self, item: ScheduledSeq, drafts: Seq[int], draft_logprobs: Seq[Logprob | None],
+                          token: int, logprob: Logprob | None) -> None:
+        """The accepted drafts, then the sampled token, each through the stop checks (nothing is
+        emitted past a stop); then the verified drafts' K/V count as computed and the blocks past
+        the sequence's end, which held only rejected drafts, are freed."""
+        seq = item.seq
+        self.spec_stats.add(item.num_spec_tokens, len(drafts))
+        seq.metrics.spec_num_drafts += 1
+        seq.metrics.spec_num_draft_tokens += item.num_spec_tokens
+        seq.metrics.spec_num_accepted_tokens += len(drafts)
+        for new_token, new_logprob in zip((*drafts, token), (*draft_logprobs, logprob)):
+            self._append_token(seq, new_token, new_logprob)
+            if seq.is_finished:
+                return
+        assert seq.epoch == item.epoch, "a speculative step was overtaken by a later one"
+        seq.num_computed_tokens += len(drafts)
+        self.register_full_blocks(seq, seq.num_computed_tokens)
+        keep = -(-seq.num_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self.allocator.release(block)
+        del seq.block_table[keep:]
 
     @staticmethod
     def _land_prefill(step: SchedulerOutput, results: PrefillResults) -> None:

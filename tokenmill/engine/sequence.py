@@ -142,7 +142,10 @@ class Sequence:
         self.num_pending += 1
 
     def resolve(self, token: int, logprob: Logprob | None = None) -> None:
-        """The oldest pending token is now known."""
+        """The oldest pending token is now known; with none pending, `token` is a further token of
+        the step that just landed (a speculative step yields several) and is appended."""
+        if not self.num_pending:
+            self.append_pending(token)
         out_index = len(self.output_token_ids) - self.num_pending
         self.output_token_ids[out_index] = token
         self.token_ids[len(self.token_ids) - self.num_pending] = token

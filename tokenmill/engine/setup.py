@@ -96,11 +96,12 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 
 
 def num_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int) -> tuple[int, int]:
+                  max_model_len: int, extra_bytes_per_block: int = 0) -> tuple[int, int]:
     """(blocks the budget holds, bytes per block); never more blocks than every sequence slot at full
-    length could use (x2 for the prefix cache)."""
+    length could use (x2 for the prefix cache). `extra_bytes_per_block`: another cache indexed by
+    the same blocks (a draft model's)."""
     bs = config.block_size
-    per_block = bytes_per_block(bs, spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
+    per_block = bytes_per_block(bs, spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype) + extra_bytes_per_block
     num_blocks = min(kv_budget_bytes(config, device) // per_block, 2 * config.max_num_seqs * -(-max_model_len // bs) + 1)
     if num_blocks < 2:
         raise ValueError(f"--kv-cache-memory is too small for a single {bs}-token block ({per_block} bytes)")

@@ -72,6 +72,7 @@ class EngineStatsCollector(Collector):
             family.add_metric([], value)
             yield family
         yield _gauge("tokenmill_result_cache_entries", "Completions held by the result cache.", s.result_cache_entries)
+        yield from _spec_decode_counters(s)
         yield from self._gpu.collect()
 
 
@@ -113,6 +114,26 @@ class _GpuProbe:
             except Exception:  # a scrape must never fail because NVML hiccupped
                 return
             yield util
+
+
+def _spec_decode_counters(s: Any) -> Iterable[Metric]:
+    """Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens, mean accepted
+    length = 1 + accepted / drafts (zeros while speculation is off)."""
+    for name, doc, value in (
+        ("tokenmill_spec_decode_num_drafts", "Speculative verification steps (one per sequence and step).",
+         s.spec_decode_num_drafts),
+        ("tokenmill_spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_decode_num_draft_tokens),
+        ("tokenmill_spec_decode_num_accepted_tokens", "Draft tokens accepted by the model.",
+         s.spec_decode_num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], value)
+        yield family
+    per_position = CounterMetricFamily("tokenmill_spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted, by position in the draft (0 = first).", labels=["position"])
+    for position, value in enumerate(s.spec_decode_accepted_per_position):
+        per_position.add_metric([str(position)], value)
+    yield per_position
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
