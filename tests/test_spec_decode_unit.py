@@ -40,6 +40,49 @@ def test_ngram_prefers_the_longest_then_the_most_recent_match():
     assert ngram_lookup([1, 2, 9, 1, 2, 8, 1, 2], 2, 2, 4) == (9, 1, 2, 8)  # only the earliest has 4 after it
 
 
+def naive_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[int, ...]:
+    """The rule written plainly: longest n first; the latest occurrence followed by k tokens, else
+    the earliest."""
+    if k <= 0:
+        return ()
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+        if starts:
+            full = [s for s in starts if s + n + k <= len(tokens)]
+            follow = (full[-1] if full else starts[0]) + n
+            return tuple(tokens[follow : follow + k])
+    return ()
+
+
+def test_ngram_lookup_equals_the_plain_rule_on_random_sequences():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(3) for _ in range(rng.randint(0, 14))]
+        min_n = rng.randint(1, 3)
+        args = (min_n, rng.randint(min_n, 4), rng.randint(0, 4))
+        assert ngram_lookup(tokens, *args) == naive_lookup(tokens, *args), (tokens, args)
+
+
+def test_ngram_proposer_follows_a_growing_sequence():
+    """The proposer's cached arrays: equal to a fresh lookup as tokens are appended, and after
+    tokens are dropped (a step taken back)."""
+    import random
+
+    from tokenmill.engine.spec_decode.ngram import NgramProposer
+
+    rng, proposer = random.Random(1), NgramProposer(1, 3)
+    seq = make_seq(0, SamplingParams())
+    for _ in range(60):
+        seq.token_ids.extend(rng.randrange(4) for _ in range(rng.randint(1, 3)))
+        if rng.random() < 0.2:
+            del seq.token_ids[-1:]
+        assert proposer(seq, 3) == ngram_lookup(list(seq.token_ids), 1, 3, 3)
+
+
 def test_ngram_edge_cases():
     assert ngram_lookup([], 1, 3, 4) == ()
     assert ngram_lookup([3], 1, 3, 4) == ()
@@ -163,7 +206,7 @@ def spec_scheduler(drafts: tuple[int, ...], num_blocks: int = 64, budget: int = 
 
     allocator = BlockAllocator(num_blocks + 1, 4, prefix_caching)
     return Scheduler(allocator, 8, budget, 1024, eos_token_ids=[0], num_speculative_tokens=k,
-                     draft_lookup=lambda tokens, limit: drafts[:limit])
+                     draft_lookup=lambda seq, limit: drafts[:limit])
 
 
 def decoding_seq(scheduler, prompt_len: int = 6, **params) -> Sequence:

@@ -28,6 +28,23 @@ def test_tp2_equals_tp1_greedy(fixture, request):
     assert all(len(t) == GREEDY.max_tokens for t in tp2)
 
 
+def test_tp2_with_ngram_speculation_equals_tp1_greedy(tiny_model_dir):
+    """Speculative chunks (a token and its drafts) are replayed by the worker like any chunk; the
+    soft tiny model repeats itself, so drafts are accepted."""
+    prompts = mixed_prompts(4, 3, 40, seed=52)
+    tp1 = _greedy(tiny_model_dir, prompts)
+    llm = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="32MiB", tensor_parallel_size=2,
+              speculative_method="ngram")
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == tp1
+        assert llm.engine.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.engine.close()
+    with pytest.raises(ValueError, match="--speculative-method draft does not run with --tensor-parallel-size"):
+        LLM(str(tiny_model_dir), progress=False, tensor_parallel_size=2, speculative_method="draft",
+            speculative_model=str(tiny_model_dir))
+
+
 def test_tp_rejects_what_it_cannot_shard(tiny_gpt2_dir, tiny_model_dir):
     with pytest.raises(ValueError, match="Llama family"):
         LLM(str(tiny_gpt2_dir), progress=False, kv_cache_memory="32MiB", tensor_parallel_size=2)

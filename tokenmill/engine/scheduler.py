@@ -138,8 +138,8 @@ class SpecDecodeStats:
             self.accepted_per_position[position] += 1
 
 
-# Draft tokens for a sequence's tokens, at most the given number (n-gram lookup).
-DraftLookup = Callable[[Seq[int], int], tuple[int, ...]]
+# Draft tokens for a sequence, at most the given number (n-gram lookup).
+DraftLookup = Callable[[Sequence, int], tuple[int, ...]]
 
 
 class Scheduler:
@@ -256,7 +256,7 @@ class Scheduler:
             return 0, ()
         if self.draft_lookup is None:
             return limit, ()
-        drafts = self.draft_lookup(seq.token_ids, limit)
+        drafts = self.draft_lookup(seq, limit)
         return len(drafts), drafts
 
     def schedule(self) -> SchedulerOutput:
