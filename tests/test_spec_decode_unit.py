@@ -281,3 +281,31 @@ def test_rows_without_drafts_draw_as_without_speculation():
     seqs = [make_seq(0, params), make_seq(1, SamplingParams(temperature=1.0))]
     together = [mixed(logits, SamplingInput.of(seqs, [0, 0], VOCAB, [(), (1, 2)])).tokens[0] for _ in range(3)]
     assert together == alone
+
+
+def test_rejection_sampling_per_row_settings_in_one_batch():
+    """Interleaved sequences with different settings, drafts and draft counts in one batch: each
+    follows its own target distribution (rows expanded per draft keep their sequence's settings)."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, VOCAB) * 1.5
+    cold = SamplingParams(temperature=0.5, top_k=3)
+    hot = SamplingParams(temperature=1.5, top_p=0.8)
+    kth = logits[0].topk(3).values[-1]
+    cold_target = (logits[0] / 0.5).masked_fill(logits[0] < kth, float("-inf")).softmax(-1)
+    hot_probs = (logits[0] / 1.5).softmax(-1)
+    order = hot_probs.argsort(descending=True)
+    kept = (hot_probs[order].cumsum(0) - hot_probs[order]) < 0.8
+    hot_target = torch.zeros(VOCAB).scatter(0, order[kept], hot_probs[order][kept])
+    hot_target /= hot_target.sum()
+    n = 12000
+    seqs, drafts, rows = [], [], []
+    for i in range(n):
+        cold_row = i % 2 == 0
+        seqs.append(make_seq(i, cold if cold_row else hot))
+        drafts.append((int(logits[0].argmax()),) if cold_row else (int(order[1]), 3))
+        rows.extend([logits[0], logits[1]] if cold_row else [logits[0], logits[1], logits[1]])
+    out = verify(torch.stack(rows), seqs, drafts, seed=5)
+    first = [(accepted + [token])[0] for accepted, token in zip(out.accepted, out.tokens)]
+    for parity, target in ((0, cold_target), (1, hot_target)):
+        counts = torch.bincount(torch.tensor(first[parity::2]), minlength=VOCAB).double()
+        assert _chi_square_p(counts, target.double()) > 1e-3, parity
