@@ -53,9 +53,9 @@ class EngineConfig:
     speculative_method: str | None = option(
         None, "speculative decoding: propose up to --num-speculative-tokens tokens per decoding sequence and "
         "verify them all in one forward pass of the model (greedy output unchanged, sampled output from the same "
-        "distribution); ngram = continuations of the latest n-gram found earlier in the prompt and output (no "
-        "extra model), draft = a small model with the same tokenizer (--speculative-model). Turns overlap "
-        "scheduling off (default: off)", choices=["ngram", "draft"])
+        "distribution); ngram = what followed the sequence's last n tokens where they occurred earlier in its "
+        "prompt or output (no extra model), draft = a small model with the same tokenizer "
+        "(--speculative-model). Turns overlap scheduling off (default: off)", choices=["ngram", "draft"])
     num_speculative_tokens: int = option(
         4, "most tokens proposed per sequence and step with --speculative-method (default: 4)", metavar="K")
     speculative_model: str | None = option(
