@@ -193,3 +193,20 @@ def test_long_outputs_runs_both_modes(tiny_llm):
     assert "host ms/token at 24 / at 8" in format_long_outputs(points)
     with pytest.raises(ValueError, match="context"):
         run_long_outputs(tiny_llm, [10**6], streams=1, prompt_len=5, vocab_size=49152)
+
+
+def test_features_bench_multi_lora_row(tiny_model_dir, monkeypatch):
+    """The multi-LoRA pair: the base model alone, then the same workload spread over 4 random
+    adapters in one LoRA engine (their slots show in the weight memory)."""
+    from tokenmill.bench import features
+    from tokenmill.cli import build_parser
+
+    monkeypatch.setattr(features, "resolve_bench_model", lambda model: tiny_model_dir)
+    args = build_parser().parse_args(["bench", "features", "--num-prompts", "8", "--max-output", "8",
+                                      "--only", "LoRA", "--kv-cache-memory", "64MiB", "--no-progress"])
+    chosen = [f for f in features.FEATURES if any(k in f.name for k in args.only)]
+    assert len(chosen) == 1 and chosen[0].lora_ranks
+    off, on = features.measure(args, chosen, log=lambda _: None)
+    assert (off.setting, on.setting) == ("off", "on") and off.output_tok_s > 0 and on.output_tok_s > 0
+    assert on.weight_mib > off.weight_mib  # 4 slots of rank-16 A/B matrices beside the weights
+    assert on.greedy_agreement_with_off is None  # adapters change the tokens by design

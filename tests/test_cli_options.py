@@ -38,3 +38,24 @@ def test_server_and_scale_flags(monkeypatch):
     assert settings_from_args(build_parser().parse_args(["serve", "--api-key", "k"])).api_key == "k"
     scale = from_args(ScaleOptions, build_parser().parse_args(["serve-ray", "--num-cpus-per-replica", "2.5"]))
     assert scale.num_cpus == 2.5
+
+
+def test_lora_flags(monkeypatch):
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    args = build_parser().parse_args(["serve", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}', "--max-loras",
+                                      "3", "--max-lora-rank", "64"])
+    config = EngineConfig.from_cli_args(args)
+    assert config.lora_modules == ["a=/x", '{"name": "b", "path": "/y"}'] and config.lora_enabled
+    assert (config.max_loras, config.max_lora_rank, config.enable_lora) == (3, 64, False)
+    assert not settings_from_args(args).enable_lora_runtime_updates
+    assert settings_from_args(build_parser().parse_args(["serve", "--enable-lora-runtime-updates"])) \
+        .enable_lora_runtime_updates
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")  # vLLM's switch works too
+    assert settings_from_args(build_parser().parse_args(["serve"])).enable_lora_runtime_updates
+    from tokenmill.lora.registry import LoRAModulePath, parse_lora_module
+
+    assert parse_lora_module("a=/x") == LoRAModulePath("a", "/x")
+    assert parse_lora_module('{"name": "b", "path": "/y", "base_model_name": "m"}') == LoRAModulePath("b", "/y", "m")
+    for bad in ("/just/a/path", '{"name": "b"}', '{"name": "b", "path": "/y", "extra": 1}', "{not json"):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_module(bad)

@@ -2,7 +2,7 @@
 
 from tokenmill.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "PoolingParams", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from tokenmill.engine.pooling_params import PoolingParams
 
         return PoolingParams
+    if name == "LoRARequest":
+        from tokenmill.lora.registry import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

@@ -8,6 +8,8 @@ Server features (request tracing) run a `tokenmill serve` instead, streamed requ
 (`served_features`); `--only` lists every feature.
 Speculative decoding runs chat requests one at a time (batch size 1; `speculative`): code
 rewrites, whose answers repeat the prompt, and free text, and reports the drafts' acceptance rate.
+Multi-LoRA: the mixed workload spread evenly over 4 random adapters (ranks 8 and 16, every
+projection) served from one engine, against the base model alone on the same workload.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.lora_adapters import write_random_adapter
 from tokenmill.bench.offline import (
     MIN_PROMPT_TOKEN_ID,
     OfflineRequest,
@@ -64,6 +69,9 @@ class Feature:
     gpu_only: bool = False  # skipped (and said so) where no CUDA device is available
     # off/on are `tokenmill serve` settings, measured through a real server ("serve" workload).
     server: bool = False
+    # "on" serves LoRA adapters of these ranks (random, every projection), the requests spread
+    # evenly over them; "off" is the base model alone on the same workload.
+    lora_ranks: tuple[int, ...] = ()
 
 
 FEATURES = [
@@ -81,6 +89,8 @@ FEATURES = [
             server=True),
     *(Feature("ngram speculation (--speculative-method ngram)", {"speculative_method": None},
               {"speculative_method": "ngram"}, workload) for workload in BS1_WORKLOADS),
+    Feature("multi-LoRA (4 adapters, ranks 8/16, --max-loras 4)", {},
+            {"enable_lora": True, "max_loras": 4, "max_lora_rank": 16}, "mixed", lora_ranks=(8, 16, 8, 16)),
 ]
 
 
@@ -108,26 +118,40 @@ def measure(args: argparse.Namespace, features: Sequence[Feature],
         workloads.update(bs1_workloads(load_tokenizer(model_dir), args.bs1_prompts, args.max_output))
     warm = make_workload(2, 4, 64, 8, 8, vocab, args.seed + 99)
     rows: list[FeatureRow] = []
-    for feature in features:
-        if feature.server:
-            rows += _served_rows(args, model_dir, feature, log)
-            continue
-        if feature.workload in BS1_WORKLOADS:
-            rows += _bs1_rows(args, model_dir, feature, workloads[feature.workload], log)
-            continue
-        tokens: dict[str, list[list[int]]] = {}
-        for setting, overrides in (("off", feature.off), ("on", feature.on)):
-            result = in_fresh_process(tokenmill_run, engine_kwargs(args, model_dir, **overrides),
-                                      workloads[feature.workload], f"{feature.name} {setting}", False, warm,
-                                      feature.workload == "repeat")
-            weights, tokens[setting] = result.weight_bytes or 0, result.token_ids
-            agreement = None
-            if setting == "on":
-                agreement = greedy_agreement(tokens["on"], tokens["off"])["exact_match_fraction"]
-            rows.append(FeatureRow(feature.name, setting, feature.workload, result.output_throughput,
-                                   result.ttft.mean_ms / 1e3, result.latency.p50_ms / 1e3, weights / 2**20, agreement))
-            log(f"  {feature.name} {setting}: {result.output_throughput:.1f} tok/s, "
-                f"mean TTFT {result.ttft.mean_ms / 1e3:.3f} s, weights {weights / 2**20:.1f} MiB")
+    with tempfile.TemporaryDirectory(prefix="tokenmill-bench-lora-") as adapter_dir:
+        for feature in features:
+            if feature.server:
+                rows += _served_rows(args, model_dir, feature, log)
+            elif feature.workload in BS1_WORKLOADS:
+                rows += _bs1_rows(args, model_dir, feature, workloads[feature.workload], log)
+            else:
+                rows += _engine_rows(args, model_dir, feature, workloads[feature.workload], warm, Path(adapter_dir),
+                                     log)
+    return rows
+
+
+def _engine_rows(args: argparse.Namespace, model_dir: Path, feature: Feature, workload: list[OfflineRequest],
+                 warm: list[OfflineRequest], adapter_dir: Path, log: Callable[[str], None]) -> list[FeatureRow]:
+    """One engine per setting, each in a fresh process, on the feature's workload."""
+    lora_paths = None
+    if feature.lora_ranks:  # requests spread evenly over the adapters
+        adapters = [str(write_random_adapter(model_dir, adapter_dir / f"rank{rank}-{i}", rank, seed=i))
+                    for i, rank in enumerate(feature.lora_ranks)]
+        lora_paths = [adapters[i % len(adapters)] for i in range(len(workload))]
+    rows = []
+    tokens: dict[str, list[list[int]]] = {}
+    for setting, overrides in (("off", feature.off), ("on", feature.on)):
+        result = in_fresh_process(tokenmill_run, engine_kwargs(args, model_dir, **overrides), workload,
+                                  f"{feature.name} {setting}", False, warm, feature.workload == "repeat", None,
+                                  lora_paths if setting == "on" else None)
+        weights, tokens[setting] = result.weight_bytes or 0, result.token_ids
+        agreement = None
+        if setting == "on" and not feature.lora_ranks:  # (adapters change the output by design)
+            agreement = greedy_agreement(tokens["on"], tokens["off"])["exact_match_fraction"]
+        rows.append(FeatureRow(feature.name, setting, feature.workload, result.output_throughput,
+                               result.ttft.mean_ms / 1e3, result.latency.p50_ms / 1e3, weights / 2**20, agreement))
+        log(f"  {feature.name} {setting}: {result.output_throughput:.1f} tok/s, "
+            f"mean TTFT {result.ttft.mean_ms / 1e3:.3f} s, weights {weights / 2**20:.1f} MiB")
     return rows
 
 

@@ -157,13 +157,16 @@ def warmup(llm: Any, workload: Sequence[OfflineRequest], max_tokens: int = 8,
 
 
 def run_tokenmill(llm: Any, workload: Sequence[OfflineRequest], use_tqdm: bool = True,
-                  name: str = "tokenmill", structured: dict[str, Any] | None = None) -> RunResult:
+                  name: str = "tokenmill", structured: dict[str, Any] | None = None,
+                  lora_paths: Sequence[str | None] | None = None) -> RunResult:
     """Submit every request at once and run them to completion; time the whole generate call.
-    `structured`: every request's `structured_outputs` (vLLM's dict form)."""
+    `structured`: every request's `structured_outputs` (vLLM's dict form). `lora_paths`: each
+    request's LoRA adapter directory (None: the base model)."""
     prompts = [r.prompt_token_ids for r in workload]
     params = _params([r.output_len for r in workload], structured)
+    loras = _lora_requests(lora_paths) if lora_paths is not None else None
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=loras)
     duration = time.perf_counter() - t0
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     latencies, ttfts = [], []
@@ -175,6 +178,14 @@ def run_tokenmill(llm: Any, workload: Sequence[OfflineRequest], use_tqdm: bool =
             ttfts.append(m.first_token_time - m.arrival_time)
     return _result(name, workload, token_ids, duration, latencies, ttfts,
                    max_num_seqs=getattr(getattr(llm.engine, "config", None), "max_num_seqs", None))
+
+
+def _lora_requests(paths: Sequence[str | None]) -> list[Any]:
+    """One LoRARequest per adapter directory (named after it), None for the base model."""
+    from tokenmill import LoRARequest
+
+    ids = {path: i + 1 for i, path in enumerate(dict.fromkeys(p for p in paths if p is not None))}
+    return [None if p is None else LoRARequest(Path(p).name, ids[p], p) for p in paths]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,10 +327,11 @@ def hf_baseline_run(model_dir: Path, workload: Sequence[OfflineRequest], batch_s
 
 def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], name: str, progress: bool,
                   warm: Sequence[OfflineRequest] | None = None, repeat: bool = False,
-                  structured: dict[str, Any] | None = None) -> RunResult:
+                  structured: dict[str, Any] | None = None, lora_paths: Sequence[str | None] | None = None) -> RunResult:
     """Build an engine from `engine_kwargs`, warm it up untimed (on `warm`, default the workload's
     first prompts) and time the workload; with `repeat`, time only a second identical round.
-    `structured`: constrain every request (its grammar is compiled, and timed, before the warmup)."""
+    `structured`: constrain every request (its grammar is compiled, and timed, before the warmup).
+    `lora_paths`: each request's LoRA adapter (loaded, and used by the warmup, before timing)."""
     from tokenmill import LLM
     from tokenmill.bench.roofline import model_weight_bytes
     from tokenmill.engine.structured_outputs import StructuredOutputsParams
@@ -333,9 +345,13 @@ def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], na
             llm.engine.grammars.compile(StructuredOutputsParams.from_dict(structured)).result()
             compile_s = time.perf_counter() - start
         warmup(llm, warm if warm is not None else workload, structured=structured)
+        if lora_paths is not None:  # every adapter loaded and run once, untimed
+            adapters = list(dict.fromkeys(p for p in lora_paths if p is not None))
+            first = (warm or workload)[0].prompt_token_ids
+            run_tokenmill(llm, [OfflineRequest(first, 4)] * len(adapters), use_tqdm=False, lora_paths=adapters)
         if repeat:
-            run_tokenmill(llm, workload, use_tqdm=False, structured=structured)
-        run = run_tokenmill(llm, workload, use_tqdm=progress, name=name, structured=structured)
+            run_tokenmill(llm, workload, use_tqdm=False, structured=structured, lora_paths=lora_paths)
+        run = run_tokenmill(llm, workload, use_tqdm=progress, name=name, structured=structured, lora_paths=lora_paths)
         run.weight_bytes = model_weight_bytes(llm.engine.model)[0]
         run.grammar_compile_s = compile_s
         return run

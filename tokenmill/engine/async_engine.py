@@ -22,6 +22,7 @@ from tokenmill.engine.detokenizer import TokenText
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.lora.registry import LoRARegistry
 
 __all__ = ["AsyncEngine", "EngineStats", "StepStats"]
 
@@ -59,6 +60,11 @@ class AsyncEngine:
     @property
     def model_name(self) -> str:
         return self.engine.model_name
+
+    @property
+    def loras(self) -> LoRARegistry | None:
+        """The LoRA adapters requests may select by name (None: LoRA is off)."""
+        return self.engine.loras
 
     @property
     def max_model_len(self) -> int:

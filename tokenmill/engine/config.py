@@ -71,6 +71,35 @@ class EngineConfig:
         1, "split attention heads and MLP columns over N processes on this machine (gloo on CPU, NCCL with "
         "one GPU each on CUDA); Llama family (default: 1)", aliases=["-tp"], metavar="N")
     num_threads: int | None = option(None, "torch CPU threads (default: all cores)", type=int)
+    # Multi-LoRA (tokenmill.lora): adapters are selected per request by name (the API's `model`).
+    enable_lora: bool = option(
+        False, "serve LoRA adapters of the base model (implied by --lora-modules): a batch mixes requests of "
+        "different adapters and of the base model; native Llama-family models")
+    lora_modules: list[str] | None = option(
+        None, "LoRA adapters (PEFT directories) to load at start, each NAME=PATH or vLLM's JSON form "
+        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request selects one with model=NAME",
+        nargs="+", type=str, metavar="NAME=PATH")
+    max_loras: int = option(
+        1, "LoRA adapters resident at once (compute-side slots); others wait in CPU memory and are swapped "
+        "in least-recently-used first; a step mixes at most this many adapters", metavar="N")
+    max_lora_rank: int = option(16, "largest LoRA rank an adapter may have (slots are sized for it)", metavar="R")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def check_lora(self) -> None:
+        """Refuse LoRA settings that cannot work (before anything is loaded)."""
+        if not self.lora_enabled:
+            return
+        if self.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1 yet")
+        if self.compile:
+            raise ValueError("LoRA adapters are not supported with --compile yet")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, **overrides: dict[str, Any]) -> None:

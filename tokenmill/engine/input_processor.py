@@ -20,7 +20,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
@@ -29,6 +29,9 @@ from tokenmill.engine.errors import ContextLengthExceeded, InvalidRequest
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from tokenmill.lora.registry import LoRAAdapter
+
 Message = Mapping[str, Any]
 
 
@@ -36,10 +39,12 @@ Message = Mapping[str, Any]
 class PromptInput:
     """A validated prompt, ready to queue: its token ids and, when it was given as text, the text.
     `processing_start`/`processing_end` (time.time()) bracket the work that made it: chat rendering,
-    tokenization and validation (request traces show them as the request's tokenize stage)."""
+    tokenization and validation (request traces show them as the request's tokenize stage).
+    `lora`: the LoRA adapter the request runs with (None: the base model)."""
 
     prompt_token_ids: list[int]
     prompt: str | None = None
+    lora: LoRAAdapter | None = None
     processing_start: float | None = field(default=None, compare=False)
     processing_end: float | None = field(default=None, compare=False)
 
@@ -191,9 +196,15 @@ class InputProcessor:
         return self.max_model_len - num_prompt_tokens
 
     def process(self, prompt: str | Sequence[int] | PromptInput, params: SamplingParams | PoolingParams, *,
-                param: str = "prompt", escape_special: bool = False) -> PromptInput:
+                param: str = "prompt", escape_special: bool = False, lora: LoRAAdapter | None = None) -> PromptInput:
         """Tokenize (text) or check (token ids) a prompt and check it fits with `params` (an
-        embedding's PoolingParams: the prompt alone must fit)."""
+        embedding's PoolingParams: the prompt alone must fit); `lora` goes with it (the adapter the
+        front end resolved from the request's model name)."""
+        result = self._process(prompt, params, param, escape_special)
+        return result if lora is None else dataclasses.replace(result, lora=lora)
+
+    def _process(self, prompt: str | Sequence[int] | PromptInput, params: SamplingParams | PoolingParams,
+                 param: str, escape_special: bool) -> PromptInput:
         start = time.time()
         if isinstance(params, SamplingParams):
             self.check_params(params)

@@ -11,6 +11,9 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.lora.registry import LoRAAdapter, LoRARequest
+
+LoRAChoice = LoRARequest | Seq[LoRARequest | None] | None
 
 
 class LLM:
@@ -26,27 +29,32 @@ class LLM:
         prompts: str | Seq[str] | Seq[list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRAChoice = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in prompt order."""
-        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm, "Generating")
+        """Run every prompt to completion with continuous batching; outputs in prompt order.
+        `lora_request` (vLLM's): the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); needs `enable_lora=True`, loads the adapter on first use."""
+        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm, "Generating", lora_request)
 
     def embed(self, prompts: str | Seq[str] | Seq[list[int]], pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = False) -> list[list[float]]:
+              use_tqdm: bool = False, lora_request: LoRAChoice = None) -> list[list[float]]:
         """The pooled final hidden state of each prompt (last-token, L2-normalised by default)."""
-        outputs = self._run(prompts, pooling_params or PoolingParams(), use_tqdm, "Embedding")
+        outputs = self._run(prompts, pooling_params or PoolingParams(), use_tqdm, "Embedding", lora_request)
         return [o.embedding for o in outputs]
 
     def _run(self, prompts: str | Seq[str] | Seq[list[int]],
              params: SamplingParams | PoolingParams | Seq[SamplingParams | PoolingParams],
-             use_tqdm: bool, desc: str) -> list[RequestOutput]:
+             use_tqdm: bool, desc: str, lora_request: LoRAChoice = None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text or token ids)
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one set of params, or one per prompt")
+        adapters = self._adapters(lora_request, len(prompts))
         # Validate everything before anything runs, so a bad prompt cannot leave others half done.
-        requests = [self.engine.make_request(f"offline-{id(self)}-{i}", p, sp, output_kind=RequestOutputKind.FINAL_ONLY)
-                    for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        requests = [self.engine.make_request(f"offline-{id(self)}-{i}", p, sp, output_kind=RequestOutputKind.FINAL_ONLY,
+                                             lora=adapter)
+                    for i, (p, sp, adapter) in enumerate(zip(prompts, params_list, adapters))]
         for request in requests:
             self.engine.add(request)
         done: dict[str, RequestOutput] = {}
@@ -57,3 +65,11 @@ class LLM:
                         done[out.request_id] = out
                         bar.update()
         return [done[r.request_id] for r in requests]
+
+    def _adapters(self, lora_request: LoRAChoice, count: int) -> list[LoRAAdapter | None]:
+        requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+        if len(requests) != count:
+            raise ValueError("give one lora_request, or one per prompt")
+        if any(r is not None for r in requests) and self.engine.loras is None:
+            raise ValueError("lora_request needs an LLM built with enable_lora=True")
+        return [None if r is None else self.engine.loras.get_or_load(r) for r in requests]

@@ -8,7 +8,7 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import count
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -41,7 +41,13 @@ from tokenmill.engine.spec_decode import check_speculative_config
 from tokenmill.engine.spec_decode.draft import DraftProposer, check_draft_model, load_draft_model
 from tokenmill.engine.spec_decode.ngram import NgramProposer
 from tokenmill.engine.tensor_parallel import TensorParallelGroup, rank_device
+from tokenmill.lora.batch import LoRASlots
+from tokenmill.lora.layers import LoRAModel
+from tokenmill.lora.registry import LoRARegistry, parse_lora_module
 from tokenmill.models.hub import resolve_model
+
+if TYPE_CHECKING:
+    from tokenmill.lora.registry import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -109,15 +115,22 @@ class LLMEngine:
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
         self.tp_group: TensorParallelGroup | None = None
         check_speculative_config(config)
+        config.check_lora()
+        lora_modules = [parse_lora_module(text) for text in config.lora_modules or ()]
         check_tensor_parallel(config, self.model_dir, self.device)
         if config.tensor_parallel_size > 1:
             self.device = rank_device(self.device, 0)
             self.tp_group = TensorParallelGroup(config, self.device)  # workers load their shards meanwhile
         try:
             self.model, self.spec = load_prepared_model(config, self.model_dir, self.dtype, self.device, progress=progress)
+            # LoRA: the model's target layers wrapped, with --max-loras slots each (before the KV budget is taken).
+            self.lora_model = (LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+                               if config.lora_enabled else None)
         except BaseException:
             self.close()
             raise
+        self.loras = None if self.lora_model is None else LoRARegistry(
+            self.lora_model.targets, self.lora_model.hf_to_local, config.max_lora_rank, self.dtype, self.model_name)
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or self.spec.max_position, self.spec.max_position)
         self._draft: tuple[torch.nn.Module, Any] | None = None  # (model, spec) with --speculative-method draft
@@ -149,6 +162,12 @@ class LLMEngine:
             self._model_thread = ThreadPoolExecutor(1, "tokenmill-model", initializer=_init_model_thread,
                                                     initargs=(torch.get_num_threads(), self.device))
         faults.install(self)  # test-only hook, off unless TOKENMILL_FAULT_INJECTION=1
+        try:
+            for module in lora_modules:
+                self.loras.load(module.name, module.path, module.base_model_name)
+        except BaseException:
+            self.close()
+            raise
 
     def _load_draft(self) -> tuple[torch.nn.Module, Any]:
         draft_dir = resolve_model(self.config.speculative_model)
@@ -177,17 +196,18 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
         self.kv_cache = KVCache(spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
         ngram = config.speculative_method == "ngram"
+        lora = self.lora_model
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, max(config.max_num_batched_tokens, 1),
                                    self.max_model_len, spec.eos_token_ids,
                                    config.num_speculative_tokens if config.speculative_method else 0,
                                    NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
-                                   if ngram else None)
+                                   if ngram else None, lora.max_loras if lora else None)
         self.drafter = None
         if self._draft is not None:
             self.drafter = DraftProposer(*self._draft, num_blocks, bs, self.dtype, self.device)
         self.sampler = Sampler(spec.vocab_size, self.config.seed, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device, self.tp_group,
-                                  self._decode_graphs())
+                                  self._decode_graphs(), lora, LoRASlots(lora.max_loras) if lora else None)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB%s)", num_blocks, bs, num_blocks * per_block / 2**20,
                     ", the draft model's included" if self._draft else "")
         if config.speculative_method:
@@ -218,12 +238,17 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int] | PromptInput,
                      params: SamplingParams | PoolingParams, arrival_time: float | None = None,
-                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> Request:
-        """Validate and tokenize (thread-safe, touches no engine state); `add` queues it."""
-        checked = self.input_processor.process(prompt, params)
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                     lora: LoRAAdapter | None = None) -> Request:
+        """Validate and tokenize (thread-safe, touches no engine state); `add` queues it. `lora`: the
+        adapter to run it with (or the one a processed PromptInput carries)."""
+        checked = self.input_processor.process(prompt, params, lora=lora)
+        if checked.lora is not None and self.loras is None:
+            raise InvalidRequest("this engine serves no LoRA adapters (start it with --enable-lora)", param="model")
         metrics = RequestMetrics(arrival_time=arrival_time or time.time(), tokenize_start_time=checked.processing_start,
                                  tokenize_end_time=checked.processing_end)
-        return Request(request_id, checked.prompt, checked.prompt_token_ids, params, metrics, output_kind)
+        return Request(request_id, checked.prompt, checked.prompt_token_ids, params, metrics, output_kind,
+                       lora=checked.lora)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -235,7 +260,7 @@ class LLMEngine:
         if isinstance(request.params, PoolingParams):
             # An embedding: one prefill-only sequence (its sampling params are never used).
             seqs = [Sequence(next(self._seq_ids), request.request_id, 0, prompt, SamplingParams(), None,
-                             request.metrics, pooling=request.params)]
+                             request.metrics, pooling=request.params, lora=request.lora)]
         else:
             if self._answer_from_result_cache(request):
                 return
@@ -251,7 +276,8 @@ class LLMEngine:
             self._awaiting_grammar.append(request)
 
     def _answer_from_result_cache(self, request: Request) -> bool:
-        key = self.result_cache.key(request.prompt_token_ids, request.params)
+        key = self.result_cache.key(request.prompt_token_ids, request.params,
+                                    request.lora.id if request.lora is not None else None)
         if key is None:
             return False
         cached = self.result_cache.get(key)
@@ -266,7 +292,8 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
-        return Sequence(next(self._seq_ids), request.request_id, index, prompt, params, detok, request.metrics)
+        return Sequence(next(self._seq_ids), request.request_id, index, prompt, params, detok, request.metrics,
+                        lora=request.lora)
 
     def add_request(self, request_id: str, prompt: str | list[int] | PromptInput,
                     params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,

@@ -23,6 +23,8 @@ from tokenmill.engine.sampler import Sampler, SamplerOutput, SamplingInput
 from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.engine.tensors import to_device
 from tokenmill.kernels.ops import cpu_kernels_available
+from tokenmill.lora.batch import LoRABatch, LoRASlots
+from tokenmill.lora.layers import LoRAModel
 from tokenmill.models.attention import AttentionMetadata, DecodeGroup, PagedQueries, PrefillSegment
 
 # Cost of one extra decode-attention call, in padded (sequence x block) gathers: splitting the
@@ -87,6 +89,7 @@ class StepInput:
     graph: GraphInputs | None = None
     released_seq_ids: tuple[int, ...] = ()  # sequences ended since the last step (the sampler drops their RNGs)
     prefill: PrefillWork | None = None  # prompt rows to score or pool (never on a CUDA-graph step)
+    lora: LoRABatch | None = None  # per-row LoRA slots, when a row runs with an adapter (never on a graph step)
 
     @property
     def has_placeholders(self) -> bool:
@@ -216,7 +219,8 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, sampler: Sampler,
-                 device: torch.device, tp_group: Any = None, graphs: DecodeGraphs | None = None) -> None:
+                 device: torch.device, tp_group: Any = None, graphs: DecodeGraphs | None = None,
+                 lora: LoRAModel | None = None, lora_slots: LoRASlots | None = None) -> None:
         self.model = model
         self.tp_group = tp_group  # TensorParallelGroup: workers replay each step's inputs
         self.kv_cache = kv_cache
@@ -224,6 +228,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.graphs = graphs
+        self.lora = lora  # model thread: the wrapped layers and their slots
+        self.lora_slots = lora_slots  # scheduling thread: which adapter goes to which slot
         # Decodes and chunks with cached context attend with the fused CPU kernel, reading K/V in place.
         self.fused_attention = cpu_kernels_available(device)
         # Test hook (fault injection): a callable(rows: tuple[RowRef, ...]) run before the forward pass.
@@ -247,10 +253,14 @@ class ModelRunner:
                                         self.sampler.vocab_size,
                                         [item.draft_tokens for item in sampled] if batch.speculative else None)
         prefill = PrefillWork.of(batch.all)
+        lora = None
+        if self.lora_slots is not None:
+            lora = self.lora_slots.plan([(item.seq.lora, item.num_new_tokens) for item in batch.all])
         common = dict(rows=tuple(RowRef(item.seq.seq_id, item.seq.request_id) for item in batch.all),
                       fresh_blocks=tuple(fresh_blocks), sampling=sampling, released_seq_ids=tuple(released_seq_ids),
-                      prefill=prefill)
-        graph = None if prefill is not None else self._prepare_graph(batch)  # (graphs keep no hidden states)
+                      prefill=prefill, lora=lora)
+        # (graphs keep no hidden states and were captured without adapters)
+        graph = None if prefill is not None or lora is not None else self._prepare_graph(batch)
         if graph is not None:
             rows = [j for j, item in enumerate(batch.decodes) if item.samples]
             return StepInput(input_ids=graph.input_ids, positions=graph.positions, meta=None,
@@ -307,7 +317,7 @@ class ModelRunner:
             meta = to_device(step.meta, self.device, non_blocking=True)
             if self.tp_group is not None:
                 self.tp_group.broadcast((step.fresh_blocks, input_ids, positions, meta))
-            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+            hidden = self._forward(step, input_ids, positions, meta)
             logits = None if step.sampling is None else self.model.compute_logits(hidden[step.sample_rows.to(self.device)])
             if step.prefill is not None:
                 prefill = step.prefill.compute(hidden, self.model.compute_logits, self.sampler.vocab_size)
@@ -317,6 +327,16 @@ class ModelRunner:
         result = self.sampler(logits, step.sampling, self._last_token_list)
         self._last_tokens, self._last_token_list = result.token_tensor, result.tokens
         return StepOutput(result, prefill)
+
+    def _forward(self, step: StepInput, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        if step.lora is None:
+            return self.model(input_ids, positions, self.kv_cache.layers, meta)
+        self.lora.begin(step.lora, self.device)
+        try:
+            return self.model(input_ids, positions, self.kv_cache.layers, meta)
+        finally:
+            self.lora.end()
 
     def _resolve_placeholders(self, step: StepInput) -> torch.Tensor:
         input_ids = step.input_ids.to(self.device, non_blocking=True)

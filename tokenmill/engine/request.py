@@ -6,12 +6,16 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenmill.engine.outputs import CompletionOutput, RankedLogprob, RequestMetrics, RequestOutput, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.result_cache import CacheKey
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from tokenmill.lora.registry import LoRAAdapter
 
 
 @dataclass
@@ -25,6 +29,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     result_cache_key: CacheKey | None = None  # set when a finished result may be stored
     grammar: Future | None = None  # structured outputs: the compiled grammar (the request waits for it)
+    lora: LoRAAdapter | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def finished(self) -> bool:

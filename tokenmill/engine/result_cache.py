@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from tokenmill.engine.outputs import CompletionOutput
 from tokenmill.engine.sampling_params import SamplingParams
 
-CacheKey = tuple[tuple[int, ...], str]
+CacheKey = tuple[tuple[int, ...], str, int | None]  # prompt, sampling params, LoRA adapter id
 _CACHEABLE_FINISH = ("stop", "length")
 
 
@@ -37,11 +37,12 @@ class ResultCache:
         self._hits = 0
         self._misses = 0
 
-    def key(self, prompt_token_ids: list[int], params: SamplingParams) -> CacheKey | None:
-        """The lookup key, or None when the request must not be served from the cache."""
+    def key(self, prompt_token_ids: list[int], params: SamplingParams, lora_id: int | None = None) -> CacheKey | None:
+        """The lookup key, or None when the request must not be served from the cache. `lora_id`: the
+        LoRA adapter it runs with (another adapter, another completion)."""
         if self.capacity == 0 or not params.deterministic or params.prompt_logprobs is not None:
             return None  # (prompt logprobs are not stored: such requests always run)
-        return tuple(prompt_token_ids), json.dumps(asdict(params), sort_keys=True)
+        return tuple(prompt_token_ids), json.dumps(asdict(params), sort_keys=True), lora_id
 
     def get(self, key: CacheKey) -> list[CompletionOutput] | None:
         with self._lock:

@@ -145,9 +145,10 @@ DraftLookup = Callable[[Sequence, int], tuple[int, ...]]
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: Iterable[int] = (), num_speculative_tokens: int = 0,
-                 draft_lookup: DraftLookup | None = None) -> None:
+                 draft_lookup: DraftLookup | None = None, max_loras: int | None = None) -> None:
         """`num_speculative_tokens`: most drafts per decoding sequence (0: no speculation); they come
-        from `draft_lookup` when given, else a draft model fills them in after scheduling."""
+        from `draft_lookup` when given, else a draft model fills them in after scheduling.
+        `max_loras`: the most distinct LoRA adapters the running batch may hold (None: no LoRA)."""
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -163,6 +164,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_lookup = draft_lookup
         self.spec_stats = SpecDecodeStats()
+        self.max_loras = max_loras
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -202,7 +204,7 @@ class Scheduler:
         if not seq.prompt_logprobs_done:
             limit = min(limit, len(seq.prompt_logprobs) - 1)
         max_blocks = limit // self.block_size
-        parent: int | None = None
+        parent = seq.prefix_root
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = block_hash(parent, tokens)
@@ -225,7 +227,7 @@ class Scheduler:
         if not self.allocator.enable_prefix_caching:
             return
         full = min(num_computed, seq.num_resolved_tokens) // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.prefix_root
         for i in range(len(seq.block_hashes), full):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = block_hash(parent, tokens)
@@ -290,8 +292,13 @@ class Scheduler:
                 continue
             # `seq` itself was preempted; the list shifted, so the same index is the next sequence.
 
+        adapters = {s.lora.id for s in self.running if s.lora is not None}
+        skipped: list[Sequence] = []  # waiting for a LoRA slot: later arrivals may go first
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._lora_fits(seq, adapters):
+                skipped.append(self.waiting.popleft())
+                continue
             self._match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = self._blocks_needed(seq, seq.num_computed_tokens + n)
@@ -304,9 +311,19 @@ class Scheduler:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.time()
             self.running.append(seq)
+            if seq.lora is not None:
+                adapters.add(seq.lora.id)
             chunks.append((seq, n, 0, ()))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         return self._advance(chunks)
+
+    def _lora_fits(self, seq: Sequence, running_adapters: set[int]) -> bool:
+        """Whether `seq` may join a running batch that uses `running_adapters` (vLLM's rule: at most
+        --max-loras distinct adapters run at once; the others wait)."""
+        if seq.lora is None or self.max_loras is None or seq.lora.id in running_adapters:
+            return True
+        return len(running_adapters) < self.max_loras
 
     def _advance(self, chunks: list[tuple[Sequence, int, int, tuple[int, ...]]]) -> SchedulerOutput:
         """Fix the step's order and move its sequences past it (placeholders for the sampled tokens)."""

@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.outputs import Logprob, RankedLogprob, RequestMetrics
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.lora.registry import LoRAAdapter
 
 
 def placeholder(row: int) -> int:
@@ -71,6 +74,7 @@ class Sequence:
     pooling: PoolingParams | None = None
     pooled_sum: torch.Tensor | None = None
     embedding: list[float] | None = None
+    lora: LoRAAdapter | None = None  # the adapter its tokens run with (None: the base model)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -78,6 +82,12 @@ class Sequence:
             self.logprobs = []
         if self.wants_prompt_logprobs:
             self.prompt_logprobs = [None]
+
+    @property
+    def prefix_root(self) -> int | None:
+        """Where its prefix-cache hash chain starts: KV blocks computed with an adapter are only
+        shared by requests of the same adapter."""
+        return None if self.lora is None else self.lora.prefix_key
 
     @property
     def prefill_only(self) -> bool:

@@ -70,6 +70,8 @@ class LlamaAttention(nn.Module):
         # q, k and v fused into one GEMM.
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        # The layers LoRA adapters may target, by the output sizes of their fused parts (tokenmill.lora).
+        self.lora_parts = {"qkv_proj": (self.q_size, self.kv_size, self.kv_size), "o_proj": (spec.hidden_size,)}
         self.scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
         if self.qk_norm_class is not None:
             self.q_norm = self.qk_norm_class(spec.head_dim, spec.norm_eps)
@@ -100,6 +102,7 @@ class LlamaMLP(nn.Module):
         self.intermediate = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.lora_parts = {"gate_up_proj": (spec.intermediate_size,) * 2, "down_proj": (spec.hidden_size,)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

@@ -90,7 +90,7 @@ class TopKRouter(nn.Module):
         return weights, expert_ids
 
 
-def _grouped_mm_supported(weight: torch.Tensor) -> bool:
+def grouped_mm_supported(weight: torch.Tensor) -> bool:
     if not hasattr(F, "grouped_mm"):
         return False
     if weight.device.type == "cuda":  # (the CUDA kernel: bf16 on sm80+)
@@ -110,7 +110,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i))
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if not _grouped_mm_supported(self.gate_up_proj):
+        if not grouped_mm_supported(self.gate_up_proj):
             return _loop_over_experts(rows, counts, self._expert)
         offsets = counts.cumsum(0).to(torch.int32)
         gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets).split(self.intermediate, -1)
@@ -207,5 +207,5 @@ def split_experts(model: nn.Module) -> int:
 def dispatch_is_host_sync_free(model: nn.Module) -> bool:
     """Whether every MoE layer runs its experts without reading the expert counts on the host
     (grouped_mm); the per-expert loop reads them, which CUDA graph capture forbids."""
-    return all(isinstance(m.experts, GroupedExperts) and _grouped_mm_supported(m.experts.gate_up_proj)
+    return all(isinstance(m.experts, GroupedExperts) and grouped_mm_supported(m.experts.gate_up_proj)
                for m in model.modules() if isinstance(m, SparseMoE))

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
 
-from . import openapi, tokenizer_api
+from . import lora_api, openapi, tokenizer_api
 from .errors import APIError, bad_request, error_body, error_response
 from .generation import Generation
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -38,6 +38,7 @@ from .protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     EmbeddingResponse,
     HealthStatus,
     ModelCard,
@@ -45,6 +46,7 @@ from .protocol import (
     TokenizeChatRequest,
     TokenizePromptRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from .settings import ServerSettings
@@ -289,17 +291,33 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
     async def embeddings(request: Request) -> Response:
         return await _serve_generation(request, EMBEDDINGS, prepare_embedding)
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
+    def model_card(adapter: Any = None) -> ModelCard:
+        if adapter is None:
+            return ModelCard(id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
+        return ModelCard(id=adapter.name, created=state.started_at, max_model_len=engine.max_model_len,
+                         root=adapter.path, parent=adapter.base_model_name or engine.model_name)
 
     @app.get("/v1/models", dependencies=auth, responses=openapi.errors(401))
     async def models() -> ModelList:
-        return ModelList(data=[model_card()])
+        adapters = engine.loras.adapters() if engine.loras is not None else []
+        return ModelList(data=[model_card()] + [model_card(a) for a in adapters])
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth, responses=openapi.errors(401, 404))
     async def retrieve_model(model_id: str) -> ModelCard:
-        state.check_model(model_id)
-        return model_card()
+        return model_card(state.resolve_model(model_id))
+
+    lora_responses = {200: {"content": {"text/plain": {}}, "description": "Success: ..."},
+                      **openapi.errors(400, 401, 403, 404, 413, 415)}
+
+    @app.post("/v1/load_lora_adapter", dependencies=json_api, response_class=PlainTextResponse,
+              openapi_extra=openapi.json_body(LoadLoRAAdapterRequest), responses=lora_responses)
+    async def load_lora_adapter(request: Request) -> Response:
+        return await _serve_text(request, lambda raw: lora_api.load_adapter(state, raw))
+
+    @app.post("/v1/unload_lora_adapter", dependencies=json_api, response_class=PlainTextResponse,
+              openapi_extra=openapi.json_body(UnloadLoRAAdapterRequest), responses=lora_responses)
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await _serve_text(request, lambda raw: lora_api.unload_adapter(state, raw))
 
     @app.post("/tokenize", dependencies=json_api, response_model=TokenizeResponse,
               openapi_extra=openapi.json_body(TokenizePromptRequest, TokenizeChatRequest),
@@ -344,7 +362,8 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     openapi.install(app, [CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizePromptRequest,
-                          TokenizeChatRequest, DetokenizeRequest], [CompletionChunk, ChatCompletionChunk])
+                          TokenizeChatRequest, DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest],
+                    [CompletionChunk, ChatCompletionChunk])
     return app
 
 
@@ -355,6 +374,15 @@ async def _serve_json(request: Request, handle: Callable[[bytes], Awaitable[Base
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; uvicorn drops it
     return Response((await handle(raw)).model_dump_json(), media_type="application/json")
+
+
+async def _serve_text(request: Request, handle: Callable[[bytes], Awaitable[str]]) -> Response:
+    """A small endpoint answering plain text (vLLM's LoRA endpoints), with generation's body limits."""
+    try:
+        raw = await read_body(request, request.app.state.server.settings)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return PlainTextResponse(await handle(raw))
 
 
 def _add_error_handlers(app: FastAPI) -> None:

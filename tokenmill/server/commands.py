@@ -11,7 +11,7 @@ from typing import Any
 from tokenmill.engine.config import EngineConfig
 from tokenmill.options import add_options, from_args
 
-from .settings import API_KEY_ENV, OTLP_ENDPOINT_ENV, OTLP_PROTOCOL_ENV, ServerSettings, env_setting
+from .settings import API_KEY_ENV, OTLP_ENDPOINT_ENV, OTLP_PROTOCOL_ENV, RUNTIME_LORA_ENV, ServerSettings, env_setting
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +35,17 @@ def add_server_args(parser: argparse.ArgumentParser, only: tuple[str, ...] | Non
 
 
 def settings_from_args(args: argparse.Namespace, **values: Any) -> ServerSettings:
-    """ServerSettings from the parsed flags; the API key falls back to $TOKENMILL_API_KEY."""
+    """ServerSettings from the parsed flags; the API key falls back to $TOKENMILL_API_KEY, runtime
+    LoRA updates to vLLM's $VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
     api_key = getattr(args, "api_key", None)
+    lora_updates = bool(getattr(args, "enable_lora_runtime_updates", False)) or \
+        os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true")
     # Tracing: the standard OpenTelemetry variables unless the flags say otherwise.
     endpoint = getattr(args, "otlp_traces_endpoint", None) or env_setting(OTLP_ENDPOINT_ENV)
     protocol = getattr(args, "otlp_traces_protocol", None) or env_setting(OTLP_PROTOCOL_ENV)
     return from_args(ServerSettings, args, api_key=api_key if api_key is not None else os.environ.get(API_KEY_ENV),
-                     otlp_traces_endpoint=endpoint, otlp_traces_protocol=protocol, **values)
+                     otlp_traces_endpoint=endpoint, otlp_traces_protocol=protocol,
+                     enable_lora_runtime_updates=lora_updates, **values)
 
 
 def run_serve(args: argparse.Namespace) -> int:

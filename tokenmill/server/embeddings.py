@@ -45,7 +45,7 @@ class EmbeddingJob(Job):
 
 async def prepare_embedding(state: ServerState, record: RequestRecord, raw: bytes) -> EmbeddingJob:
     req: EmbeddingRequest = parse_request(EmbeddingRequest, raw)
-    state.check_model(req.model)
+    adapter = state.resolve_model(req.model)
     hidden_size = state.engine.hidden_size
     if req.dimensions is not None and req.dimensions != hidden_size:
         raise bad_request(f"dimensions must be {hidden_size} (this model's hidden size) or unset: its embeddings "
@@ -56,11 +56,11 @@ async def prepare_embedding(state: ServerState, record: RequestRecord, raw: byte
     escape = state.settings.escape_special_tokens_in_prompts
 
     def process() -> list[PromptInput]:
-        return [processor.process(p, params, param="input", escape_special=escape) for p in batch]
+        return [processor.process(p, params, param="input", escape_special=escape, lora=adapter) for p in batch]
 
     prompts = await _checked(asyncio.to_thread(process))
     if state.settings.log_prompts:
         record.prompt_text = repr(req.input)
     return EmbeddingJob(prompts=prompts, params=params, stream=False, include_usage=False,
-                        model=state.engine.model_name, response_id=f"embd-{record.request_id}",
+                        model=state.model_name(adapter), response_id=f"embd-{record.request_id}",
                         encoding_format=req.encoding_format)

@@ -122,10 +122,11 @@ class GenerationService:
             record.request_id = request.request_id
         await context.send_initial_metadata((("x-request-id", record.request_id),))
         escape = self.state.settings.escape_special_tokens_in_prompts
+        adapter = self.state.resolve_model(request.model or None)  # NOT_FOUND for an unknown name
         try:
             params = _sampling_params(request)
             prompt = await asyncio.to_thread(self.state.engine.input_processor.process, _prompt_of(request), params,
-                                             escape_special=escape)
+                                             escape_special=escape, lora=adapter)
         except InvalidRequest as exc:
             raise from_invalid_request(exc) from None
         if self.state.settings.log_prompts:

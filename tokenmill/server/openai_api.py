@@ -250,7 +250,7 @@ class CompletionJob(Job):
 
 async def prepare_completion(state: ServerState, record: RequestRecord, raw: bytes) -> CompletionJob:
     req: CompletionRequest = parse_request(CompletionRequest, raw)
-    state.check_model(req.model)
+    adapter = state.resolve_model(req.model)
     req.check_unsupported()
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs,
@@ -260,7 +260,7 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     escape = state.settings.escape_special_tokens_in_prompts
 
     def process() -> list[PromptInput]:
-        return [processor.process(p, params, escape_special=escape) for p in batch]
+        return [processor.process(p, params, escape_special=escape, lora=adapter) for p in batch]
 
     # Tokenizing a batch of long prompts (and parsing a big JSON schema) takes a while: keep it off the event loop.
     prompts = await _checked(asyncio.to_thread(process), req)
@@ -274,7 +274,7 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     shows_logprobs = req.logprobs is not None or req.prompt_logprobs is not None
     return CompletionJob(
         prompts=prompts, params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
-        model=state.engine.model_name, response_id=f"cmpl-{record.request_id}",
+        model=state.model_name(adapter), response_id=f"cmpl-{record.request_id}",
         tokens=state.engine.token_text if shows_logprobs else None,
         num_logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo_texts=echo_texts,
     )
@@ -378,7 +378,7 @@ class ChatJob(Job):
 
 async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) -> ChatJob:
     req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
-    state.check_model(req.model)
+    adapter = state.resolve_model(req.model)
     req.check_prompt_logprobs()
     logprobs = req.engine_logprobs()
     tools = plan_tools(req, state.tool_parser)
@@ -396,12 +396,13 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
     if tools is not None and tools.output_schema is not None:  # tool_choice required / named
         params = await asyncio.to_thread(constrained, tools, req, params)  # parses the schema: off the loop
-    prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages"), req)
+    prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages", lora=adapter),
+                            req)
     if state.settings.log_prompts:
         record.prompt_text = repr(req.template_messages())
     return ChatJob(
         prompts=[prompt], params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
-        model=state.engine.model_name, response_id=f"chatcmpl-{record.request_id}",
+        model=state.model_name(adapter), response_id=f"chatcmpl-{record.request_id}",
         tokens=state.engine.token_text if logprobs is not None or req.prompt_logprobs is not None else None,
         top_logprobs=logprobs or 0, tools=tools, prompt_logprobs=req.prompt_logprobs,
     )

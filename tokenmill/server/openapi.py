@@ -18,7 +18,8 @@ _REF = "#/components/schemas/{model}"
 _ERRORS = {
     400: "Invalid request (bad JSON, a bad or unsupported field, a prompt over the context length)",
     401: "Missing or wrong API key (`--api-key`)",
-    404: "Unknown model",
+    403: "Runtime LoRA updates are off (`--enable-lora-runtime-updates`)",
+    404: "Unknown model (or LoRA adapter)",
     408: "The request body did not arrive within `--body-timeout`",
     413: "Request body over `--max-body-bytes`",
     415: "The body is not JSON (`Content-Type` must be application/json)",

@@ -611,6 +611,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tokenmill"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter: the directory it was loaded from (vLLM's field)
+    parent: str | None = None  # a LoRA adapter: its base model
 
 
 class ModelList(BaseModel):
@@ -673,6 +675,23 @@ class DetokenizeRequest(_Lenient):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# ---------------------------------------------------------------------------------------------- LoRA adapters
+
+
+class LoadLoRAAdapterRequest(_Lenient):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Lenient):
+    """vLLM's /v1/unload_lora_adapter body (`lora_int_id` is accepted and not needed: names are unique)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class VersionResponse(BaseModel):

@@ -12,6 +12,7 @@ from tokenmill.options import option
 from .tools.parsers import PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime LoRA endpoints
 # The standard OpenTelemetry variables that turn tracing on when --otlp-traces-endpoint is not given.
 OTLP_ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 OTLP_PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -93,6 +94,10 @@ class ServerSettings:
     embedding_pooling: str = option(
         "last", "/v1/embeddings: pool the final hidden states of the last token (default, as vLLM does for decoder "
         "LMs) or the mean over all tokens; a request may choose with `pooling`", choices=list(POOLING_TYPES))
+    enable_lora_runtime_updates: bool = option(
+        False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; they read adapter "
+        "directories from this machine's disk, so they are off by default; default: vLLM's "
+        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING). Needs --enable-lora")
     # Sequences the engine runs at once (the engine's --max-num-seqs); requests beyond it count as
     # waiting for back-pressure.
     max_num_seqs: int = option(128, "", cli=False)

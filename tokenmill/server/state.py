@@ -75,10 +75,32 @@ class ServerState:
     def ready(self) -> bool:
         return not self.draining and self.engine.is_alive()
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.engine.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.engine.model_name}`.",
+    def resolve_model(self, model: str | None) -> Any:
+        """The LoRA adapter a request's `model` names (None: the base model, also when `model` is
+        unset); 404 in OpenAI's shape for a name this server does not serve."""
+        if model is None or model == self.engine.model_name:
+            return None
+        loras = self.engine.loras
+        adapter = loras.get(model) if loras is not None else None
+        if adapter is None:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {self._served_names()}.",
                            code="model_not_found", param="model")
+        return adapter
+
+    def check_model(self, model: str | None) -> None:
+        self.resolve_model(model)
+
+    def model_name(self, adapter: Any) -> str:
+        """The name responses report: the adapter's, or the base model's."""
+        return self.engine.model_name if adapter is None else adapter.name
+
+    def _served_names(self) -> str:
+        base = f"`{self.engine.model_name}`"
+        adapters = [a.name for a in self.engine.loras.adapters()] if self.engine.loras is not None else []
+        if not adapters:
+            return base
+        listed = ", ".join(f"`{name}`" for name in adapters[:10]) + (", ..." if len(adapters) > 10 else "")
+        return f"{base} and its LoRA adapters {listed}"
 
     def admit(self, record: RequestRecord, n_seqs: int) -> None:
         """Count the request against capacity, or refuse it now (cheap 429/503 beats a slow timeout)."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftokenmill.proto\x12\x0ctokenmill.v1\"\x9b\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenmill.v1.Usage\"\x7f\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenmill.v1.Usage2\xa7\x01\n\nGeneration\x12I\n\x08Generate\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1e.tokenmill.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1b.tokenmill.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ftokenmill.proto\x12\x0ctokenmill.v1\"\xaa\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\t \x03(\r\x12\x17\n\nmax_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\r\n\x05model\x18\x0b \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenmill.v1.Usage\"\x7f\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenmill.v1.Usage2\xa7\x01\n\nGeneration\x12I\n\x08Generate\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1e.tokenmill.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1b.tokenmill.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,13 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenmill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=34
-  _globals['_GENERATEREQUEST']._serialized_end=317
-  _globals['_USAGE']._serialized_start=319
-  _globals['_USAGE']._serialized_end=398
-  _globals['_GENERATERESPONSE']._serialized_start=401
-  _globals['_GENERATERESPONSE']._serialized_end=531
-  _globals['_GENERATECHUNK']._serialized_start=533
-  _globals['_GENERATECHUNK']._serialized_end=660
-  _globals['_GENERATION']._serialized_start=663
-  _globals['_GENERATION']._serialized_end=830
+  _globals['_GENERATEREQUEST']._serialized_end=332
+  _globals['_USAGE']._serialized_start=334
+  _globals['_USAGE']._serialized_end=413
+  _globals['_GENERATERESPONSE']._serialized_start=416
+  _globals['_GENERATERESPONSE']._serialized_end=546
+  _globals['_GENERATECHUNK']._serialized_start=548
+  _globals['_GENERATECHUNK']._serialized_end=675
+  _globals['_GENERATION']._serialized_start=678
+  _globals['_GENERATION']._serialized_end=845
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,263 @@
+"""Multi-LoRA in the engine: adapters made with `peft` on the sharpened tiny models, each request's
+greedy tokens equal to HF generate with peft applying that request's adapter (fp32), in batches
+that mix adapters and the base model; LRU slot swapping; prefix caching per adapter; bad adapters."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import mixed_prompts
+from tests.lora_adapters import make_peft_adapter, peft_greedy
+from tokenmill import LLM, LoRARequest, SamplingParams
+from tokenmill.lora.registry import LoRAError
+
+pytest.importorskip("peft")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def llama_adapters(tmp_path_factory, sharp_tiny_model_dir) -> dict[str, Path]:
+    """Three adapters of the tiny Llama that differ in every way the reader must get right."""
+    root = tmp_path_factory.mktemp("llama-adapters")
+    return {
+        # Every projection, placed into the fused qkv and gate_up layers.
+        "all": make_peft_adapter(sharp_tiny_model_dir, root / "all", seed=1, r=8, lora_alpha=16,
+                                 target_modules=ATTENTION + MLP),
+        # rsLoRA scaling (alpha / sqrt(r)), only q and v: k's slice of the fused layer stays untouched.
+        "qv": make_peft_adapter(sharp_tiny_model_dir, root / "qv", seed=2, r=4, lora_alpha=8,
+                                target_modules=["q_proj", "v_proj"], use_rslora=True),
+        # The largest rank, per-module ranks and alphas, some layers only.
+        "mixed": make_peft_adapter(sharp_tiny_model_dir, root / "mixed", seed=3, r=16, lora_alpha=32,
+                                   target_modules=["o_proj", "gate_proj", "down_proj", "k_proj"],
+                                   rank_pattern={"down_proj": 2}, alpha_pattern={"o_proj": 4},
+                                   layers_to_transform=[0, 2, 3, 5]),
+    }
+
+
+def _requests(adapters: dict[str, Path]) -> list[LoRARequest | None]:
+    """The adapters in turn, and the base model (None)."""
+    return [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())] + [None]
+
+
+def _check_against_peft(model_dir: Path, outputs, prompts, choices, max_tokens: int = 12) -> None:
+    for i, (prompt, out, choice) in enumerate(zip(prompts, outputs, choices)):
+        adapter = None if choice is None else Path(choice.lora_path)
+        expected = peft_greedy(model_dir, adapter, prompt, max_tokens)
+        assert out.outputs[0].token_ids == expected, f"prompt {i} ({len(prompt)} tokens), adapter {adapter}"
+
+
+def _adapters_matter(model_dir: Path, adapters: dict[str, Path], prompts: list[list[int]]) -> None:
+    """The test could fail: each adapter changes the greedy tokens of most prompts."""
+    for path in adapters.values():
+        changed = sum(peft_greedy(model_dir, path, p, 12) != peft_greedy(model_dir, None, p, 12) for p in prompts)
+        assert changed >= len(prompts) // 2, f"{path} barely changes the output"
+
+
+def test_mixed_adapter_batch_matches_peft(sharp_tiny_model_dir, llama_adapters):
+    """One batch: 3 adapters and the base model, chunked prefill mixed with decodes."""
+    llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="64MiB", dtype="float32",
+              enable_lora=True, max_loras=4, max_lora_rank=16, max_num_batched_tokens=96)
+    prompts = mixed_prompts(12, 3, 90, seed=11)
+    choices = [_requests(llama_adapters)[i % 4] for i in range(len(prompts))]
+    steps_mixing = []
+    llm.engine.step_listeners.append(lambda stats: steps_mixing.append(stats.batch_size))
+    outputs = llm.generate(prompts, GREEDY, lora_request=choices)
+    _check_against_peft(sharp_tiny_model_dir, outputs, prompts, choices)
+    _adapters_matter(sharp_tiny_model_dir, llama_adapters, prompts[:6])
+    assert max(steps_mixing) >= 8  # the requests really ran batched together
+    assert sorted(a.name for a in llm.engine.loras.adapters()) == sorted(llama_adapters)
+
+
+def test_fewer_slots_than_adapters_swaps_lru(sharp_tiny_model_dir, llama_adapters):
+    """--max-loras 2 with 3 adapters (and 1 with overlap of base requests): adapters wait for a
+    slot, are swapped in and out from CPU memory, and every request still gets its own adapter."""
+    prompts = mixed_prompts(9, 3, 40, seed=12)
+    choices = [_requests(llama_adapters)[i % 4] for i in range(len(prompts))]
+    for max_loras in (2, 1):
+        llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="64MiB", dtype="float32",
+                  enable_lora=True, max_loras=max_loras, max_lora_rank=16)
+        loads = []
+        model = llm.engine.lora_model
+        original = model.begin
+
+        def counting_begin(batch, device, original=original):
+            loads.extend(slot for slot, adapter in batch.adapters if model.resident[slot] != adapter.id)
+            assert len(batch.adapters) <= max_loras
+            return original(batch, device)
+
+        model.begin = counting_begin
+        outputs = llm.generate(prompts, GREEDY, lora_request=choices)
+        _check_against_peft(sharp_tiny_model_dir, outputs, prompts, choices)
+        assert len(loads) >= 3  # every adapter was loaded; with too few slots some were evicted
+        assert max(loads) < max_loras
+
+
+def test_prefix_cache_is_per_adapter(sharp_tiny_model_dir, llama_adapters):
+    """The same prompt under the base model and two adapters: KV blocks are only reused by requests
+    of the same adapter, and every output stays exact."""
+    llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="64MiB", dtype="float32",
+              enable_lora=True, max_loras=2, max_lora_rank=16)
+    prompt = mixed_prompts(1, 70, 70, seed=13)[0]
+    adapter_all = LoRARequest("all", 1, str(llama_adapters["all"]))
+    adapter_qv = LoRARequest("qv", 2, str(llama_adapters["qv"]))
+    runs = [None, adapter_all, adapter_qv, adapter_all, None]
+    cached = []
+    for choice in runs:  # one at a time, so every earlier request's blocks are in the cache
+        out = llm.generate([prompt], GREEDY, lora_request=choice)[0]
+        _check_against_peft(sharp_tiny_model_dir, [out], [prompt], [choice])
+        cached.append(out.num_cached_tokens)
+    assert cached[:3] == [0, 0, 0]  # a new adapter never takes the base model's (or another's) blocks
+    assert cached[3] == cached[4] == 64  # its own blocks, and the base model's, are reused
+
+
+def test_qwen2_adapters_match_peft(tiny_qwen2_dir, tmp_path):
+    """A second family (q/k/v biases, RoPE scaling): two adapters and the base in one batch."""
+    adapters = {
+        "attn": make_peft_adapter(tiny_qwen2_dir, tmp_path / "attn", seed=4, r=8, lora_alpha=8,
+                                  target_modules=ATTENTION),
+        "mlp": make_peft_adapter(tiny_qwen2_dir, tmp_path / "mlp", seed=5, r=4, lora_alpha=16, target_modules=MLP),
+    }
+    llm = LLM(str(tiny_qwen2_dir), progress=False, kv_cache_memory="64MiB", dtype="float32", max_loras=2,
+              lora_modules=[f"{name}={path}" for name, path in adapters.items()])
+    prompts = mixed_prompts(6, 2, 50, seed=14)
+    choices = [_requests(adapters)[i % 3] for i in range(len(prompts))]
+    _check_against_peft(tiny_qwen2_dir, llm.generate(prompts, GREEDY, lora_request=choices), prompts, choices)
+    _adapters_matter(tiny_qwen2_dir, adapters, prompts)
+
+
+# ---------------------------------------------------------------------------------------------- bad adapters
+
+
+@pytest.fixture(scope="module")
+def lora_llm(sharp_tiny_model_dir) -> LLM:
+    return LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="16MiB", dtype="float32",
+               enable_lora=True, max_lora_rank=8)
+
+
+def _broken_copy(source: Path, target: Path, *, config: dict | None = None, tensors=None) -> Path:
+    """A copy of an adapter with its config updated and/or its tensors transformed."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    if config is not None:
+        path = target / "adapter_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensors is not None:
+        file = target / "adapter_model.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors(load_file(str(file))).items()}, str(file))
+    return target
+
+
+def _renamed(old: str, new: str):
+    return lambda state: {k.replace(old, new): v for k, v in state.items()}
+
+
+BAD_ADAPTERS = {  # changes to the rank-4 "qv" adapter (q_proj and v_proj of every layer)
+    "a layer the model lacks": (dict(tensors=_renamed("layers.5.", "layers.9.")), "model.layers.9.self_attn"),
+    "an embedding adapter": (dict(tensors=_renamed("layers.0.self_attn.q_proj", "embed_tokens")), "embed_tokens"),
+    "B of another rank": (dict(tensors=lambda s: {k: v[:, :3] if "lora_B" in k else v for k, v in s.items()}),
+                          "are not a [r, in] / [out, r] pair"),
+    "another base model's shapes": (dict(tensors=lambda s: {k: torch.zeros(v.shape[0], 64) if "lora_A" in k else v
+                                                            for k, v in s.items()}), "do not fit the model's layer"),
+    "A without B": (dict(tensors=lambda s: {k: v for k, v in s.items() if "layers.0.self_attn.q_proj.lora_B" not in k}),
+                    "has no lora_B"),
+    "no matrices": (dict(tensors=lambda s: {}), "holds no LoRA matrices"),
+    "NaN weights": (dict(tensors=lambda s: {k: v * float("nan") for k, v in s.items()}), "NaN or infinite"),
+    "DoRA": (dict(config={"use_dora": True}), "DoRA adapters are not supported"),
+    "modules_to_save": (dict(config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
+    "trained biases": (dict(config={"bias": "all"}), "bias='all'"),
+    "another PEFT method": (dict(config={"peft_type": "IA3"}), "peft_type 'IA3' is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ADAPTERS))
+def test_bad_adapter_is_refused_naming_the_problem(case, lora_llm, llama_adapters, tmp_path):
+    changes, message = BAD_ADAPTERS[case]
+    broken = _broken_copy(llama_adapters["qv"], tmp_path / "broken", **changes)
+    with pytest.raises(LoRAError, match=re.escape(message)) as info:
+        lora_llm.engine.loras.load("bad", broken)
+    assert "'bad'" in str(info.value) and "\n" not in str(info.value)
+    assert lora_llm.engine.loras.get("bad") is None
+
+
+def test_rank_over_max_lora_rank(lora_llm, llama_adapters):
+    with pytest.raises(LoRAError, match="gate_proj has rank 16, more than --max-lora-rank 8"):
+        lora_llm.engine.loras.load("big", llama_adapters["mixed"])
+    lora_llm.engine.loras.load("fits", llama_adapters["qv"])  # rank 4: fine
+    with pytest.raises(LoRAError, match="already been loaded"):
+        lora_llm.engine.loras.load("fits", llama_adapters["qv"])
+    lora_llm.engine.loras.unload("fits")
+
+
+def test_missing_adapter_files(lora_llm, tmp_path):
+    with pytest.raises(LoRAError, match="no such directory"):
+        lora_llm.engine.loras.load("nothing", tmp_path / "nothing")
+    with pytest.raises(LoRAError, match="adapter_config.json is missing"):
+        lora_llm.engine.loras.load("empty", tmp_path)
+    (tmp_path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    with pytest.raises(LoRAError, match="no adapter_model.safetensors or adapter_model.bin"):
+        lora_llm.engine.loras.load("no-weights", tmp_path)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(LoRAError, match="adapter_model.safetensors is unreadable"):
+        lora_llm.engine.loras.load("garbage", tmp_path)
+
+
+def test_startup_refuses_a_bad_adapter_in_one_line(sharp_tiny_model_dir, tmp_path):
+    """`--lora-modules` with a broken adapter: exit code 2 and a line naming the adapter and the problem."""
+    result = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", "--model", str(sharp_tiny_model_dir),
+                             "--kv-cache-memory", "16MiB", "--lora-modules", f"broken={tmp_path}", "--prompt", "hi"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert f"LoRA adapter 'broken' ({tmp_path}): adapter_config.json is missing" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_lora_settings_refused_upfront(sharp_tiny_model_dir, llama_adapters):
+    with pytest.raises(ValueError, match="--max-loras must be >= 1"):
+        LLM(str(sharp_tiny_model_dir), progress=False, enable_lora=True, max_loras=0)
+    with pytest.raises(ValueError, match="not supported with --compile"):
+        LLM(str(sharp_tiny_model_dir), progress=False, enable_lora=True, compile=True)
+    with pytest.raises(ValueError, match="must be NAME=PATH"):
+        LLM(str(sharp_tiny_model_dir), progress=False, lora_modules=["just-a-path"])
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="16MiB").generate(
+            [[5, 6]], GREEDY, lora_request=LoRARequest("all", 1, str(llama_adapters["all"])))
+
+
+def test_generic_path_refuses_lora(tiny_qwen2_dir):
+    with pytest.raises(ValueError, match="no layers LoRA adapters can target"):
+        LLM(str(tiny_qwen2_dir), progress=False, kv_cache_memory="16MiB", model_impl="transformers",
+            enable_lora=True)
+
+
+# ---------------------------------------------------------------------------------------------- slot plans
+
+
+def test_slot_plan_groups_rows_by_slot_and_evicts_lru():
+    from tokenmill.lora.batch import LoRASlots
+    from tokenmill.lora.registry import LoRAAdapter
+
+    a, b, c = (LoRAAdapter(name, "", i, 4, {}) for i, name in enumerate("abc", start=1))
+    slots = LoRASlots(2)
+    assert slots.plan([(None, 5)]) is None  # the base model alone: no LoRA work at all
+    plan = slots.plan([(a, 3), (None, 2), (b, 1), (a, 1)])
+    assert plan.token_slots.tolist() == [0, 0, 0, -1, -1, 1, 0]
+    assert plan.rows.tolist() == [0, 1, 2, 6, 5]  # slot 0's rows in token order, then slot 1's; base rows none
+    assert plan.offsets.tolist() == [4, 5] and plan.segments == ((0, 0, 4), (1, 4, 5))
+    assert plan.adapters == ((0, a), (1, b))
+    slots.plan([(b, 1)])  # b is now the most recently used
+    assert slots.plan([(c, 2)]).adapters == ((0, c),)  # a (least recently used) gave up its slot
+    assert slots.plan([(a, 1), (c, 1)]).adapters == ((0, c), (1, a))  # b goes: c is needed by this step
+    with pytest.raises(RuntimeError, match="only 2 slots"):
+        slots.plan([(a, 1), (b, 1), (c, 1)])

@@ -1,0 +1,78 @@
+"""A step's LoRA plan: which slot each adapter of the step sits in, and the step's rows grouped by
+slot. Built on the scheduling thread (`LoRASlots.plan`), read by the model thread (`LoRAModel.begin`).
+
+Slots are assigned LRU: an adapter keeps its slot while steps use it; a step that needs one that
+is not resident takes a free slot or the least recently used one the step does not need. The
+scheduler admits at most `--max-loras` distinct adapters into the running batch, so a step never
+needs more slots than there are. A slot is overwritten on the model thread right before the
+first step that needs the new adapter, after every earlier step has run, so a step still running
+with the old adapter is never disturbed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tokenmill.lora.registry import LoRAAdapter
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """The LoRA part of a step input (host tensors and plain values, immutable)."""
+
+    token_slots: torch.Tensor  # [tokens] the slot of each row of the step, -1 for the base model
+    rows: torch.Tensor  # rows with an adapter, grouped by slot (token order within a slot)
+    offsets: torch.Tensor  # int32 [max_loras]: where each slot's group ends in `rows`
+    segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of every non-empty group
+    adapters: tuple[tuple[int, LoRAAdapter], ...]  # (slot, adapter) of every adapter the step uses
+
+
+class LoRASlots:
+    """Which adapter sits in which slot (scheduling thread)."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
+        self._free = list(range(max_loras - 1, -1, -1))
+
+    def place(self, adapters: Sequence[LoRAAdapter]) -> dict[int, int]:
+        """Slots for the step's distinct adapters (adapter id -> slot)."""
+        wanted = {a.id for a in adapters}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"a step needs {len(wanted)} LoRA adapters; only {self.max_loras} slots")
+        for adapter_id in wanted & self._slot_of.keys():
+            self._slot_of.move_to_end(adapter_id)
+        for adapter_id in sorted(wanted - self._slot_of.keys()):
+            if self._free:
+                slot = self._free.pop()
+            else:  # evict the least recently used adapter this step does not need
+                victim = next(i for i in self._slot_of if i not in wanted)
+                slot = self._slot_of.pop(victim)
+            self._slot_of[adapter_id] = slot
+        return {adapter_id: self._slot_of[adapter_id] for adapter_id in wanted}
+
+    def plan(self, row_adapters: Sequence[tuple[LoRAAdapter | None, int]]) -> LoRABatch | None:
+        """The plan of a step whose rows come in runs of (adapter or None, number of rows), in the
+        step's token order; None when no row has an adapter."""
+        distinct = {a.id: a for a, _ in row_adapters if a is not None}
+        if not distinct:
+            return None
+        slot_of = self.place(list(distinct.values()))
+        token_slots = torch.tensor([slot_of[a.id] if a is not None else -1
+                                    for a, n in row_adapters for _ in range(n)], dtype=torch.long)
+        adapted = token_slots >= 0
+        # Base rows sort after every slot; a stable sort keeps token order within a slot.
+        keys = torch.where(adapted, token_slots, self.max_loras)
+        rows = torch.argsort(keys, stable=True)[: int(adapted.sum())]
+        counts = torch.bincount(token_slots[adapted], minlength=self.max_loras)
+        ends = counts.cumsum(0)
+        segments = tuple((slot, int(ends[slot] - counts[slot]), int(ends[slot]))
+                         for slot in range(self.max_loras) if counts[slot])
+        return LoRABatch(token_slots, rows, ends.to(torch.int32), segments,
+                         tuple(sorted((slot_of[i], a) for i, a in distinct.items())))

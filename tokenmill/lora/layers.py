@@ -1,0 +1,168 @@
+"""LoRA-wrapped linear layers: base(x) plus, for the rows of each adapter, that adapter's delta.
+
+Every linear layer a model family marks (a parent module's `lora_parts`: attribute name -> the
+output sizes of its fused parts, e.g. q, k, v of `qkv_proj`) is wrapped once at load. Each wrapper
+holds `max_loras` slots of stacked A and B matrices (zero when a slot's adapter does not target
+the layer); a step's rows are grouped by slot and each group runs as one GEMM per matrix
+(`grouped_mm`, the segmented GEMM of punica's SGMV), so one forward pass serves every adapter of
+the batch, and rows of the base model cost nothing.
+
+Layout per wrapper with S fused parts and rank width R (`--max-lora-rank`): `lora_a` [slots,
+S * R, in] holds the A matrices of all parts, `lora_b` [slots, out, S * R] the B matrices
+block-diagonally (part i's rows read only its R columns), so a layer costs one shrink and one
+expand GEMM whatever its parts. (Per-part expands read S times fewer B weights but cost S - 1
+more GEMMs, a slice copy each and a concatenation: more on a CPU, where the op count of a step
+dominates the adapters' few FLOPs.) A whole-layer adapter of a fused layer (Phi-3's `qkv_proj`
+targets) uses the first R columns for every row.
+The adapter's scale (alpha / r) is folded into B when the adapter is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.lora.batch import LoRABatch
+from tokenmill.models.moe import grouped_mm_supported
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One adapter matrix pair of one wrapped layer: `part` is the fused part it adapts (None: the
+    whole layer); `a` [r, in], `b` [out of the part (or layer), r] with the scale folded in."""
+
+    part: int | None
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """What an adapter may put into one wrapped layer."""
+
+    in_features: int
+    part_sizes: tuple[int, ...]
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.part_sizes)
+
+
+@dataclass
+class ActiveStep:
+    """The step the model thread is running, as the wrapped layers read it (device tensors)."""
+
+    rows: torch.Tensor  # the step's rows that have an adapter, grouped by slot
+    offsets: torch.Tensor  # int32 end of each slot's group in `rows` (grouped_mm's offs)
+    segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of every non-empty group
+    slots: tuple[int, ...]  # the slots the step uses
+
+
+class LoRALinear(nn.Module):
+    """`base` (an nn.Linear, or what packing/quantization made of it) plus per-slot LoRA deltas."""
+
+    def __init__(self, base: nn.Module, target: LoRATarget, state: LoRAModel, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base = base
+        self.target = target
+        self.state = state  # shared by every wrapper: which step is running
+        self.max_rank = max_rank
+        parts = len(target.part_sizes)
+        # Buffers (not saved): they count in the model's memory, as they take it.
+        self.register_buffer("lora_a", torch.zeros(max_loras, parts * max_rank, target.in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, target.out_features, parts * max_rank, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.filled = [False] * max_loras  # whether a slot's adapter adapts this layer (else skip the GEMMs)
+        self.grouped = grouped_mm_supported(self.lora_a)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        step = self.state.active
+        if step is None or not any(self.filled[s] for s in step.slots):
+            return out
+        rows = x.index_select(0, step.rows)
+        delta = self._matmul(self._matmul(rows, self.lora_a, step), self.lora_b, step)
+        return out.index_add_(0, step.rows, delta)
+
+    def _matmul(self, x: torch.Tensor, weights: torch.Tensor, step: ActiveStep) -> torch.Tensor:
+        """Each slot's group of rows times that slot's matrix (weights [slots, out, in])."""
+        if self.grouped:
+            return F.grouped_mm(x, weights.transpose(1, 2), offs=step.offsets)
+        out = x.new_zeros(x.shape[0], weights.shape[1])
+        for slot, start, end in step.segments:
+            out[start:end] = F.linear(x[start:end], weights[slot])
+        return out
+
+    @torch.no_grad()
+    def load_slot(self, slot: int, weights: tuple[LoRAWeights, ...]) -> None:
+        """Put one adapter's matrices for this layer into `slot` (all zero when it has none)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        sizes = self.target.part_sizes
+        for w in weights:
+            r = w.a.shape[0]
+            col = 0 if w.part is None else w.part * self.max_rank
+            row = 0 if w.part is None else sum(sizes[: w.part])
+            self.lora_a[slot, col : col + r] = w.a
+            self.lora_b[slot, row : row + w.b.shape[0], col : col + r] = w.b
+        self.filled[slot] = bool(weights)
+
+    def extra_repr(self) -> str:
+        return f"parts={self.target.part_sizes}, slots={len(self.filled)}, max_rank={self.max_rank}"
+
+
+class LoRAModel:
+    """The model side of LoRA: the wrapped layers, what each slot holds, and the running step.
+    Used by the model thread only (loads happen there, in step order, between forward passes)."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.layers: dict[str, LoRALinear] = {}
+        for parent_name, parent, attr, sizes in list(_lora_capable(model)):  # (collected before wrapping)
+            base = getattr(parent, attr)
+            target = LoRATarget(base.in_features, tuple(sizes))
+            wrapped = LoRALinear(base, target, self, max_loras, max_rank, dtype, device)
+            setattr(parent, attr, wrapped)
+            self.layers[f"{parent_name}.{attr}" if parent_name else attr] = wrapped
+        if not self.layers:
+            raise ValueError(f"LoRA: {type(model).__name__} has no layers LoRA adapters can target (supported: the "
+                             "native Llama-family models of `tokenmill models`: llama, mistral, qwen2, qwen3, gemma 1/2/3, "
+                             "phi3, and the attention of the MoE models)")
+        self.hf_to_local = type(model).hf_to_local  # checkpoint (and so PEFT) names -> wrapped layer names
+        self.resident: list[int | None] = [None] * max_loras  # adapter id held by each slot
+        self.active: ActiveStep | None = None
+
+    @property
+    def targets(self) -> dict[str, LoRATarget]:
+        return {name: layer.target for name, layer in self.layers.items()}
+
+    def begin(self, batch: LoRABatch, device: torch.device) -> None:
+        """Before a step's forward pass: load the adapters it needs into their slots, then let the
+        wrapped layers see its row groups."""
+        for slot, adapter in batch.adapters:
+            if self.resident[slot] != adapter.id:
+                self.resident[slot] = None  # (until every layer holds the new adapter)
+                for name, layer in self.layers.items():
+                    layer.load_slot(slot, adapter.weights.get(name, ()))
+                self.resident[slot] = adapter.id
+        self.active = ActiveStep(batch.rows.to(device, non_blocking=True),
+                                 batch.offsets.to(device, non_blocking=True), batch.segments,
+                                 tuple(slot for slot, _ in batch.adapters))
+
+    def end(self) -> None:
+        self.active = None
+
+
+def _lora_capable(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, tuple[int, ...]]]:
+    """(parent name, parent, attribute, part sizes) of every linear layer the model marks."""
+    for name, module in model.named_modules():
+        for attr, sizes in getattr(module, "lora_parts", {}).items():
+            yield name, module, attr, sizes
