@@ -202,7 +202,7 @@ def test_features_bench_multi_lora_row(tiny_model_dir, monkeypatch):
     from tokenmill.cli import build_parser
 
     monkeypatch.setattr(features, "resolve_bench_model", lambda model: tiny_model_dir)
-    args = build_parser().parse_args(["bench", "features", "--num-prompts", "8", "--max-output", "8",
+    args = build_parser().parse_args(["bench", "features", "--num-prompts", "4", "--max-output", "16",
                                       "--only", "LoRA", "--kv-cache-memory", "64MiB", "--no-progress"])
     chosen = [f for f in features.FEATURES if any(k in f.name for k in args.only)]
     assert len(chosen) == 1 and chosen[0].lora_ranks

@@ -28,7 +28,10 @@ class LoRABatch:
 
     token_slots: torch.Tensor  # [tokens] the slot of each row of the step, -1 for the base model
     rows: torch.Tensor  # rows with an adapter, grouped by slot (token order within a slot)
-    offsets: torch.Tensor  # int32 [max_loras]: where each slot's group ends in `rows`
+    # The slots from the lowest to the highest the step uses, [first, end), and where each one's
+    # group ends in `rows` (int32, grouped_mm's offs): GEMMs run over these slots only.
+    slot_range: tuple[int, int]
+    offsets: torch.Tensor
     segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of every non-empty group
     adapters: tuple[tuple[int, LoRAAdapter], ...]  # (slot, adapter) of every adapter the step uses
 
@@ -39,7 +42,7 @@ class LoRASlots:
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
-        self._free = list(range(max_loras - 1, -1, -1))
+        self._free = list(range(max_loras - 1, -1, -1))  # lowest first: steps span few slots
 
     def place(self, adapters: Sequence[LoRAAdapter]) -> dict[int, int]:
         """Slots for the step's distinct adapters (adapter id -> slot)."""
@@ -74,5 +77,6 @@ class LoRASlots:
         ends = counts.cumsum(0)
         segments = tuple((slot, int(ends[slot] - counts[slot]), int(ends[slot]))
                          for slot in range(self.max_loras) if counts[slot])
-        return LoRABatch(token_slots, rows, ends.to(torch.int32), segments,
+        first, end = segments[0][0], segments[-1][0] + 1
+        return LoRABatch(token_slots, rows, (first, end), ends[first:end].to(torch.int32), segments,
                          tuple(sorted((slot_of[i], a) for i, a in distinct.items())))

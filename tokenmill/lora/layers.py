@@ -57,7 +57,8 @@ class ActiveStep:
     """The step the model thread is running, as the wrapped layers read it (device tensors)."""
 
     rows: torch.Tensor  # the step's rows that have an adapter, grouped by slot
-    offsets: torch.Tensor  # int32 end of each slot's group in `rows` (grouped_mm's offs)
+    slot_range: tuple[int, int]  # the slots [first, end) the GEMMs run over
+    offsets: torch.Tensor  # int32 end of each of those slots' group in `rows` (grouped_mm's offs)
     segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of every non-empty group
     slots: tuple[int, ...]  # the slots the step uses
 
@@ -88,12 +89,14 @@ class LoRALinear(nn.Module):
             return out
         rows = x.index_select(0, step.rows)
         delta = self._matmul(self._matmul(rows, self.lora_a, step), self.lora_b, step)
-        return out.index_add_(0, step.rows, delta)
+        # (index_put_ accumulates serially: index_add_ runs a parallel region per row on CPU)
+        return out.index_put_((step.rows,), delta, accumulate=True)
 
     def _matmul(self, x: torch.Tensor, weights: torch.Tensor, step: ActiveStep) -> torch.Tensor:
         """Each slot's group of rows times that slot's matrix (weights [slots, out, in])."""
         if self.grouped:
-            return F.grouped_mm(x, weights.transpose(1, 2), offs=step.offsets)
+            first, end = step.slot_range
+            return F.grouped_mm(x, weights[first:end].transpose(1, 2), offs=step.offsets)
         out = x.new_zeros(x.shape[0], weights.shape[1])
         for slot, start, end in step.segments:
             out[start:end] = F.linear(x[start:end], weights[slot])
@@ -153,7 +156,7 @@ class LoRAModel:
                 for name, layer in self.layers.items():
                     layer.load_slot(slot, adapter.weights.get(name, ()))
                 self.resident[slot] = adapter.id
-        self.active = ActiveStep(batch.rows.to(device, non_blocking=True),
+        self.active = ActiveStep(batch.rows.to(device, non_blocking=True), batch.slot_range,
                                  batch.offsets.to(device, non_blocking=True), batch.segments,
                                  tuple(slot for slot, _ in batch.adapters))
 

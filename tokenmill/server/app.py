@@ -306,8 +306,9 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
     async def retrieve_model(model_id: str) -> ModelCard:
         return model_card(state.resolve_model(model_id))
 
-    lora_responses = {200: {"content": {"text/plain": {}}, "description": "Success: ..."},
-                      **openapi.errors(400, 401, 403, 404, 413, 415)}
+    # Success is vLLM's plain-text line; errors are JSON like everywhere else.
+    lora_responses = openapi.text_responses("Success: LoRA adapter '...' added (removed) successfully.",
+                                            400, 401, 403, 404, 408, 413, 415)
 
     @app.post("/v1/load_lora_adapter", dependencies=json_api, response_class=PlainTextResponse,
               openapi_extra=openapi.json_body(LoadLoRAAdapterRequest), responses=lora_responses)

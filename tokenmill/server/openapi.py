@@ -40,6 +40,14 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
 
 
+def text_responses(success: str, *error_statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route answering plain text on success (response_class=PlainTextResponse) and OpenAI's
+    JSON errors otherwise (named explicitly: `errors` would document them as text too)."""
+    error = {"application/json": {"schema": {"$ref": _REF.format(model=ErrorResponse.__name__)}}}
+    return {200: {"description": success, "content": {"text/plain": {"schema": {"type": "string"}}}},
+            **{s: {"description": _ERRORS[s], "content": error} for s in error_statuses}}
+
+
 def generation_responses(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """JSON, or with `"stream": true` server-sent events (one `chunk` per event, or an error event
     if the engine fails mid-stream, then `[DONE]`), or an error."""
