@@ -101,6 +101,20 @@ def test_fewer_slots_than_adapters_swaps_lru(sharp_tiny_model_dir, llama_adapter
     assert len(loads) >= 3 and set(loads) == {0, 1}  # 3 adapters through 2 slots: one was evicted
 
 
+def test_adapters_with_speculative_decoding(sharp_tiny_model_dir, llama_adapters):
+    """Speculative steps verify several tokens per sequence in one forward pass: each of them gets
+    its sequence's adapter, and greedy output stays peft's. (The base model drafts: its proposals
+    are always there, and the adapters' requests reject some of them.)"""
+    prompts = mixed_prompts(4, 5, 30, seed=15)
+    choices = [_requests(llama_adapters)[i % 4] for i in range(len(prompts))]
+    llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="64MiB", dtype="float32",
+              enable_lora=True, max_loras=4, max_lora_rank=16, speculative_method="draft",
+              speculative_model=str(sharp_tiny_model_dir), num_speculative_tokens=3)
+    _check_against_peft(sharp_tiny_model_dir, llm.generate(prompts, GREEDY, lora_request=choices), prompts, choices)
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
 def test_prefix_cache_is_per_adapter(sharp_tiny_model_dir, llama_adapters):
     """The same prompt under the base model and two adapters: KV blocks are only reused by requests
     of the same adapter, and every output stays exact."""
