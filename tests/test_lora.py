@@ -269,6 +269,11 @@ def test_slot_plan_groups_rows_by_slot_and_evicts_lru():
     assert plan.slot_range == (0, 2) and plan.offsets.tolist() == [4, 5]
     assert plan.segments == ((0, 0, 4), (1, 4, 5))
     assert plan.adapters == ((0, a), (1, b))
+    assert plan.padded is None  # groups of 4 and 1 rows: padding would double the work
+    even = slots.plan([(a, 2), (b, 1), (None, 1), (b, 1), (a, 1)])  # decodes: groups of 3 and 2 rows
+    gather, valid = even.padded
+    assert even.rows.tolist() == [0, 1, 5, 2, 4]
+    assert gather.tolist() == [0, 1, 5, 2, 4, 2] and valid.tolist() == [0, 1, 2, 3, 4]  # b's block padded
     slots.plan([(b, 1)])  # b is now the most recently used
     only_c = slots.plan([(c, 2)])
     assert only_c.adapters == ((0, c),)  # a (least recently used) gave up its slot

@@ -34,6 +34,29 @@ class LoRABatch:
     offsets: torch.Tensor
     segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of every non-empty group
     adapters: tuple[tuple[int, LoRAAdapter], ...]  # (slot, adapter) of every adapter the step uses
+    # When the groups are about equally large (decode steps): the rows as one [slots, width] block
+    # for batched GEMMs (which beat grouped_mm's GEMM per group on CPU): the token each block
+    # position reads (padding repeats a group's first row), and the block positions of `rows`.
+    padded: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+# Batched GEMMs over padded groups while padding adds at most this share of rows (measured on
+# SmolLM2's shapes: bmm over 4 padded groups beat grouped_mm by ~30% at 16-64 rows).
+_MAX_PADDING = 1.25
+
+
+def _padded(rows: torch.Tensor, segments: Sequence[tuple[int, int, int]], num_slots: int) -> tuple | None:
+    """The block layout of `LoRABatch.padded`, or None when the groups are too uneven (or a slot
+    in the range has no rows)."""
+    width = max(end - start for _, start, end in segments)
+    if len(segments) != num_slots or width * num_slots > _MAX_PADDING * len(rows):
+        return None
+    gather, valid = [], []
+    for g, (_, start, end) in enumerate(segments):
+        group = rows[start:end].tolist()
+        gather += group + [group[0]] * (width - len(group))
+        valid += range(g * width, g * width + len(group))
+    return torch.tensor(gather, dtype=torch.long), torch.tensor(valid, dtype=torch.long)
 
 
 class LoRASlots:
@@ -79,4 +102,5 @@ class LoRASlots:
                          for slot in range(self.max_loras) if counts[slot])
         first, end = segments[0][0], segments[-1][0] + 1
         return LoRABatch(token_slots, rows, (first, end), ends[first:end].to(torch.int32), segments,
-                         tuple(sorted((slot_of[i], a) for i, a in distinct.items())))
+                         tuple(sorted((slot_of[i], a) for i, a in distinct.items())),
+                         _padded(rows, segments, end - first))

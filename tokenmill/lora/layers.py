@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.engine.tensors import to_device
 from tokenmill.lora.batch import LoRABatch
 from tokenmill.models.moe import grouped_mm_supported
 
@@ -61,6 +62,7 @@ class ActiveStep:
     offsets: torch.Tensor  # int32 end of each of those slots' group in `rows` (grouped_mm's offs)
     segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of every non-empty group
     slots: tuple[int, ...]  # the slots the step uses
+    padded: tuple[torch.Tensor, torch.Tensor] | None  # LoRABatch.padded
 
 
 class LoRALinear(nn.Module):
@@ -87,10 +89,20 @@ class LoRALinear(nn.Module):
         step = self.state.active
         if step is None or not any(self.filled[s] for s in step.slots):
             return out
-        rows = x.index_select(0, step.rows)
-        delta = self._matmul(self._matmul(rows, self.lora_a, step), self.lora_b, step)
-        # (index_put_ accumulates serially: index_add_ runs a parallel region per row on CPU)
-        return out.index_put_((step.rows,), delta, accumulate=True)
+        if step.padded is not None:
+            delta = self._batched(x, step)
+        else:
+            delta = self._matmul(self._matmul(x.index_select(0, step.rows), self.lora_a, step), self.lora_b, step)
+        return out.index_add_(0, step.rows, delta)
+
+    def _batched(self, x: torch.Tensor, step: ActiveStep) -> torch.Tensor:
+        """The deltas of `step.rows` from batched GEMMs over the groups padded to one width."""
+        gather, valid = step.padded
+        first, end = step.slot_range
+        blocks = x.index_select(0, gather).view(end - first, -1, x.shape[-1])
+        shrunk = torch.bmm(blocks, self.lora_a[first:end].transpose(1, 2))
+        delta = torch.bmm(shrunk, self.lora_b[first:end].transpose(1, 2))
+        return delta.view(-1, delta.shape[-1]).index_select(0, valid)
 
     def _matmul(self, x: torch.Tensor, weights: torch.Tensor, step: ActiveStep) -> torch.Tensor:
         """Each slot's group of rows times that slot's matrix (weights [slots, out, in])."""
@@ -158,7 +170,8 @@ class LoRAModel:
                 self.resident[slot] = adapter.id
         self.active = ActiveStep(batch.rows.to(device, non_blocking=True), batch.slot_range,
                                  batch.offsets.to(device, non_blocking=True), batch.segments,
-                                 tuple(slot for slot, _ in batch.adapters))
+                                 tuple(slot for slot, _ in batch.adapters),
+                                 None if batch.padded is None else to_device(batch.padded, device, non_blocking=True))
 
     def end(self) -> None:
         self.active = None
