@@ -41,21 +41,32 @@ def make_peft_adapter(model_dir: Path, target: Path, *, seed: int, r: int, lora_
     return target
 
 
-def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Reference: HF generate (fp32, greedy, one prompt, no padding) with peft applying the adapter
-    (None: the base model)."""
+def _reference_model(model_dir: Path, adapter_dir: Path | None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    key = (str(model_dir), str(adapter_dir))
+    if key not in _REFERENCE_CACHE:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if adapter_dir is not None:
+            model = PeftModel.from_pretrained(model, adapter_dir)
+        _REFERENCE_CACHE[key] = model.eval()
+    return _REFERENCE_CACHE[key]
+
+
+def peft_last_hidden(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[int]) -> torch.Tensor:
+    """Reference: the final norm's output at the last prompt position, peft applying the adapter."""
+    with torch.inference_mode():
+        out = _reference_model(model_dir, adapter_dir)(torch.tensor([prompt_ids]), output_hidden_states=True)
+    return out.hidden_states[-1][0, -1]
+
+
+def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: HF generate (fp32, greedy, one prompt, no padding) with peft applying the adapter
+    (None: the base model)."""
     key = (str(model_dir), str(adapter_dir), tuple(prompt_ids), max_new_tokens)
     if key not in _REFERENCE_CACHE:
-        model_key = (str(model_dir), str(adapter_dir))
-        model = _REFERENCE_CACHE.get(model_key)
-        if model is None:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            if adapter_dir is not None:
-                model = PeftModel.from_pretrained(model, adapter_dir)
-            model = _REFERENCE_CACHE[model_key] = model.eval()
+        model = _reference_model(model_dir, adapter_dir)
         with torch.inference_mode():
             out = model.generate(input_ids=torch.tensor([prompt_ids]),
                                  attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import mixed_prompts
-from tests.lora_adapters import make_peft_adapter, peft_greedy
-from tokenmill import LLM, LoRARequest, SamplingParams
+from tests.lora_adapters import make_peft_adapter, peft_greedy, peft_last_hidden
+from tokenmill import LLM, LoRARequest, PoolingParams, SamplingParams
 from tokenmill.lora.registry import LoRAError
 
 pytest.importorskip("peft")
@@ -133,6 +133,21 @@ def test_prefix_cache_is_per_adapter(sharp_tiny_model_dir, llama_adapters):
     assert cached[3] == cached[4] == 64  # its own blocks, and the base model's, are reused
 
 
+def test_embeddings_with_adapters(sharp_tiny_model_dir, llama_adapters):
+    """An embedding request pools the hidden states of its adapter's model (peft's, 1e-4 in fp32)."""
+    llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="16MiB", dtype="float32",
+              enable_lora=True, max_loras=2, max_lora_rank=16)
+    prompts = mixed_prompts(4, 5, 30, seed=16)
+    choices = [_requests(llama_adapters)[i % 4] for i in range(len(prompts))]
+    vectors = llm.embed(prompts, PoolingParams("last", normalize=False), lora_request=choices)
+    for prompt, vector, choice in zip(prompts, vectors, choices):
+        adapter = None if choice is None else Path(choice.lora_path)
+        expected = peft_last_hidden(sharp_tiny_model_dir, adapter, prompt)
+        torch.testing.assert_close(torch.tensor(vector), expected, atol=1e-4, rtol=1e-4)
+        if adapter is not None:
+            assert not torch.allclose(expected, peft_last_hidden(sharp_tiny_model_dir, None, prompt), atol=1e-2)
+
+
 def test_qwen2_adapters_match_peft(tiny_qwen2_dir, tmp_path):
     """A second family (q/k/v biases, RoPE scaling): two adapters and the base in one batch."""
     adapters = {
@@ -146,6 +161,24 @@ def test_qwen2_adapters_match_peft(tiny_qwen2_dir, tmp_path):
     choices = [_requests(adapters)[i % 3] for i in range(len(prompts))]
     _check_against_peft(tiny_qwen2_dir, llm.generate(prompts, GREEDY, lora_request=choices), prompts, choices)
     _adapters_matter(tiny_qwen2_dir, prompts, choices)
+
+
+def test_phi3_fused_targets_match_peft(tmp_path, default_model_dir):
+    """Phi-3's checkpoints fuse q/k/v and gate/up: adapters target `qkv_proj` and `gate_up_proj`
+    whole, and their B matrices span every part of the fused layer."""
+    from tests.conftest import save_random_model
+    from tests.test_native_families import _phi3
+
+    model_dir = save_random_model(_phi3(), default_model_dir, tmp_path / "phi3", seed=17)
+    adapter = make_peft_adapter(model_dir, tmp_path / "fused", seed=6, r=8, lora_alpha=16,
+                                target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    llm = LLM(str(model_dir), progress=False, kv_cache_memory="16MiB", dtype="float32",
+              lora_modules=[f"fused={adapter}"])
+    # (longer than LongRoPE's original 32 positions, where HF and tokenmill use the same factors)
+    prompts = mixed_prompts(4, 40, 60, seed=17)
+    choices = [LoRARequest("fused", 1, str(adapter)) if i % 2 else None for i in range(len(prompts))]
+    _check_against_peft(model_dir, llm.generate(prompts, GREEDY, lora_request=choices), prompts, choices)
+    _adapters_matter(model_dir, prompts, choices)
 
 
 # ---------------------------------------------------------------------------------------------- bad adapters

@@ -5,14 +5,16 @@ output sizes of its fused parts, e.g. q, k, v of `qkv_proj`) is wrapped once at 
 holds `max_loras` slots of stacked A and B matrices (zero when a slot's adapter does not target
 the layer); a step's rows are grouped by slot and each group runs as one GEMM per matrix
 (`grouped_mm`, the segmented GEMM of punica's SGMV), so one forward pass serves every adapter of
-the batch, and rows of the base model cost nothing.
+the batch, and rows of the base model cost nothing. When the groups are about equally large
+(decode steps) they are padded to one width and run as one batched GEMM per matrix instead:
+grouped_mm runs a GEMM per group on CPU, and those small GEMMs cost more than the padding.
 
 Layout per wrapper with S fused parts and rank width R (`--max-lora-rank`): `lora_a` [slots,
 S * R, in] holds the A matrices of all parts, `lora_b` [slots, out, S * R] the B matrices
 block-diagonally (part i's rows read only its R columns), so a layer costs one shrink and one
 expand GEMM whatever its parts. (Per-part expands read S times fewer B weights but cost S - 1
-more GEMMs, a slice copy each and a concatenation: more on a CPU, where the op count of a step
-dominates the adapters' few FLOPs.) A whole-layer adapter of a fused layer (Phi-3's `qkv_proj`
+more GEMMs and a concatenation; on SmolLM2's qkv and gate_up shapes they were slower for
+decode-size groups and at most ~15% faster for prefill-size ones.) A whole-layer adapter of a fused layer (Phi-3's `qkv_proj`
 targets) uses the first R columns for every row.
 The adapter's scale (alpha / r) is folded into B when the adapter is read.
 """
