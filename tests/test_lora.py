@@ -148,6 +148,18 @@ def test_embeddings_with_adapters(sharp_tiny_model_dir, llama_adapters):
             assert not torch.allclose(expected, peft_last_hidden(sharp_tiny_model_dir, None, prompt), atol=1e-2)
 
 
+def test_result_cache_is_per_adapter(sharp_tiny_model_dir, llama_adapters):
+    """--result-cache-size: a repeat is answered from memory only under the same adapter."""
+    llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="16MiB", dtype="float32",
+              enable_lora=True, max_lora_rank=16, result_cache_size=8)
+    prompt = mixed_prompts(1, 20, 20, seed=18)[0]
+    adapter = LoRARequest("all", 1, str(llama_adapters["all"]))
+    for choice, hits in ((None, 0), (adapter, 0), (adapter, 1), (None, 2)):
+        _check_against_peft(sharp_tiny_model_dir, llm.generate([prompt], GREEDY, lora_request=choice), [prompt],
+                            [choice])
+        assert llm.engine.stats().result_cache_hits_total == hits
+
+
 def test_qwen2_adapters_match_peft(tiny_qwen2_dir, tmp_path):
     """A second family (q/k/v biases, RoPE scaling): two adapters and the base in one batch."""
     adapters = {
