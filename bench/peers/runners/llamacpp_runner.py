@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Timer, load_workload, max_len, parser, wait_until_ok, write_result  # noqa: E402
 
 
-def convert(model: str, script: Path, gguf: Path, precision: str) -> None:
+def convert(model: str, script: Path, gguf: Path, precision: str, python: str) -> None:
     if gguf.exists():
         return
     gguf.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, str(script), model, "--outtype", "bf16" if precision == "bf16" else "f32",
+    subprocess.run([python, str(script), model, "--outtype", "bf16" if precision == "bf16" else "f32",
                     "--outfile", str(gguf)], check=True, env=env)
 
 
@@ -46,10 +46,12 @@ def main() -> None:
     p.add_argument("--server", required=True, help="llama-server binary")
     p.add_argument("--convert-script", required=True, help="llama.cpp's convert_hf_to_gguf.py")
     p.add_argument("--gguf", required=True, help="converted model path (made once)")
+    p.add_argument("--convert-python", default=sys.executable,
+                   help="interpreter with the converter's requirements (default: this one)")
     p.add_argument("--no-repack", action="store_true", help="pass --no-repack to llama-server")
     args = p.parse_args()
     workload = load_workload(args.workload)
-    convert(args.model, Path(args.convert_script), Path(args.gguf), args.precision)
+    convert(args.model, Path(args.convert_script), Path(args.gguf), args.precision, args.convert_python)
     port = free_port()
     slots = len(workload)
     command = [args.server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
