@@ -18,6 +18,8 @@ import torch
 
 from tests.conftest import hf_greedy, mixed_prompts
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine import model_runner
+from tokenmill.engine.model_runner import build_forward
 from tokenmill.kernels import build
 from tokenmill.models.attention import AttentionMetadata, PagedQueries, _attend, paged_attention
 
@@ -154,7 +156,7 @@ def test_kernels_can_be_switched_off(monkeypatch):
 
 
 @needs_kernels
-def test_engine_with_and_without_the_kernel_matches_hf(sharp_tiny_model_dir):
+def test_engine_with_and_without_the_kernel_matches_hf(sharp_tiny_model_dir, monkeypatch):
     """Decodes and prefill chunks with cached context (chunked prefill, prefix-cache hits) through
     the fused kernel give HF's greedy tokens, and so does the pure-torch fallback."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -167,14 +169,13 @@ def test_engine_with_and_without_the_kernel_matches_hf(sharp_tiny_model_dir):
         assert runner.fused_attention
         runner.fused_attention = fused
         seen = []
-        prepare = runner._prepare_eager
 
-        def recording(batch, prepare=prepare, seen=seen):
-            result = prepare(batch)
-            seen.append(result[2])
-            return result
+        def recording(*args, seen=seen, **kwargs):
+            forward = build_forward(*args, **kwargs)
+            seen.append(forward.meta)
+            return forward
 
-        runner._prepare_eager = recording
+        monkeypatch.setattr(model_runner, "build_forward", recording)
         llm.generate([shared], greedy)  # fills the prefix cache
         outs = llm.generate(prompts, greedy)
         assert [o.outputs[0].token_ids for o in outs] == expected, f"fused={fused}"
