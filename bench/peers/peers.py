@@ -319,7 +319,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     table = format_table(results, cpu_name()) + "".join(f"\n| {e} | failed (see the log) | | | | |" for e in failed)
     (out_dir / "peers.md").write_text(table + "\n")
-    (out_dir / "peers.json").write_text(json.dumps({"cpu": cpu_name(), "results": results}, indent=2))
+    (out_dir / "peers.json").write_text(json.dumps({"cpu": cpu_name(), "results": results, "failed": failed}, indent=2))
     plot(results, out_dir / "peers.png", f"{model_dir.name}, {args.num_prompts} requests, {cpu_name()}")
     print(table)
     return 1 if failed else 0
