@@ -245,3 +245,47 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog)
         assert build.load.__wrapped__() is False
     assert "could not be built or loaded" in caplog.text and "g++: command not found" in caplog.text
     assert not any(tmp_path.rglob(build._DONE_MARKER))
+
+
+@needs_kernels
+@pytest.mark.parametrize("seed", range(6))
+def test_lora_delta_kernel_matches_per_row_reference(seed):
+    """`lora_delta` adds B_s (A_s x) to each grouped row's output, reading only each slot's blocks
+    (true rank, own part of a fused layer, or one whole-layer block): random layer shapes (feature
+    counts off the vector width), parts, ranks under the slot width, empty slots and groups of 1-22
+    rows, against the per-row product of the same matrices."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    in_features = rng.choice([7, 64, 100, 576])
+    part_sizes = [rng.choice([5, 16, 33, 96]) for _ in range(rng.randint(1, 3))]
+    width, slots, tokens = rng.choice([4, 8, 16]), 4, 90
+    out_features = sum(part_sizes)
+    lora_a = torch.zeros(slots, len(part_sizes) * width, in_features)
+    lora_b = torch.zeros(slots, len(part_sizes) * width, out_features)
+    blocks = torch.zeros(slots, len(part_sizes), 4, dtype=torch.long)
+    for slot in range(1, slots):  # slot 0 stays empty (an adapter that does not target the layer)
+        whole = slot == 3  # a whole-layer adapter of a fused layer: one block over every feature
+        spans = [(0, out_features)] if whole else [(sum(part_sizes[:p]), sum(part_sizes[: p + 1]))
+                                                   for p in range(len(part_sizes))]
+        for part, (first, end) in enumerate(spans):
+            rank, col = rng.randint(1, width), part * width
+            lora_a[slot, col : col + rank] = torch.randn(rank, in_features, generator=gen)
+            lora_b[slot, col : col + rank, first:end] = torch.randn(rank, end - first, generator=gen)
+            blocks[slot, part] = torch.tensor([col, rank, first, end])
+    x, base = torch.randn(tokens, in_features, generator=gen), torch.randn(tokens, out_features, generator=gen)
+    order = torch.randperm(tokens, generator=gen).tolist()
+    rows, segments = [], []
+    for slot in range(slots):
+        count = rng.randint(1, 22) if slot or rng.random() < 0.5 else 0  # (4 x 22 <= tokens)
+        segments.append((slot, len(rows), len(rows) + count))
+        rows += order[len(rows) : len(rows) + count]
+    segments = [s for s in segments if s[2] > s[1]]
+    expected = base.clone()
+    for slot, start, end in segments:
+        for row in rows[start:end]:
+            expected[row] += (lora_a[slot] @ x[row]) @ lora_b[slot]
+    out = base.clone()
+    torch.ops.tokenmill.lora_delta(x, out, lora_a, lora_b, torch.tensor(rows), torch.tensor(segments), blocks)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    untouched = sorted(set(range(tokens)) - set(rows))
+    assert torch.equal(out[untouched], base[untouched])  # rows without an adapter are left as they were

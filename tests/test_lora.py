@@ -17,6 +17,9 @@ import torch
 from tests.conftest import mixed_prompts
 from tests.lora_adapters import make_peft_adapter, peft_greedy, peft_last_hidden
 from tokenmill import LLM, LoRARequest, PoolingParams, SamplingParams
+from tokenmill.kernels.ops import cpu_kernels_available
+from tokenmill.lora import layers as lora_layers
+from tokenmill.lora.layers import LoRALinear
 from tokenmill.lora.registry import LoRAError
 
 pytest.importorskip("peft")
@@ -51,6 +54,10 @@ def _requests(adapters: dict[str, Path]) -> list[LoRARequest | None]:
     return [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())] + [None]
 
 
+def _refuse(*args, **kwargs):
+    raise AssertionError("a GEMM path ran where the CPU kernel should have")
+
+
 def _check_against_peft(model_dir: Path, outputs, prompts, choices) -> None:
     for i, (prompt, out, choice) in enumerate(zip(prompts, outputs, choices)):
         adapter = None if choice is None else Path(choice.lora_path)
@@ -66,8 +73,18 @@ def _adapters_matter(model_dir: Path, prompts: list[list[int]], choices: list[Lo
             assert adapted != peft_greedy(model_dir, None, prompt, MAX_TOKENS), f"{choice.lora_name} changes nothing"
 
 
-def test_mixed_adapter_batch_matches_peft(sharp_tiny_model_dir, llama_adapters):
-    """One batch: 3 adapters and the base model, chunked prefill mixed with decodes."""
+@pytest.mark.parametrize("path", ["kernel", "gemm"])
+def test_mixed_adapter_batch_matches_peft(sharp_tiny_model_dir, llama_adapters, path, monkeypatch):
+    """One batch: 3 adapters and the base model, chunked prefill mixed with decodes; the deltas
+    computed by the CPU kernel (every step here), or by the GEMM paths (padded batched GEMMs for
+    even groups, grouped GEMMs for uneven ones) that GPUs, bf16 and large groups take."""
+    if path == "kernel":
+        if not cpu_kernels_available(torch.device("cpu")):
+            pytest.skip("tokenmill's CPU kernels are not available here")
+        for gemm_path in ("_batched", "_matmul"):  # the kernel must serve every step
+            monkeypatch.setattr(LoRALinear, gemm_path, _refuse)
+    else:
+        monkeypatch.setattr(lora_layers, "KERNEL_MAX_GROUP", 0)
     llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="64MiB", dtype="float32",
               enable_lora=True, max_loras=4, max_lora_rank=16, max_num_batched_tokens=96)
     prompts = mixed_prompts(8, 3, 60, seed=11)

@@ -10,12 +10,16 @@ the batch, and rows of the base model cost nothing. When the groups are about eq
 grouped_mm runs a GEMM per group on CPU, and those small GEMMs cost more than the padding.
 
 Layout per wrapper with S fused parts and rank width R (`--max-lora-rank`): `lora_a` [slots,
-S * R, in] holds the A matrices of all parts, `lora_b` [slots, out, S * R] the B matrices
-block-diagonally (part i's rows read only its R columns), so a layer costs one shrink and one
-expand GEMM whatever its parts. (Per-part expands read S times fewer B weights but cost S - 1
-more GEMMs and a concatenation; on SmolLM2's qkv and gate_up shapes they were slower for
-decode-size groups and at most ~15% faster for prefill-size ones.) A whole-layer adapter of a fused layer (Phi-3's `qkv_proj`
-targets) uses the first R columns for every row.
+S * R, in] holds the A matrices of all parts, `lora_b` [slots, S * R, out] the B matrices
+transposed and block-diagonally (part i's rows read only its R rank columns), so on the GEMM
+paths a layer costs one shrink and one expand GEMM whatever its parts. (Per-part expands read S
+times fewer B weights but cost S - 1 more GEMMs and a concatenation; on SmolLM2's qkv and gate_up
+shapes they were slower for decode-size groups and at most ~15% faster for prefill-size ones.) A
+whole-layer adapter of a fused layer (Phi-3's `qkv_proj` targets) uses the first R columns for
+every row. `blocks` [slots, S, 4] says where each slot's adapter really is (first rank column,
+rank, output features): on CPU in fp32, steps of small groups (decode) run the `lora_delta`
+kernel, which reads only those blocks (a rank-8 adapter in a rank-16 slot, or the zeros off the
+block diagonal, cost nothing) in one call per layer.
 The adapter's scale (alpha / r) is folded into B when the adapter is read.
 """
 
@@ -29,8 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.engine.tensors import to_device
+from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.lora.batch import LoRABatch
 from tokenmill.models.moe import grouped_mm_supported
+
+
+# Groups of up to this many rows (decode steps, small prefill chunks) take the CPU kernel; larger
+# ones run oneDNN/MKL GEMMs (the kernel was faster up to 256 rows per group on SmolLM2 shapes, ranks 8/16).
+KERNEL_MAX_GROUP = 256
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,7 @@ class ActiveStep:
     segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) of every non-empty group
     slots: tuple[int, ...]  # the slots the step uses
     padded: tuple[torch.Tensor, torch.Tensor] | None  # LoRABatch.padded
+    kernel_segments: torch.Tensor | None  # [groups, 3] int64 (slot, start, end) when the CPU kernel runs
 
 
 class LoRALinear(nn.Module):
@@ -81,8 +92,11 @@ class LoRALinear(nn.Module):
         # Buffers (not saved): they count in the model's memory, as they take it.
         self.register_buffer("lora_a", torch.zeros(max_loras, parts * max_rank, target.in_features, dtype=dtype,
                                                    device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, target.out_features, parts * max_rank, dtype=dtype,
+        self.register_buffer("lora_b", torch.zeros(max_loras, parts * max_rank, target.out_features, dtype=dtype,
                                                    device=device), persistent=False)
+        # Per slot and part: (first rank column, rank, first and end output feature) of the block the
+        # adapter fills (rank 0: none). Host memory: read by the CPU kernel only.
+        self.blocks = torch.zeros(max_loras, parts, 4, dtype=torch.long)
         self.filled = [False] * max_loras  # whether a slot's adapter adapts this layer (else skip the GEMMs)
         self.grouped = grouped_mm_supported(self.lora_a)
 
@@ -91,10 +105,15 @@ class LoRALinear(nn.Module):
         step = self.state.active
         if step is None or not any(self.filled[s] for s in step.slots):
             return out
+        if step.kernel_segments is not None and x.dim() == 2 and x.is_contiguous() and out.is_contiguous():
+            torch.ops.tokenmill.lora_delta(x, out, self.lora_a, self.lora_b, step.rows, step.kernel_segments,
+                                           self.blocks)
+            return out
         if step.padded is not None:
             delta = self._batched(x, step)
         else:
-            delta = self._matmul(self._matmul(x.index_select(0, step.rows), self.lora_a, step), self.lora_b, step)
+            shrunk = self._matmul(x.index_select(0, step.rows), self.lora_a.transpose(1, 2), step)
+            delta = self._matmul(shrunk, self.lora_b, step)
         return out.index_add_(0, step.rows, delta)
 
     def _batched(self, x: torch.Tensor, step: ActiveStep) -> torch.Tensor:
@@ -103,17 +122,17 @@ class LoRALinear(nn.Module):
         first, end = step.slot_range
         blocks = x.index_select(0, gather).view(end - first, -1, x.shape[-1])
         shrunk = torch.bmm(blocks, self.lora_a[first:end].transpose(1, 2))
-        delta = torch.bmm(shrunk, self.lora_b[first:end].transpose(1, 2))
+        delta = torch.bmm(shrunk, self.lora_b[first:end])
         return delta.view(-1, delta.shape[-1]).index_select(0, valid)
 
     def _matmul(self, x: torch.Tensor, weights: torch.Tensor, step: ActiveStep) -> torch.Tensor:
-        """Each slot's group of rows times that slot's matrix (weights [slots, out, in])."""
+        """Each slot's group of rows times that slot's matrix (weights [slots, in, out])."""
         if self.grouped:
             first, end = step.slot_range
-            return F.grouped_mm(x, weights[first:end].transpose(1, 2), offs=step.offsets)
-        out = x.new_zeros(x.shape[0], weights.shape[1])
+            return F.grouped_mm(x, weights[first:end], offs=step.offsets)
+        out = x.new_zeros(x.shape[0], weights.shape[2])
         for slot, start, end in step.segments:
-            out[start:end] = F.linear(x[start:end], weights[slot])
+            torch.mm(x[start:end], weights[slot], out=out[start:end])
         return out
 
     @torch.no_grad()
@@ -121,13 +140,16 @@ class LoRALinear(nn.Module):
         """Put one adapter's matrices for this layer into `slot` (all zero when it has none)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.blocks[slot].zero_()
         sizes = self.target.part_sizes
         for w in weights:
             r = w.a.shape[0]
-            col = 0 if w.part is None else w.part * self.max_rank
-            row = 0 if w.part is None else sum(sizes[: w.part])
+            part = 0 if w.part is None else w.part
+            col = part * self.max_rank
+            row = sum(sizes[:part])
             self.lora_a[slot, col : col + r] = w.a
-            self.lora_b[slot, row : row + w.b.shape[0], col : col + r] = w.b
+            self.lora_b[slot, col : col + r, row : row + w.b.shape[0]] = w.b.t()
+            self.blocks[slot, part] = torch.tensor([col, r, row, row + w.b.shape[0]])
         self.filled[slot] = bool(weights)
 
     def extra_repr(self) -> str:
@@ -156,6 +178,8 @@ class LoRAModel:
         self.hf_to_local = type(model).hf_to_local  # checkpoint (and so PEFT) names -> wrapped layer names
         self.resident: list[int | None] = [None] * max_loras  # adapter id held by each slot
         self.active: ActiveStep | None = None
+        # The CPU kernel (fp32) serves steps whose groups are small; larger ones run GEMMs.
+        self.kernel = dtype == torch.float32 and cpu_kernels_available(device)
 
     @property
     def targets(self) -> dict[str, LoRATarget]:
@@ -170,10 +194,12 @@ class LoRAModel:
                 for name, layer in self.layers.items():
                     layer.load_slot(slot, adapter.weights.get(name, ()))
                 self.resident[slot] = adapter.id
+        kernel = self.kernel and max(end - start for _, start, end in batch.segments) <= KERNEL_MAX_GROUP
         self.active = ActiveStep(batch.rows.to(device, non_blocking=True), batch.slot_range,
                                  batch.offsets.to(device, non_blocking=True), batch.segments,
                                  tuple(slot for slot, _ in batch.adapters),
-                                 None if batch.padded is None else to_device(batch.padded, device, non_blocking=True))
+                                 None if batch.padded is None else to_device(batch.padded, device, non_blocking=True),
+                                 torch.tensor(batch.segments, dtype=torch.long) if kernel else None)
 
     def end(self) -> None:
         self.active = None
