@@ -252,6 +252,16 @@ BAD_ADAPTERS = {  # changes to the rank-4 "qv" adapter (q_proj and v_proj of eve
     "modules_to_save": (dict(config={"modules_to_save": ["lm_head"]}), "modules_to_save"),
     "trained biases": (dict(config={"bias": "all"}), "bias='all'"),
     "another PEFT method": (dict(config={"peft_type": "IA3"}), "peft_type 'IA3' is not supported"),
+    # Hostile or corrupt files: a clear refusal, never a ZeroDivisionError / TypeError (HTTP 500) or
+    # weights that are silently infinite.
+    "rank 0": (dict(tensors=lambda s: {k: v[:0] if "lora_A" in k else v[:, :0] for k, v in s.items()}),
+               "has rank 0"),
+    "lora_alpha NaN": (dict(config={"lora_alpha": float("nan")}), "needs a positive number 'lora_alpha'"),
+    "lora_alpha infinite": (dict(config={"lora_alpha": float("inf")}), "needs a positive number 'lora_alpha'"),
+    "scaled B overflows": (dict(config={"lora_alpha": 1e300}), "NaN or infinite"),
+    "alpha_pattern not an object": (dict(config={"alpha_pattern": ["q_proj"]}), "alpha_pattern must be"),
+    "alpha_pattern value not a number": (dict(config={"alpha_pattern": {"q_proj": "x"}}), "alpha_pattern must be"),
+    "alpha_pattern bad regex": (dict(config={"alpha_pattern": {"q_proj(": 4}}), "alpha_pattern must be"),
 }
 
 
@@ -285,6 +295,16 @@ def test_missing_adapter_files(lora_llm, tmp_path):
     (tmp_path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(LoRAError, match="adapter_model.safetensors is unreadable"):
         lora_llm.engine.loras.load("garbage", tmp_path)
+
+
+def test_a_bin_weights_file_must_hold_named_tensors(lora_llm, tmp_path):
+    """adapter_model.bin is a pickle: one that holds a list, or a dict of non-tensors, is refused
+    (not an AttributeError: HTTP 500)."""
+    (tmp_path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    for content in ([1, 2], {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": 3}):
+        torch.save(content, tmp_path / "adapter_model.bin")
+        with pytest.raises(LoRAError, match="adapter_model.bin must hold a dict of named tensors"):
+            lora_llm.engine.loras.load("pickled", tmp_path)
 
 
 def test_startup_refuses_a_bad_adapter_in_one_line(sharp_tiny_model_dir, tmp_path):

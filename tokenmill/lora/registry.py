@@ -184,12 +184,13 @@ class LoRARegistry:
         rank = 0
         for module, matrices in sorted(pairs.items()):
             local, part, a, b = self._checked_pair(where, module, matrices)
-            scale = _scale(config, module, a.shape[0])
             existing = weights.setdefault(local, [])
             if any(w.part is None or part is None or w.part == part for w in existing):
                 raise LoRAError(f"{where}: {module} adapts a layer another of its modules already adapts")
-            existing.append(LoRAWeights(part, a.to(self.dtype).contiguous(),
-                                        (b.float() * scale).to(self.dtype).contiguous()))
+            scaled_b = (b.float() * _scale(config, module, a.shape[0])).to(self.dtype)
+            if not torch.isfinite(scaled_b).all():  # (a huge alpha overflows the model's dtype)
+                raise LoRAError(f"{where}: {module}: lora_B times the scale alpha / r holds NaN or infinite weights")
+            existing.append(LoRAWeights(part, a.to(self.dtype).contiguous(), scaled_b.contiguous()))
             rank = max(rank, a.shape[0])
         return {k: tuple(v) for k, v in weights.items()}, rank
 
@@ -212,6 +213,8 @@ class LoRARegistry:
         if a.shape[1] != target.in_features or b.shape[0] != out:
             raise LoRAError(f"{where}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
                             f"model's layer ({target.in_features} in, {out} out): an adapter of another base model?")
+        if a.shape[0] == 0:
+            raise LoRAError(f"{where}: {module} has rank 0 (empty lora_A / lora_B)")
         if a.shape[0] > self.max_rank:
             raise LoRAError(f"{where}: {module} has rank {a.shape[0]}, more than --max-lora-rank {self.max_rank}")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
@@ -252,9 +255,38 @@ def _read_config(path: Path, where: str) -> dict[str, Any]:
         raise LoRAError(f"{where}: bias={config['bias']!r} (trained biases) is not supported; only bias='none'")
     for key in ("r", "lora_alpha"):
         value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        if not _positive_number(value):
             raise LoRAError(f"{where}: {CONFIG_FILE} needs a positive number {key!r}")
+    _check_alpha_pattern(config.get("alpha_pattern"), where)
     return config
+
+
+def _positive_number(value: Any) -> bool:
+    """A finite number > 0 (Python's json reads NaN and Infinity too)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _check_alpha_pattern(pattern: Any, where: str) -> None:
+    """PEFT's per-module alphas: {regex: positive number}."""
+    if not pattern:
+        return
+    problem = None
+    if not isinstance(pattern, dict):
+        problem = "it is not an object"
+    else:
+        for key, value in pattern.items():
+            if not _positive_number(value):
+                problem = f"{key!r} maps to {value!r}"
+            else:
+                try:
+                    re.compile(key)
+                except re.error as exc:
+                    problem = f"{key!r} is not a regular expression ({exc})"
+            if problem:
+                break
+    if problem:
+        raise LoRAError(f"{where}: alpha_pattern must be an object of module patterns to positive numbers "
+                        f"in {CONFIG_FILE}: {problem}")
 
 
 def _read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
@@ -268,9 +300,13 @@ def _read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
         try:
             if file.suffix == ".safetensors":
                 return load_file(str(file))
-            return torch.load(file, map_location="cpu", weights_only=True)
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
         except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
             raise LoRAError(f"{where}: {file_name} is unreadable ({' '.join(str(exc).split())[:200]})") from None
+        if not isinstance(tensors, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+            raise LoRAError(f"{where}: {file_name} must hold a dict of named tensors")
+        return tensors
     raise LoRAError(f"{where}: no {' or '.join(WEIGHT_FILES)}")
 
 
