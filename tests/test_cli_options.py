@@ -56,6 +56,7 @@ def test_lora_flags(monkeypatch):
 
     assert parse_lora_module("a=/x") == LoRAModulePath("a", "/x")
     assert parse_lora_module('{"name": "b", "path": "/y", "base_model_name": "m"}') == LoRAModulePath("b", "/y", "m")
-    for bad in ("/just/a/path", '{"name": "b"}', '{"name": "b", "path": "/y", "extra": 1}', "{not json"):
+    for bad in ("/just/a/path", '{"name": "b"}', '{"name": "b", "path": "/y", "extra": 1}', "{not json",
+                '{"name": "b", "path": "/y", "base_model_name": 5}'):  # (/v1/models would fail on a number)
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_module(bad)

@@ -93,6 +93,8 @@ def parse_lora_module(text: str) -> LoRAModulePath:
             raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({exc})") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
             raise ValueError(f"--lora-modules: {text!r} needs string fields \"name\" and \"path\"")
+        if not isinstance(spec.get("base_model_name", ""), (str, type(None))):
+            raise ValueError(f"--lora-modules: {text!r}: \"base_model_name\" must be a string")
         unknown = set(spec) - {"name", "path", "base_model_name"}
         if unknown:
             raise ValueError(f"--lora-modules: {text!r} has unknown fields {sorted(unknown)}")
