@@ -58,6 +58,13 @@ def _refuse(*args, **kwargs):
     raise AssertionError("a GEMM path ran where the CPU kernel should have")
 
 
+def _counted(method, name: str, calls: dict[str, int]):
+    def wrapper(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return method(*args, **kwargs)
+    return wrapper
+
+
 def _check_against_peft(model_dir: Path, outputs, prompts, choices) -> None:
     for i, (prompt, out, choice) in enumerate(zip(prompts, outputs, choices)):
         adapter = None if choice is None else Path(choice.lora_path)
@@ -76,15 +83,18 @@ def _adapters_matter(model_dir: Path, prompts: list[list[int]], choices: list[Lo
 @pytest.mark.parametrize("path", ["kernel", "gemm"])
 def test_mixed_adapter_batch_matches_peft(sharp_tiny_model_dir, llama_adapters, path, monkeypatch):
     """One batch: 3 adapters and the base model, chunked prefill mixed with decodes; the deltas
-    computed by the CPU kernel (every step here), or by the GEMM paths (padded batched GEMMs for
-    even groups, grouped GEMMs for uneven ones) that GPUs, bf16 and large groups take."""
+    computed by the CPU kernel, or by the GEMM paths (padded batched GEMMs for even groups, grouped
+    GEMMs for uneven ones) that GPUs and bf16 take."""
     if path == "kernel":
         if not cpu_kernels_available(torch.device("cpu")):
             pytest.skip("tokenmill's CPU kernels are not available here")
         for gemm_path in ("_batched", "_matmul"):  # the kernel must serve every step
             monkeypatch.setattr(LoRALinear, gemm_path, _refuse)
-    else:
-        monkeypatch.setattr(lora_layers, "KERNEL_MAX_GROUP", 0)
+    gemm_calls: dict[str, int] = {}
+    if path == "gemm":
+        monkeypatch.setattr(lora_layers, "cpu_kernels_available", lambda device: False)
+        for gemm_path in ("_batched", "_matmul"):
+            monkeypatch.setattr(LoRALinear, gemm_path, _counted(getattr(LoRALinear, gemm_path), gemm_path, gemm_calls))
     llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="64MiB", dtype="float32",
               enable_lora=True, max_loras=4, max_lora_rank=16, max_num_batched_tokens=96)
     prompts = mixed_prompts(8, 3, 60, seed=11)
@@ -94,6 +104,8 @@ def test_mixed_adapter_batch_matches_peft(sharp_tiny_model_dir, llama_adapters, 
     outputs = llm.generate(prompts, GREEDY, lora_request=choices)
     _check_against_peft(sharp_tiny_model_dir, outputs, prompts, choices)
     _adapters_matter(sharp_tiny_model_dir, prompts, choices)
+    if path == "gemm":  # both GEMM paths served steps
+        assert gemm_calls.get("_batched", 0) > 0 and gemm_calls.get("_matmul", 0) > 0, gemm_calls
     assert max(steps_mixing) >= 6  # the requests really ran batched together
     assert sorted(a.name for a in llm.engine.loras.adapters()) == sorted(llama_adapters)
 

@@ -13,7 +13,7 @@
 //
 // Shrink: threads split the rows (each a few dot products over `in`). Expand: threads split the
 // output features; a tile of up to 4 rows x 2 vectors of features accumulates in registers over
-// the rank, one load of B per tile.
+// the rank, one load of B per tile. Steps with little work stay on one thread.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,6 +28,12 @@
 namespace {
 
 using namespace tokenmill;
+
+// A thread's share of work is at least this many multiply-adds: small steps (a few decode rows) run
+// on the calling thread, without waking (or waiting for) the others for microseconds of work.
+constexpr int64_t kMinWorkPerThread = 1 << 18;
+
+inline int64_t grain(int64_t work_per_item) { return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(1, work_per_item)); }
 
 struct Block {
   int64_t col, rank, first, end;  // rank columns [col, col + rank) adapt output features [first, end)
@@ -114,7 +120,9 @@ void lora_delta(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, 
   std::vector<int64_t> slot_of(n);
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t i = sp[g * 3 + 1]; i < sp[g * 3 + 2]; ++i) slot_of[i] = sp[g * 3];
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t last) {
+  int64_t max_rank = 0;  // (for the work estimate of the expand)
+  for (int64_t i = 0; i < slots * parts; ++i) max_rank = std::max(max_rank, kp[i * 4 + 1]);
+  at::parallel_for(0, n, grain(width * in), [&](int64_t begin, int64_t last) {
     for (int64_t i = begin; i < last; ++i) {
       const int64_t slot = slot_of[i];
       const float* xr = xp + rp[i] * in;
@@ -132,7 +140,7 @@ void lora_delta(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, 
 
   // Expand: threads split the output features (in whole vectors); each walks every group's blocks.
   const int64_t vectors = (features + kVec - 1) / kVec;
-  at::parallel_for(0, vectors, 1, [&](int64_t v_begin, int64_t v_end) {
+  at::parallel_for(0, vectors, grain(n * max_rank * kVec), [&](int64_t v_begin, int64_t v_end) {
     const int64_t lo = v_begin * kVec, hi = std::min(features, v_end * kVec);
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t slot = sp[g * 3], start = sp[g * 3 + 1], stop = sp[g * 3 + 2];
