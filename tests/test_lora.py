@@ -339,6 +339,18 @@ def test_lora_settings_refused_upfront(sharp_tiny_model_dir, llama_adapters):
     with pytest.raises(ValueError, match="enable_lora=True"):
         LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="16MiB").generate(
             [[5, 6]], GREEDY, lora_request=LoRARequest("all", 1, str(llama_adapters["all"])))
+    # Slots larger than the machine's memory: the flags are named, before anything is allocated.
+    with pytest.raises(ValueError, match=r"--max-loras 100000 x --max-lora-rank 4096 need .* GiB"):
+        LLM(str(sharp_tiny_model_dir), progress=False, enable_lora=True, max_loras=100000, max_lora_rank=4096)
+
+
+def test_runtime_updates_flag_needs_lora(sharp_tiny_model_dir):
+    """`serve --enable-lora-runtime-updates` without LoRA slots: exit code 2 naming both flags."""
+    result = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(sharp_tiny_model_dir),
+                             "--enable-lora-runtime-updates"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "--enable-lora-runtime-updates needs --enable-lora" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_generic_path_refuses_lora(tiny_qwen2_dir):

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -160,7 +161,9 @@ class LoRAModel:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.layers: dict[str, LoRALinear] = {}
-        for parent_name, parent, attr, sizes in list(_lora_capable(model)):  # (collected before wrapping)
+        capable = list(_lora_capable(model))  # (collected before wrapping)
+        _check_slot_memory(model, capable, max_loras, max_rank, dtype, device)
+        for parent_name, parent, attr, sizes in capable:
             base = getattr(parent, attr)
             target = LoRATarget(base.in_features, tuple(sizes))
             wrapped = LoRALinear(base, target, self, max_loras, max_rank, dtype, device)
@@ -198,6 +201,20 @@ class LoRAModel:
 
     def end(self) -> None:
         self.active = None
+
+
+def _check_slot_memory(model: nn.Module, capable: list, max_loras: int, max_rank: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+    """Refuse --max-loras x --max-lora-rank slots that do not fit in the free memory, naming the flags
+    (rather than an allocator traceback at start)."""
+    elements = sum(len(sizes) * max_rank * (getattr(parent, attr).in_features + sum(sizes))
+                   for _, parent, attr, sizes in capable)
+    needed = max_loras * elements * dtype.itemsize
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    if needed > free // 2:
+        raise ValueError(f"LoRA slots for --max-loras {max_loras} x --max-lora-rank {max_rank} need "
+                         f"{needed / 2**30:.1f} GiB, more than half the free memory ({free / 2**30:.1f} GiB): "
+                         "lower --max-loras or --max-lora-rank")
 
 
 def _lora_capable(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, tuple[int, ...]]]:

@@ -52,8 +52,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from .logs import configure_logging
 
     settings = settings_from_args(args)  # ValueError -> the CLI's one-line error
+    config = EngineConfig.from_cli_args(args)
+    if args.enable_lora_runtime_updates and not config.lora_enabled:
+        raise ValueError("--enable-lora-runtime-updates needs --enable-lora (or --lora-modules): without it "
+                         "the server has no adapter slots to load into")
     configure_logging(settings.log_format)
-    return asyncio.run(_serve(EngineConfig.from_cli_args(args), settings))
+    return asyncio.run(_serve(config, settings))
 
 
 async def _serve(config: EngineConfig, settings: ServerSettings) -> int:
