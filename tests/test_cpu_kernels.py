@@ -289,3 +289,41 @@ def test_lora_delta_kernel_matches_per_row_reference(seed):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     untouched = sorted(set(range(tokens)) - set(rows))
     assert torch.equal(out[untouched], base[untouched])  # rows without an adapter are left as they were
+
+
+@needs_kernels
+@pytest.mark.parametrize("dim", [7, 64, 576, 1000])
+def test_fused_rms_norm_and_silu_mul_match_the_unfused_ops(dim):
+    """The fused RMSNorm and SiLU(gate) * up kernels against the ops they replace (transformers' op
+    order), on row sizes on and off the vector width."""
+    from transformers.activations import ACT2FN
+
+    from tokenmill.models.llama import rms_normalize
+
+    gen = torch.Generator().manual_seed(dim)
+    x, weight = torch.randn(5, 3, dim, generator=gen) * 3, torch.randn(dim, generator=gen)
+    torch.testing.assert_close(torch.ops.tokenmill.rms_norm(x, weight, 1e-6), weight * rms_normalize(x, 1e-6),
+                               rtol=2e-6, atol=2e-6)
+    gate_up = torch.randn(9, 2 * dim, generator=gen) * 4
+    gate, up = gate_up.split(dim, dim=-1)
+    torch.testing.assert_close(torch.ops.tokenmill.silu_mul(gate_up), ACT2FN["silu"](gate) * up, rtol=2e-6, atol=2e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("head_dim", "rotary"), [(64, 64), (96, 48), (8, 8), (40, 20)])
+def test_fused_rope_rotates_q_and_k_in_place_like_apply_rope(head_dim, rotary):
+    """RoPE in place on q/k views of a fused qkv projection (strided rows), full and partial rotary
+    dims (Phi-3), against apply_rope."""
+    from tokenmill.models.llama import apply_rope
+
+    gen = torch.Generator().manual_seed(head_dim + rotary)
+    tokens, heads, kv_heads = 6, 4, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    angles = torch.rand(tokens, 1, rotary // 2, generator=gen) * 50
+    cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
+    expected_q, expected_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    torch.ops.tokenmill.rope_(q, k, cos.view(tokens, -1), sin.view(tokens, -1))
+    torch.testing.assert_close(q, expected_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, expected_k, rtol=1e-6, atol=1e-6)

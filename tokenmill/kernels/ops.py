@@ -21,3 +21,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise RuntimeError("tokenmill's CPU kernels are not available in this process")
     torch.ops.tokenmill.paged_attention(q, k_cache, v_cache, out, query_start, query_lens, block_tables,
                                         context_lens, block_size, scale, window or 0, softcap or 0.0)
+
+
+def fused_elementwise(x: torch.Tensor) -> bool:
+    """Whether the layer ops on `x` should run as tokenmill's fused CPU kernels (RMSNorm, SiLU*up,
+    RoPE): fp32 on CPU with the kernels built, and not while torch.compile traces (it fuses itself)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling() and load()

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from tokenmill.kernels.ops import fused_elementwise
 from tokenmill.models.attention import AttentionMetadata, paged_attention
 from tokenmill.models.lm_head import project_to_vocab
 from tokenmill.models.parallel import NO_TP, TPInfo, all_reduce
@@ -33,6 +34,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_contiguous() and fused_elementwise(x):
+            return torch.ops.tokenmill.rms_norm(x, self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm: normalise in fp32, then scale in the input dtype.
         return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
@@ -91,6 +94,9 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm_class is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if fused_elementwise(q):  # in place: q and k are fresh (views of this step's projection)
+            torch.ops.tokenmill.rope_(q, k, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+            return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -99,13 +105,17 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.act = ACT2FN[spec.activation]  # transformers' own activation, so outputs match exactly
+        self.silu = spec.activation == "silu"  # (SiLU(gate) * up has a fused CPU kernel)
         self.intermediate = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.lora_parts = {"gate_up_proj": (spec.intermediate_size,) * 2, "down_proj": (spec.hidden_size,)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu and gate_up.dim() == 2 and fused_elementwise(gate_up):
+            return all_reduce(self.down_proj(torch.ops.tokenmill.silu_mul(gate_up)), self.tp)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return all_reduce(self.down_proj(self.act(gate) * up), self.tp)
 
 
