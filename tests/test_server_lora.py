@@ -4,6 +4,7 @@ unloaded; unknown names are 404s and bad adapters 400s in OpenAI's error shape."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import grpc
@@ -145,3 +146,29 @@ def test_grpc_selects_adapter_by_model(lora_server, sharp_tiny_model_dir, adapte
         with pytest.raises(grpc.RpcError) as info:
             stub.Generate(pb.GenerateRequest(prompt="hi", max_tokens=2, model="nope"), timeout=60)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_metrics_name_the_running_adapters(lora_server):
+    """/metrics (parsed by prometheus_client) carries vLLM's lora_requests_info: while a stream on
+    the `sql` adapter runs, it is listed as running, with the slot count; afterwards nothing runs."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def lora_info() -> dict[str, str]:
+        text = httpx.get(f"{lora_server.base_url}/metrics", timeout=5.0).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        (sample,) = families["tokenmill_lora_requests_info"].samples
+        assert sample.value > 1e9  # the scrape time, as vLLM's
+        return sample.labels
+
+    stream = openai_client(lora_server).completions.create(model="sql", prompt=PROMPT, max_tokens=400,
+                                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # the request is running
+    running = lora_info()
+    stream.close()
+    assert running["running_lora_adapters"] == "sql" and running["max_lora"] == "2", running
+    for _ in range(100):  # the engine notices the closed stream within a few steps
+        if lora_info()["running_lora_adapters"] == "":
+            break
+        time.sleep(0.05)
+    assert lora_info() == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "2"}

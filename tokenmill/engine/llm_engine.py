@@ -8,6 +8,7 @@ from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import count
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -98,6 +99,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()  # [i]: drafts accepted at position i
+    max_loras: int = 0  # LoRA slots (0: LoRA off)
+    lora_running: tuple[str, ...] = ()  # the adapters of the running requests, by name
+    lora_waiting: tuple[str, ...] = ()  # the adapters of the waiting requests
 
 
 class LLMEngine:
@@ -503,7 +507,15 @@ class LLMEngine:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(spec.accepted_per_position),
+            max_loras=0 if self.lora_model is None else self.lora_model.max_loras,
+            lora_running=_adapter_names(self.scheduler.running),
+            lora_waiting=_adapter_names(self.scheduler.waiting),
         )
+
+
+def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The distinct adapters of `seqs`, sorted (a copy first: the engine thread may change them)."""
+    return tuple(sorted({seq.lora.name for seq in list(seqs) if seq.lora is not None}))
 
 
 def _cancel_mask(step: StepInput, reason: str) -> None:

@@ -73,6 +73,7 @@ class EngineStatsCollector(Collector):
             yield family
         yield _gauge("tokenmill_result_cache_entries", "Completions held by the result cache.", s.result_cache_entries)
         yield from _spec_decode_counters(s)
+        yield from _lora_info(s)
         yield from self._gpu.collect()
 
 
@@ -134,6 +135,18 @@ def _spec_decode_counters(s: Any) -> Iterable[Metric]:
     for position, value in enumerate(s.spec_decode_accepted_per_position):
         per_position.add_metric([str(position)], value)
     yield per_position
+
+
+def _lora_info(s: Any) -> Iterable[Metric]:
+    """vLLM's `lora_requests_info`: the adapters of the running and the waiting requests (sorted,
+    comma-separated) and the slots, as labels of one gauge whose value is the scrape time; only
+    with LoRA on. Dashboards read which adapters are hot and which wait for a slot."""
+    if not s.max_loras:
+        return
+    info = GaugeMetricFamily("tokenmill_lora_requests_info", "Running/waiting LoRA adapters and the slots (--max-loras).",
+                             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    info.add_metric([",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_loras)], time.time())
+    yield info
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
