@@ -34,3 +34,26 @@ def test_chunks_are_real_text(default_model_dir):
     assert [len(c) for c in chunks] == [128, 128, 44]
     text = tokenizer.decode([t for c in chunks for t in c])
     assert sum(word in text.split() for word in ("the", "a", "is", "of")) >= 3  # English prose
+
+
+def test_step_reads_keys_back_from_a_narrower_kv_cache(tiny_model_dir, monkeypatch):
+    """--step: positions in passes that read their keys from the KV cache. With the model's own KV
+    dtype the predictions equal one prefill's; with --kv-cache-dtype bfloat16 they see rounded K/V,
+    and the references keep the full-width cache."""
+    import torch
+
+    from tokenmill.bench.offline import make_llm
+    from tokenmill.cli import build_parser
+
+    monkeypatch.setattr(agreement, "resolve_bench_model", lambda model: tiny_model_dir)
+    base = ["bench", "agreement", "--tokens", "64", "--chunk", "32", "--dtype", "float32", "--kv-cache-memory", "16MiB",
+            "--no-progress"]
+    args = build_parser().parse_args(base)
+    llm = make_llm(args, tiny_model_dir)
+    chunks = [list(range(100, 132)), list(range(300, 332))]
+    one_prefill = agreement.predictions(llm, chunks)
+    assert torch.equal(agreement.predictions(llm, chunks, step=5), one_prefill)
+    llm.engine.close()
+    setting, (result,) = agreement.measure(build_parser().parse_args(base + ["--step", "4", "--kv-cache-dtype",
+                                                                             "bfloat16"]))
+    assert "KV cache bfloat16" in setting and result.reference == "float32" and 0.5 < result.top1_agreement <= 1.0

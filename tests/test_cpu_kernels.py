@@ -327,3 +327,39 @@ def test_fused_rope_rotates_q_and_k_in_place_like_apply_rope(head_dim, rotary):
     torch.ops.tokenmill.rope_(q, k, cos.view(tokens, -1), sin.view(tokens, -1))
     torch.testing.assert_close(q, expected_q, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k, expected_k, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(6))
+def test_fp32_queries_over_a_narrower_kv_cache(seed, cache_dtype):
+    """--kv-cache-dtype under an fp32 model: the kernel reads bf16/fp16 K/V and computes in fp32,
+    exactly the attention of fp32 queries over the rounded K/V."""
+    c = _case(random.Random(2000 + seed), torch.float32)
+    c["k_cache"], c["v_cache"] = c["k_cache"].to(cache_dtype), c["v_cache"].to(cache_dtype)
+    out = _kernel(c)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out.double(), _reference(c), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_bf16_kv_cache_engine_kernel_and_fallback_agree(sharp_tiny_model_dir):
+    """An fp32 model over a bf16 KV cache: half the bytes per block (twice the blocks in one
+    budget); the kernel and the pure-torch fallback read the same rounded K/V and give the same
+    greedy tokens (chunked prefill with cached context, decodes); the rounding is real: the tokens
+    are not all those of the fp32 cache."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = mixed_prompts(6, 1, 90, seed=21)
+    tokens, blocks = {}, {}
+    for kv_dtype, fused in (("bfloat16", True), ("bfloat16", False), ("auto", True)):
+        llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="32MiB", max_num_batched_tokens=32,
+                  dtype="float32", kv_cache_dtype=kv_dtype)
+        llm.engine.runner.fused_attention = fused
+        assert llm.engine.kv_cache.data.dtype == (torch.bfloat16 if kv_dtype == "bfloat16" else torch.float32)
+        blocks[kv_dtype] = llm.engine.allocator.num_blocks
+        tokens[(kv_dtype, fused)] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert tokens[("bfloat16", True)] == tokens[("bfloat16", False)]
+    assert tokens[("bfloat16", True)] != tokens[("auto", True)]  # (3 of the 6 differ: sharp random weights)
+    assert blocks["bfloat16"] >= 2 * blocks["auto"] - 1
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32 is wider"):
+        LLM(str(sharp_tiny_model_dir), progress=False, dtype="bfloat16", kv_cache_dtype="float32")

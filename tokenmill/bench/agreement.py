@@ -51,8 +51,10 @@ def text_chunks(tokenizer: Any, num_tokens: int, chunk: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def next_token_argmax(llm: Any, ids: list[int]) -> torch.Tensor:
-    """Top-1 next token at every position of `ids`, from one prefill through the engine's model."""
+def next_token_argmax(llm: Any, ids: list[int], step: int | None = None) -> torch.Tensor:
+    """Top-1 next token at every position of `ids`: one prefill through the engine's model, or
+    with `step`, passes of `step` positions after the first whose keys (their own included) are read
+    back from the KV cache, as decoding reads them (what a narrower --kv-cache-dtype changes)."""
     from tokenmill.models.attention import AttentionMetadata, PrefillSegment
 
     engine = llm.engine
@@ -61,29 +63,39 @@ def next_token_argmax(llm: Any, ids: list[int]) -> torch.Tensor:
         raise ValueError(f"a {n}-token chunk does not fit the KV cache: lower --chunk or raise --kv-cache-memory")
     # Slots after the allocator's zero block; the engine holds no requests, so nothing else lives there.
     slots = torch.arange(engine.block_size, engine.block_size + n, device=engine.device)
-    meta = AttentionMetadata(slot_mapping=slots, block_size=engine.block_size,
-                             prefills=[PrefillSegment(0, n, None, None)], num_prefill_tokens=n)
-    hidden = engine.model(torch.tensor(ids, device=engine.device), torch.arange(n, device=engine.device),
-                          engine.kv_cache.layers, meta)
-    return engine.model.compute_logits(hidden).argmax(-1).cpu()
+    tokens, positions = torch.tensor(ids, device=engine.device), torch.arange(n, device=engine.device)
+    out = []
+    for start in range(0, n, step or n):
+        end = min(n, start + (step or n))
+        if step is None:
+            segment = PrefillSegment(0, n, None, None)
+        else:  # keys 0..end-1 from the cache; query i (position start + i) sees keys <= start + i
+            mask = positions[:end][None, :] <= positions[start:end][:, None]
+            segment = PrefillSegment(0, end - start, slots[:end], mask)
+        meta = AttentionMetadata(slot_mapping=slots[start:end], block_size=engine.block_size, prefills=[segment],
+                                 num_prefill_tokens=end - start)
+        hidden = engine.model(tokens[start:end], positions[start:end], engine.kv_cache.layers, meta)
+        out.append(engine.model.compute_logits(hidden).argmax(-1).cpu())
+    return torch.cat(out)
 
 
-def predictions(llm: Any, chunks: list[list[int]]) -> torch.Tensor:
-    return torch.cat([next_token_argmax(llm, chunk) for chunk in chunks])
+def predictions(llm: Any, chunks: list[list[int]], step: int | None = None) -> torch.Tensor:
+    return torch.cat([next_token_argmax(llm, chunk, step) for chunk in chunks])
 
 
 def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
     model_dir = resolve_bench_model(args.model)
     llm = make_llm(args, model_dir)
-    setting = f"dtype {str(llm.engine.dtype).removeprefix('torch.')}, quantization {args.quantization or 'none'}"
+    setting = (f"dtype {str(llm.engine.dtype).removeprefix('torch.')}, quantization {args.quantization or 'none'}, "
+               f"KV cache {str(llm.engine.kv_dtype).removeprefix('torch.')}")
     chunks = text_chunks(llm.tokenizer, args.tokens, args.chunk)
-    tested = predictions(llm, chunks)
+    tested = predictions(llm, chunks, args.step)
     llm.engine.close()
     del llm
     results = []
     for dtype in args.references:
-        reference = make_llm(args, model_dir, dtype=dtype, quantization=None)
-        expected = predictions(reference, chunks)
+        reference = make_llm(args, model_dir, dtype=dtype, quantization=None, kv_cache_dtype="auto")
+        expected = predictions(reference, chunks, args.step)
         reference.engine.close()
         results.append(Agreement(dtype, len(expected), float((tested == expected).float().mean())))
     return setting, results
@@ -95,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
             *([r.reference, str(r.tokens), f"{100 * r.top1_agreement:.2f}%"] for r in results)]
     title = f"Teacher-forced top-1 agreement of {setting} (text: {TEXT_SOURCE})"
     return print_report(args, format_grid(rows, title),
-                        {"setting": setting, "text": TEXT_SOURCE, "chunk": args.chunk,
+                        {"setting": setting, "text": TEXT_SOURCE, "chunk": args.chunk, "step": args.step,
                          "results": [asdict(r) for r in results]})
 
 
@@ -106,4 +118,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="teacher-forced positions compared (default: 2048)")
     parser.add_argument("--chunk", type=positive_int, default=256, metavar="N",
                         help="tokens per prefill: each chunk is read from its own start (default: 256)")
+    parser.add_argument("--step", type=positive_int, default=None, metavar="N",
+                        help="positions per forward pass, reading earlier keys back from the KV cache as decoding "
+                             "does (1 = every position; use it with --kv-cache-dtype; default: one prefill per chunk)")
     add_bench_engine_args(parser)

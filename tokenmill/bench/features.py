@@ -81,6 +81,8 @@ FEATURES = [
     Feature("result cache (--result-cache-size 256)", {"result_cache_size": 0}, {"result_cache_size": 256}, "repeat"),
     Feature("int8 weights (--quantization int8)", {"quantization": None}, {"quantization": "int8"}, "mixed"),
     Feature("bf16 (--dtype bfloat16)", {"dtype": "float32"}, {"dtype": "bfloat16"}, "mixed"),
+    Feature("bf16 KV cache (--kv-cache-dtype bfloat16)", {"dtype": "float32"},
+            {"dtype": "float32", "kv_cache_dtype": "bfloat16"}, "mixed"),
     Feature("torch.compile (--compile)", {"compile": False}, {"compile": True}, "mixed"),
     Feature("overlap scheduling (--overlap-scheduling)", {"overlap_scheduling": False},
             {"overlap_scheduling": True}, "mixed"),

@@ -24,6 +24,10 @@ class EngineConfig:
     device: str = option("auto", "where to run; auto picks CUDA when available", choices=["auto", "cpu", "cuda"])
     quantization: str | None = option(None, "weight-only quantization of the linear layers", choices=["int8"])
     block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_dtype: str = option(
+        "auto", "dtype of the KV cache: auto = the model's; bfloat16/float16 under an fp32 model halve the "
+        "cache's memory and the bytes attention reads per step (K/V rounded as written)",
+        choices=["auto", "float32", "float16", "bfloat16"])
     kv_cache_memory: str | None = option(
         None, "KV cache budget, e.g. 512MiB or 2GiB (default: --kv-cache-memory-fraction of free memory)")
     kv_cache_memory_fraction: float = option(

@@ -23,7 +23,7 @@ from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.kv_cache import BlockAllocator, KVCache
 from tokenmill.engine.model_runner import ModelRunner, StepInput
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
-from tokenmill.engine.precision import resolve_dtype
+from tokenmill.engine.precision import resolve_dtype, resolve_kv_cache_dtype
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.request import Request
 from tokenmill.engine.result_cache import ResultCache
@@ -114,6 +114,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_dir)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.model_name = config.served_model_name or self.model_dir.name
         self.tokenizer = load_tokenizer(self.model_dir)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
@@ -190,7 +191,7 @@ class LLMEngine:
     def _build_cache(self) -> None:
         spec, bs, config = self.spec, self.block_size, self.config
         draft_bytes = DraftProposer.bytes_per_block(self._draft[1], bs, self.dtype) if self._draft else 0
-        num_blocks, per_block = num_kv_blocks(config, spec, self.dtype, self.device, self.max_model_len, draft_bytes)
+        num_blocks, per_block = num_kv_blocks(config, spec, self.kv_dtype, self.device, self.max_model_len, draft_bytes)
         usable_tokens = (num_blocks - 1) * bs  # block 0 is the allocator's zero block
         if usable_tokens < self.max_model_len:
             logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", usable_tokens, self.max_model_len)
@@ -198,7 +199,8 @@ class LLMEngine:
         if self.tp_group is not None:
             self.tp_group.broadcast(num_blocks)  # every rank's cache has the same block ids
         self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
-        self.kv_cache = KVCache(spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.dtype, self.device)
+        self.kv_cache = KVCache(spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.kv_dtype,
+                                self.device)
         ngram = config.speculative_method == "ngram"
         lora = self.lora_model
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, max(config.max_num_batched_tokens, 1),

@@ -59,3 +59,14 @@ def resolve_dtype(name: str, device: torch.device, model_dir: Path | None = None
     dtype, reason = choose_cpu_dtype(detect(), model_source_dtype(model_dir))
     logger.info("--dtype auto: %s on CPU, because %s", str(dtype).removeprefix("torch."), reason)
     return dtype
+
+
+def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype`: the model's dtype for auto; a cache wider than the model is refused (it
+    would only cost memory)."""
+    if choice == "auto":
+        return model_dtype
+    dtype = DTYPES[choice]
+    if dtype.itemsize > model_dtype.itemsize:
+        raise ValueError(f"--kv-cache-dtype {choice} is wider than the model's {str(model_dtype).removeprefix('torch.')}")
+    return dtype

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kv_cache import KVCache
-from tokenmill.engine.precision import resolve_dtype
+from tokenmill.engine.precision import resolve_dtype, resolve_kv_cache_dtype
 from tokenmill.engine.setup import load_prepared_model, resolve_device
 from tokenmill.engine.tensors import to_device
 from tokenmill.models.hub import resolve_model
@@ -119,7 +119,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str) -> None:
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)
     num_blocks = box[0]
-    kv = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+    kv = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
+                 resolve_kv_cache_dtype(config.kv_cache_dtype, dtype), device)
     with torch.inference_mode():
         while True:
             box = [None]

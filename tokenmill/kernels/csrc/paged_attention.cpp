@@ -54,8 +54,9 @@ struct WorkItem {
   int64_t cost;
 };
 
-template <typename T>
-void attend_item(const WorkItem& item, const T* q, const T* k_cache, const T* v_cache, T* out,
+// T: the dtype of q and out (the model's); C: the cache's (the same, or a narrower --kv-cache-dtype).
+template <typename T, typename C>
+void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_cache, T* out,
                  const int32_t* query_start, const int32_t* query_lens, const int32_t* block_tables,
                  const int32_t* context_lens, const Params& p, std::vector<float>& buffer) {
   const int64_t group = p.heads / p.kv_heads;
@@ -101,8 +102,8 @@ void attend_item(const WorkItem& item, const T* q, const T* k_cache, const T* v_
   for (int64_t j = 0; j < keys; ++j) {
     const int64_t t = key_lo + j;
     if (j + kPrefetchAhead < keys) prefetch_row(k_cache + slot_of(t + kPrefetchAhead) * row_stride + item.kv_head * dim, dim);
-    const T* k_src = k_cache + slot_of(t) * row_stride + item.kv_head * dim;
-    const float* k_row = as_float<T>(k_src, scratch, dim);
+    const C* k_src = k_cache + slot_of(t) * row_stride + item.kv_head * dim;
+    const float* k_row = as_float<C>(k_src, scratch, dim);
     dot_rows_any(q_rows.data(), static_cast<int>(rows), k_row, dim, dots.data());
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos = first_pos + r / group;
@@ -138,8 +139,8 @@ void attend_item(const WorkItem& item, const T* q, const T* k_cache, const T* v_
   for (int64_t j = 0; j < keys; ++j) {
     const int64_t t = key_lo + j;
     if (j + kPrefetchAhead < keys) prefetch_row(v_cache + slot_of(t + kPrefetchAhead) * row_stride + item.kv_head * dim, dim);
-    const T* v_src = v_cache + slot_of(t) * row_stride + item.kv_head * dim;
-    const float* v_row = as_float<T>(v_src, scratch, dim);
+    const C* v_src = v_cache + slot_of(t) * row_stride + item.kv_head * dim;
+    const float* v_row = as_float<C>(v_src, scratch, dim);
     for (int64_t r = 0; r < rows; ++r) weights[r] = scores[r * keys + j];
     axpy_rows_any(weights.data(), static_cast<int>(rows), v_row, dim, acc_rows.data());
   }
@@ -160,9 +161,12 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
               "paged_attention: contiguous q, caches and out");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(),
-              "q, caches and out share one dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and out share one dtype, the k and v caches another");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() ||
+                  (q.scalar_type() == at::kFloat &&
+                   (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf)),
+              "caches in q's dtype, or bf16/fp16 caches for fp32 queries");
   TORCH_CHECK(q.size(2) == k_cache.size(2), "head_dim of q and cache differ");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
@@ -211,17 +215,27 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   std::atomic<int64_t> next{0};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tokenmill_paged_attention", [&] {
-    const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-    const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-    const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-    scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  auto run = [&](auto q_type, auto cache_type) {
+    using T = decltype(q_type);
+    using C = decltype(cache_type);
+    const T* q_ptr = q.data_ptr<T>();
+    const C* k_ptr = k_cache.data_ptr<C>();
+    const C* v_ptr = v_cache.data_ptr<C>();
+    T* out_ptr = out.data_ptr<T>();
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       std::vector<float> buffer;
       for (int64_t i = next++; i < num_items; i = next++)
-        attend_item<scalar_t>(items[i], q_ptr, k_ptr, v_ptr, out_ptr, starts, lens, tables, ctx, p, buffer);
+        attend_item<T, C>(items[i], q_ptr, k_ptr, v_ptr, out_ptr, starts, lens, tables, ctx, p, buffer);
     });
-  });
+  };
+  if (k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kFloat) {
+    run(float{}, at::BFloat16{});  // fp32 compute over a bf16 --kv-cache-dtype: half the bytes read
+  } else if (k_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat) {
+    run(float{}, at::Half{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tokenmill_paged_attention",
+                                    [&] { run(scalar_t{}, scalar_t{}); });
+  }
 }
 
 }  // namespace
