@@ -26,18 +26,19 @@ from tokenmill.models.attention import AttentionMetadata, PagedQueries, _attend,
 needs_kernels = pytest.mark.skipif(not build.load(), reason="kernels off (no C++ toolchain or TOKENMILL_CPU_KERNELS=0)")
 
 
-def _case(rng: random.Random, dtype: torch.dtype):
+def _case(rng: random.Random, dtype: torch.dtype, seqs: list[tuple[int, int]] | None = None):
     kv_heads = rng.choice([1, 2, 3])
     heads = kv_heads * rng.choice([1, 2, 3, 4, 8])
     dim = rng.choice([16, 36, 64, 80, 128])
     block = rng.choice([1, 4, 16])
     window = rng.choice([None, None, 1, 5, 33])
     softcap = rng.choice([None, None, 5.0])
-    seqs = []
-    for _ in range(rng.randint(1, 5)):
-        ctx = rng.randint(1, 150)
-        q_len = 1 if rng.random() < 0.5 else rng.randint(1, ctx)
-        seqs.append((ctx, q_len))
+    if seqs is None:  # (context, queries) per sequence
+        seqs = []
+        for _ in range(rng.randint(1, 5)):
+            ctx = rng.randint(1, 150)
+            q_len = 1 if rng.random() < 0.5 else rng.randint(1, ctx)
+            seqs.append((ctx, q_len))
     num_blocks = 1 + sum(-(-ctx // block) for ctx, _ in seqs) + rng.randint(0, 8)
     ids = list(range(1, num_blocks))
     rng.shuffle(ids)  # tables jump around the cache, with unused blocks (holes) between them
@@ -101,6 +102,19 @@ def test_fp32_kernel_matches_sdpa(seed):
     ref = _reference(c)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("decodes", [1, 3, 40])
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_batches_small_and_large_match_sdpa(seed, decodes):
+    """Few decodes split each sequence's kv heads over the threads; many decodes read all kv
+    heads of a slot row in one item. Both equal the reference."""
+    rng = random.Random(500 + seed)
+    c = _case(rng, torch.float32, seqs=[(rng.randint(1, 300), 1) for _ in range(decodes)])
+    out = _kernel(c)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), _reference(c), atol=1e-5, rtol=1e-5)
 
 
 @needs_kernels
@@ -235,6 +249,50 @@ def test_int8_linear_rejects_bad_shapes():
         torch.ops.tokenmill.int8_linear(torch.zeros(1, 32), q, torch.ones(8, 2), torch.empty(0), 32)
     with pytest.raises(RuntimeError, match="scales"):
         torch.ops.tokenmill.int8_linear(torch.zeros(1, 64), q, torch.ones(8, 3), torch.empty(0), 32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64])
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 40), (100, 7), (576, 1031)])  # 100: a vector tail
+def test_skinny_linear_matches_a_float64_product(rows, in_features, out_features):
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
+    out = torch.ops.tokenmill.skinny_linear(x, weight)
+    torch.testing.assert_close(out.double(), x.double() @ weight.double().t(), atol=1e-4, rtol=1e-5)
+    # A strided x (a view into the hidden states) reads the right rows.
+    wide = torch.randn(rows, 2 * in_features, generator=gen)
+    torch.testing.assert_close(torch.ops.tokenmill.skinny_linear(wide[:, ::2], weight), wide[:, ::2] @ weight.t(),
+                               atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+def test_skinny_linear_rejects_bad_inputs():
+    with pytest.raises(RuntimeError, match="x \\[M, K\\] and weight \\[N, K\\]"):
+        torch.ops.tokenmill.skinny_linear(torch.zeros(1, 32), torch.zeros(8, 64))
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.tokenmill.skinny_linear(torch.zeros(1, 64).bfloat16(), torch.zeros(8, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="row-major"):
+        torch.ops.tokenmill.skinny_linear(torch.zeros(1, 64), torch.zeros(64, 8).t())
+
+
+def test_vocab_projection_paths_agree(monkeypatch):
+    """The streaming kernel (<= 64 rows), the vocab-major GEMM and nn.Linear give the same logits."""
+    from tokenmill.kernels import ops
+    from tokenmill.models import lm_head
+
+    calls = []
+    monkeypatch.setattr(ops, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or torch.ops.tokenmill.skinny_linear(x, w))
+    head = torch.nn.Linear(96, 1000, bias=False)
+    results = {}
+    for rows in (1, 9, 64, 65):
+        hidden = torch.randn(rows, 96)
+        for mode in ("auto", "vocab-major", "linear"):
+            monkeypatch.setattr(lm_head, "_MODE", mode)
+            results[mode] = lm_head.project_to_vocab(head, hidden)
+        torch.testing.assert_close(results["auto"], results["linear"], atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(results["vocab-major"], results["linear"], atol=1e-4, rtol=1e-5)
+    assert calls == ([1, 9, 64] if build.load() else [])  # the kernel served "auto" up to 64 rows
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):

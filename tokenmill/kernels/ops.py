@@ -27,3 +27,8 @@ def fused_elementwise(x: torch.Tensor) -> bool:
     """Whether the layer ops on `x` should run as tokenmill's fused CPU kernels (RMSNorm, SiLU*up,
     RoPE): fp32 on CPU with the kernels built, and not while torch.compile traces (it fuses itself)."""
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling() and load()
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T for a few fp32 rows, streaming the row-major weight once."""
+    return torch.ops.tokenmill.skinny_linear(x, weight)
