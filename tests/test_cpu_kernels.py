@@ -293,6 +293,18 @@ def test_vocab_projection_paths_agree(monkeypatch):
         torch.testing.assert_close(results["auto"], results["linear"], atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(results["vocab-major"], results["linear"], atol=1e-4, rtol=1e-5)
     assert calls == ([1, 9, 64] if build.load() else [])  # the kernel served "auto" up to 64 rows
+    # A oneDNN-packed head tied to the embeddings: the kernel reads the embedding matrix at one row.
+    from tokenmill.models.onednn import PackedLinear, onednn_linear_available
+
+    if onednn_linear_available():
+        calls.clear()
+        monkeypatch.setattr(lm_head, "_MODE", "auto")
+        packed = PackedLinear(head)
+        for rows in (1, 2):
+            hidden = torch.randn(rows, 96)
+            torch.testing.assert_close(lm_head.project_to_vocab(packed, hidden, head.weight), head(hidden),
+                                       atol=1e-4, rtol=1e-5)
+        assert calls == ([1] if build.load() else [])
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):

@@ -26,7 +26,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def fused_elementwise(x: torch.Tensor) -> bool:
     """Whether the layer ops on `x` should run as tokenmill's fused CPU kernels (RMSNorm, SiLU*up,
     RoPE): fp32 on CPU with the kernels built, and not while torch.compile traces (it fuses itself)."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling() and load()
+    return x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_compiling() and load()
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -8,22 +8,29 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import ops
+from tokenmill.models.onednn import PackedLinear
 
 # TOKENMILL_LM_HEAD=vocab-major (no streaming kernel) or =linear (plain nn.Linear): for A/B measurements.
 _MODE = os.environ.get("TOKENMILL_LM_HEAD", "auto")
 
-# Up to this many rows (a step's sampled rows), tokenmill's streaming kernel reads the fp32 weight
-# at memory speed: 1.6-1.9x MKL at one row, 1.2-1.3x the vocab-major GEMM at 48-64 rows, never
-# slower in between (SmolLM2's 49k x 576 head, AMD Zen3, 2 threads); above, the GEMM.
-_SKINNY_ROWS = 64
+# Rows up to which tokenmill's streaming kernel reads the fp32 weight at memory speed, faster than
+# the alternative (SmolLM2's 49k x 576 head, AMD Zen3, 2 threads): against MKL's GEMV/vocab-major
+# GEMM 1.6-1.9x at one row and 1.2-1.3x at 48-64 rows, never slower in between; against oneDNN's
+# packed weight (--onednn-linear) 1.27x at one row, even from 2 to 64 rows.
+_SKINNY_ROWS_VS_BLAS = 64
+_SKINNY_ROWS_VS_PACKED = 1
 
 
-def project_to_vocab(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [rows, vocab] of hidden [rows, dim]."""
+def project_to_vocab(head: nn.Module, hidden: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 logits [rows, vocab] of hidden [rows, dim]. `tied_weight`: the embedding matrix when the
+    head shares it (then a row-major copy of the head's weight exists even if the head is packed)."""
     plain_cpu = hidden.device.type == "cpu" and type(head) is nn.Linear and head.bias is None
-    if (plain_cpu and _MODE == "auto" and hidden.dim() == 2 and hidden.shape[0] <= _SKINNY_ROWS
-            and head.weight.dtype == torch.float32 and head.weight.is_contiguous() and ops.fused_elementwise(hidden)):
-        return ops.skinny_linear(hidden, head.weight)
+    packed_tied = type(head) is PackedLinear and head.bias is None and tied_weight is not None
+    weight = head.weight if plain_cpu else tied_weight if packed_tied else None
+    limit = _SKINNY_ROWS_VS_BLAS if plain_cpu else _SKINNY_ROWS_VS_PACKED
+    if (_MODE == "auto" and weight is not None and hidden.dim() == 2 and hidden.shape[0] <= limit
+            and weight.dtype == torch.float32 and weight.is_contiguous() and ops.fused_elementwise(hidden)):
+        return ops.skinny_linear(hidden, weight)
     if plain_cpu and _MODE != "linear":
         # A skinny [rows, dim] x [dim, vocab] product runs 1.2-2x faster on CPU BLAS as the
         # vocab-major [vocab, dim] x [dim, rows] (measured: fp32, 49k vocab, 8-128 rows), and the
