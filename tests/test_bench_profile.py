@@ -38,3 +38,29 @@ def test_ops_are_categorised_by_scope_then_name():
     assert profile._category(Event("aten::mm", Event("aten::linear"))) == "gemm"
     assert profile._category(Event("aten::add")) == "elementwise"
     assert profile._category(Event("aten::argmax", Event("tokenmill::sampler"))) == "sampler"
+
+
+def test_kernels_bench_reports_attention_and_projection(tiny_model_dir, monkeypatch, tmp_path, capsys):
+    import pytest
+
+    from tokenmill.bench import kernels
+    from tokenmill.cli import build_parser
+    from tokenmill.kernels.build import load
+
+    if not load():
+        pytest.skip("tokenmill's CPU kernels are not available here")
+    monkeypatch.setattr(kernels, "resolve_bench_model", lambda model: tiny_model_dir)
+    monkeypatch.setattr(kernels, "PROJECTION_ROWS", (1, 3))
+    fast = kernels.best_seconds
+    monkeypatch.setattr(kernels, "best_seconds", lambda fn, calls, repeats=7: fast(fn, 1, 1))
+    out = tmp_path / "kernels.json"
+    args = build_parser().parse_args(["bench", "kernels", "--batch", "4", "--json", str(out)])
+    assert args.func(args) == 0
+    assert "paged attention" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["read_bandwidth_gb_per_s"] > 0
+    assert [a["sequences"] for a in report["attention"]] == [4, 4, 4, 4]
+    assert all(a["ms"] > 0 and a["kv_gb_per_s"] > 0 for a in report["attention"])
+    assert [p["rows"] for p in report["vocab_projection"]] == [1, 3]
+    assert all(p[path] > 0 for p in report["vocab_projection"]
+               for path in ("skinny kernel", "oneDNN packed", "MKL vocab-major"))

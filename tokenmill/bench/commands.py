@@ -1,6 +1,6 @@
 """`tokenmill bench ...` command line: `serve` (load-test a running server) and `compare`
 (tokenmill vs the naive Hugging Face baseline), and the engine benchmarks `offline`, `features`,
-`moe-dispatch`, `profile` and `agreement`, whose modules add their own flags.
+`moe-dispatch`, `profile`, `agreement` and `kernels`, whose modules add their own flags.
 
 Heavy imports (transformers, matplotlib, httpx) happen inside the command functions, so building
 the `tokenmill` parser stays fast.
@@ -27,6 +27,7 @@ ENGINE_BENCHMARKS = {
     "moe-dispatch": "time the ways of running one MoE layer's experts",
     "profile": "share of a step in attention, GEMMs, elementwise ops, sampler and host Python",
     "agreement": "teacher-forced top-1 agreement of a dtype/quantization with fp32 (or bf16) on real text",
+    "kernels": "tokenmill's C++ CPU kernels on the model's shapes vs the read bandwidth and library paths",
 }
 
 

@@ -13,11 +13,11 @@ from tokenmill.models.onednn import PackedLinear
 # TOKENMILL_LM_HEAD=vocab-major (no streaming kernel) or =linear (plain nn.Linear): for A/B measurements.
 _MODE = os.environ.get("TOKENMILL_LM_HEAD", "auto")
 
-# Rows up to which tokenmill's streaming kernel reads the fp32 weight at memory speed, faster than
-# the alternative (SmolLM2's 49k x 576 head, AMD Zen3, 2 threads): against MKL's GEMV/vocab-major
-# GEMM 1.6-1.9x at one row and 1.2-1.3x at 48-64 rows, never slower in between; against oneDNN's
-# packed weight (--onednn-linear) 1.27x at one row, even from 2 to 64 rows.
-_SKINNY_ROWS_VS_BLAS = 64
+# Rows up to which tokenmill's streaming kernel reads the fp32 weight faster than the alternative
+# (`tokenmill bench kernels`: SmolLM2's 49k x 576 head, AMD Zen3, 2 threads): MKL's GEMV / vocab-major
+# GEMM 2x slower at one row, 1.3-1.9x at 8-32 rows, even or ahead at 64 (so the cut is 32); oneDNN's
+# packed weight (--onednn-linear) 1.2-1.3x slower at one row, even or ahead from 2 rows on.
+_SKINNY_ROWS_VS_BLAS = 32
 _SKINNY_ROWS_VS_PACKED = 1
 
 

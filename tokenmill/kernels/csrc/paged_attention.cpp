@@ -211,7 +211,7 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
   }
 
   // Floats: q rows, accumulators, converted K/V rows of one tile, then scores [rows, keys].
-  const int64_t tile = std::max<int64_t>(kKeyTile, kValueTile);
+  constexpr int64_t tile = kKeyTile > kValueTile ? kKeyTile : kValueTile;
   scratch.floats.resize(static_cast<size_t>(2 * rows * dim + tile * dim + rows * keys));
   float* q_f = scratch.floats.data();
   float* acc = q_f + rows * dim;

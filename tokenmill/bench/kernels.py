@@ -1,0 +1,153 @@
+"""`tokenmill bench kernels`: tokenmill's C++ CPU kernels on the model's shapes, against the
+machine's streaming read bandwidth and the library paths they replace.
+
+- paged attention (`tokenmill::paged_attention`): a batch of decodes over contexts of 16-512
+  tokens with the K/V caches of several layers (so they come from DRAM, as in a model step), the
+  same with one small cache (L2/L3-resident: the kernel's compute rate), over a bf16 cache, and
+  chunks of 64 prefill queries over their context; K/V read rate against `x.sum()` over a 1 GiB
+  tensor (the streaming read rate here);
+- the vocabulary projection (`tokenmill::skinny_linear`) at 1-64 rows against oneDNN's packed
+  weight (what `--onednn-linear` packs the head into) and MKL's vocab-major GEMM, with 4 copies
+  of the weight in turn so that none is served from the last-level cache.
+
+Each figure is the best of 7 timed repeats (a noisy VM slows repeats, it never speeds them up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.offline import print_report, resolve_bench_model
+from tokenmill.bench.serve import format_grid
+
+BLOCK_SIZE = 16
+PROJECTION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def best_seconds(fn: Callable[[], Any], calls: int, repeats: int = 7) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of `x.sum()` over a 1 GiB fp32 tensor: the streaming read rate of this machine."""
+    x = torch.ones(2**28)
+    return x.numel() * 4 / best_seconds(lambda: x.sum(), calls=3)
+
+
+def attention_case(name: str, heads: int, kv_heads: int, dim: int, contexts: np.ndarray, queries: int,
+                   layers: int, cache_dtype: torch.dtype, calls: int) -> dict[str, Any]:
+    """ms per kernel call and the K/V bytes read per second, over `layers` caches in turn."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = [-(-int(c) // BLOCK_SIZE) for c in contexts]
+    num_blocks = sum(blocks) + 1
+    order = torch.randperm(num_blocks, generator=gen).int()  # tables jump around the cache
+    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(blocks):
+        tables[s, :n] = order[used : used + n]
+        used += n
+    caches = [(torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen).to(cache_dtype),
+               torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen).to(cache_dtype)) for _ in range(layers)]
+    q = torch.randn(len(contexts) * queries, heads, dim, generator=gen)
+    out = torch.empty_like(q)
+    starts = torch.arange(len(contexts), dtype=torch.int32) * queries
+    lens = torch.full((len(contexts),), queries, dtype=torch.int32)
+    ctx = torch.tensor(contexts, dtype=torch.int32)
+    turn = [0]
+
+    def call() -> None:
+        k, v = caches[turn[0] % layers]
+        turn[0] += 1
+        torch.ops.tokenmill.paged_attention(q, k, v, out, starts, lens, tables, ctx, BLOCK_SIZE, dim**-0.5, 0, 0.0)
+
+    seconds = best_seconds(call, calls)
+    kv_bytes = int(ctx.sum()) * kv_heads * dim * caches[0][0].element_size() * 2
+    return {"case": name, "ms": seconds * 1e3, "kv_gb_per_s": kv_bytes / seconds / 1e9,
+            "kv_mb": kv_bytes / 1e6, "sequences": len(contexts), "queries_per_sequence": queries}
+
+
+def projection_cases(vocab: int, hidden: int) -> list[dict[str, Any]]:
+    """ms per vocabulary projection of 1-64 rows: streaming kernel, packed oneDNN, MKL vocab-major."""
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(vocab, hidden, generator=gen) for _ in range(4)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    weight_bytes = vocab * hidden * 4
+    results = []
+    for rows in PROJECTION_ROWS:
+        x = torch.randn(rows, hidden, generator=gen)
+        turn = [0]
+
+        def next_index() -> int:
+            turn[0] += 1
+            return turn[0] % 4
+
+        paths = {
+            "skinny kernel": lambda: torch.ops.tokenmill.skinny_linear(x, weights[next_index()]),
+            "oneDNN packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed[next_index()], None, "none", [], ""),
+            "MKL vocab-major": lambda: torch.mm(weights[next_index()], x.t()),
+        }
+        row = {"rows": rows}
+        for path, fn in paths.items():
+            row[path] = best_seconds(fn, calls=8) * 1e3
+        row["weight_gb_per_s_kernel"] = weight_bytes / row["skinny kernel"] / 1e6
+        results.append(row)
+    return results
+
+
+def main(args: argparse.Namespace) -> int:
+    from transformers import AutoConfig
+
+    from tokenmill.kernels.build import load
+
+    if not load():
+        print("tokenmill's CPU kernels are not available here (TOKENMILL_CPU_KERNELS=0 or no compiler)")
+        return 1
+    config = AutoConfig.from_pretrained(resolve_bench_model(args.model))
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    bandwidth = read_bandwidth()
+    contexts = np.random.default_rng(2).integers(16, 513, size=args.batch)
+    attention = [
+        attention_case("decode, fp32 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8,
+                       torch.float32, 20),
+        attention_case("decode, one fp32 cache of 1/8 the contexts (cached)", heads, kv_heads, dim,
+                       contexts // 8 + 1, 1, 1, torch.float32, 100),
+        attention_case("decode, bf16 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8,
+                       torch.bfloat16, 20),
+        attention_case("prefill chunks of 64 queries, 8 sequences", heads, kv_heads, dim,
+                       contexts[:8] + 64, 64, 1, torch.float32, 5),
+    ]
+    projection = projection_cases(config.vocab_size, config.hidden_size)
+    rows = [[a["case"], f"{a['ms']:.3f}", f"{a['kv_mb']:.1f}", f"{a['kv_gb_per_s']:.1f}",
+             f"{a['kv_gb_per_s'] / (bandwidth / 1e9):.0%}"] for a in attention]
+    tables = [f"streaming read (x.sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads",
+              format_grid([["paged attention", "ms/call", "K/V MB", "K/V GB/s", "of read rate"], *rows],
+                          f"paged attention, {args.batch} sequences, heads {heads}/{kv_heads}, head_dim {dim}"),
+              format_grid([["rows", "skinny kernel ms", "oneDNN packed ms", "MKL vocab-major ms", "kernel GB/s"],
+                           *[[str(p["rows"]), f"{p['skinny kernel']:.2f}", f"{p['oneDNN packed']:.2f}",
+                              f"{p['MKL vocab-major']:.2f}", f"{p['weight_gb_per_s_kernel']:.1f}"] for p in projection]],
+                          f"vocabulary projection, {config.vocab_size} x {config.hidden_size} fp32")]
+    return print_report(args, "\n\n".join(tables), {"read_bandwidth_gb_per_s": bandwidth / 1e9,
+                                                    "attention": attention, "vocab_projection": projection})
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model whose shapes to use: directory or hub name "
+                                                      "(default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--batch", type=positive_int, default=64, metavar="N",
+                        help="decode sequences per attention call (default: 64)")
