@@ -60,53 +60,10 @@ struct WorkItem {
   int64_t cost;
 };
 
-// Query rows per group in the tiles below: 3 query rows x kKeyTile keys of fp32 accumulators,
-// plus the 3 rows' q chunks and one K chunk, are the 16 vector registers of AVX2.
-constexpr int kQueryRows = 3;
 // Keys per tile: their dot products accumulate side by side (one load of each q chunk for 4 keys).
 constexpr int kKeyTile = 4;
 // Keys whose weighted V rows accumulate in registers before the output rows are loaded and stored.
 constexpr int kValueTile = 8;
-
-// Calls group(std::integral_constant<int, N>{}, first) for rows [0, n) in groups of kQueryRows.
-template <typename Group>
-inline void for_query_groups(int64_t n, Group&& group) {
-  static_assert(kQueryRows == 3, "the cases below cover the 1 to kQueryRows - 1 rows left");
-  int64_t r = 0;
-  for (; r + kQueryRows <= n; r += kQueryRows) group(std::integral_constant<int, kQueryRows>{}, r);
-  if (n - r == 2) group(std::integral_constant<int, 2>{}, r);
-  if (n - r == 1) group(std::integral_constant<int, 1>{}, r);
-}
-
-// out[r * ld + j] = q_rows[r] . k_rows[j] for N query rows and KT keys, fp32 accumulation.
-template <int N, int KT>
-inline void dot_tile(const float* const* q_rows, const float* const* k_rows, int64_t dim, float* out, int64_t ld) {
-  Vec acc[N][KT];
-  #pragma GCC unroll 16
-  for (int r = 0; r < N; ++r)
-    #pragma GCC unroll 16
-    for (int j = 0; j < KT; ++j) acc[r][j] = Vec(0.f);
-  int64_t d = 0;
-  for (; d + kVec <= dim; d += kVec) {
-    Vec qv[N];
-    #pragma GCC unroll 16
-    for (int r = 0; r < N; ++r) qv[r] = Vec::loadu(q_rows[r] + d);
-    #pragma GCC unroll 16
-    for (int j = 0; j < KT; ++j) {
-      const Vec kv = Vec::loadu(k_rows[j] + d);
-      #pragma GCC unroll 16
-      for (int r = 0; r < N; ++r) acc[r][j] = at::vec::fmadd(qv[r], kv, acc[r][j]);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int r = 0; r < N; ++r)
-    #pragma GCC unroll 16
-    for (int j = 0; j < KT; ++j) {
-      float sum = hsum(acc[r][j]);
-      for (int64_t t = d; t < dim; ++t) sum += q_rows[r][t] * k_rows[j][t];
-      out[r * ld + j] = sum;
-    }
-}
 
 // out_rows[r] += sum_j w[r * ld + j] * v_rows[j] for N rows and KT keys: the KT products
 // accumulate in registers, so each output chunk is loaded and stored once per tile.
@@ -175,6 +132,23 @@ inline void prefetch_keys(const C* cache, const int64_t* offsets, int64_t from, 
   for (int64_t a = from; a < to; ++a) prefetch_row(cache + offsets[a], n);
 }
 
+// Calls fn(rows, j, n, h) for tiles [j, j + n) of Tile keys and each kv head h of the item,
+// `rows` the n keys' rows of head h as fp32; prefetches the rows of later keys (all the item's heads).
+template <int Tile, typename C, typename Fn>
+inline void for_key_tiles(const C* cache, const int64_t* offsets, int64_t keys, int64_t heads, int64_t dim,
+                          float* converted, Fn&& fn) {
+  const float* rows[Tile];
+  for (int64_t j = 0; j < keys; j += Tile) {
+    const int64_t n = std::min<int64_t>(Tile, keys - j);
+    prefetch_keys(cache, offsets, std::min(keys, j + kPrefetchAhead), std::min(keys, j + kPrefetchAhead + n),
+                  heads * dim);
+    for (int64_t h = 0; h < heads; ++h) {
+      rows_as_float<C>(cache + h * dim, offsets + j, n, dim, converted, rows);
+      fn(static_cast<const float* const*>(rows), j, n, h);
+    }
+  }
+}
+
 // T: the dtype of q and out (the model's); C: the cache's (the same, or a narrower --kv-cache-dtype).
 template <typename T, typename C>
 void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_cache, T* out,
@@ -211,7 +185,7 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
   }
 
   // Floats: q rows, accumulators, converted K/V rows of one tile, then scores [rows, keys].
-  constexpr int64_t tile = kKeyTile > kValueTile ? kKeyTile : kValueTile;
+  constexpr int64_t tile = kKeyTile > kValueTile ? kKeyTile : kValueTile;  // (keys converted at once)
   scratch.floats.resize(static_cast<size_t>(2 * rows * dim + tile * dim + rows * keys));
   float* q_f = scratch.floats.data();
   float* acc = q_f + rows * dim;
@@ -229,25 +203,18 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
 
   // Raw dot products, a tile of keys at a time; every query row group of a kv head shares the
   // tile's K rows of that head.
-  const float* k_rows[tile];
-  const int64_t item_width = item.num_kv_heads * dim;  // elements of a slot row the item reads
-  for (int64_t j = 0; j < keys; j += kKeyTile) {
-    const int64_t n = std::min<int64_t>(kKeyTile, keys - j);
-    prefetch_keys(k_cache, offsets, std::min(keys, j + kPrefetchAhead), std::min(keys, j + kPrefetchAhead + n), item_width);
-    for (int64_t h = 0; h < item.num_kv_heads; ++h) {
-      rows_as_float<C>(k_cache + h * dim, offsets + j, n, dim, converted, k_rows);
-      for_query_groups(head_rows, [&](auto count, int64_t r) {
-        constexpr int N = decltype(count)::value;
-        r += h * head_rows;
-        if (n == kKeyTile) {
-          dot_tile<N, kKeyTile>(q_rows.data() + r, k_rows, dim, scores + r * keys + j, keys);
-        } else {
-          for (int64_t i = 0; i < n; ++i)
-            dot_tile<N, 1>(q_rows.data() + r, k_rows + i, dim, scores + r * keys + j + i, keys);
-        }
-      });
-    }
-  }
+  for_key_tiles<kKeyTile>(k_cache, offsets, keys, item.num_kv_heads, dim, converted,
+                          [&](const float* const* k_rows, int64_t j, int64_t n, int64_t h) {
+    for_tile_rows(head_rows, [&](auto count, int64_t r) {
+      constexpr int N = decltype(count)::value;
+      r += h * head_rows;
+      if (n == kKeyTile) {
+        dot_tile<N, kKeyTile>(q_rows.data() + r, k_rows, dim, scores + r * keys + j, keys);
+      } else {
+        for (int64_t i = 0; i < n; ++i) dot_tile<N, 1>(q_rows.data() + r, k_rows + i, dim, scores + r * keys + j + i, keys);
+      }
+    });
+  });
   // Per row: scale, optional softcap tanh, mask (the row's visible keys are one range), max,
   // then exp(s - max) and the sum, vectorised over keys.
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -293,24 +260,19 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
     row_sum[r] = sum;
   }
   // Weighted V rows, a tile of keys at a time.
-  const float* v_rows[tile];
-  for (int64_t j = 0; j < keys; j += kValueTile) {
-    const int64_t n = std::min<int64_t>(kValueTile, keys - j);
-    prefetch_keys(v_cache, offsets, std::min(keys, j + kPrefetchAhead), std::min(keys, j + kPrefetchAhead + n), item_width);
-    for (int64_t h = 0; h < item.num_kv_heads; ++h) {
-      rows_as_float<C>(v_cache + h * dim, offsets + j, n, dim, converted, v_rows);
-      for_query_groups(head_rows, [&](auto count, int64_t r) {
-        constexpr int N = decltype(count)::value;
-        r += h * head_rows;
-        if (n == kValueTile) {
-          weighted_sum_tile<N, kValueTile>(scores + r * keys + j, keys, v_rows, dim, acc_rows.data() + r);
-        } else {
-          for (int64_t i = 0; i < n; ++i)
-            weighted_sum_tile<N, 1>(scores + r * keys + j + i, keys, v_rows + i, dim, acc_rows.data() + r);
-        }
-      });
-    }
-  }
+  for_key_tiles<kValueTile>(v_cache, offsets, keys, item.num_kv_heads, dim, converted,
+                            [&](const float* const* v_rows, int64_t j, int64_t n, int64_t h) {
+    for_tile_rows(head_rows, [&](auto count, int64_t r) {
+      constexpr int N = decltype(count)::value;
+      r += h * head_rows;
+      if (n == kValueTile) {
+        weighted_sum_tile<N, kValueTile>(scores + r * keys + j, keys, v_rows, dim, acc_rows.data() + r);
+      } else {
+        for (int64_t i = 0; i < n; ++i)
+          weighted_sum_tile<N, 1>(scores + r * keys + j + i, keys, v_rows + i, dim, acc_rows.data() + r);
+      }
+    });
+  });
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = out + ((first_row + query_of(r)) * p.heads + head_of(r)) * dim;
     const float inv = 1.f / row_sum[r];

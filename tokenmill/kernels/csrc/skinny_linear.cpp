@@ -17,48 +17,9 @@ namespace {
 
 using namespace tokenmill;
 
-// W rows computed side by side: WT rows x M x-rows accumulators (<= 12) + x chunks + one W chunk fit
-// AVX2's 16 vector registers, and WT independent FMA chains hide the FMA latency.
+// W rows computed side by side (dot_tile's columns): 4 W rows x up to 3 x rows of accumulators fit
+// AVX2's registers, and the independent FMA chains hide the FMA latency.
 constexpr int kWeightTile = 4;
-
-// out[m * ldo + j] = x_rows[m] . w_rows[j] for M x-rows and WT W rows.
-template <int M, int WT>
-inline void tile_dots(const float* const* x_rows, const float* w, int64_t k, float* out, int64_t ldo) {
-  Vec acc[M][WT];
-  #pragma GCC unroll 16
-  for (int m = 0; m < M; ++m)
-    #pragma GCC unroll 16
-    for (int j = 0; j < WT; ++j) acc[m][j] = Vec(0.f);
-  int64_t d = 0;
-  for (; d + kVec <= k; d += kVec) {
-    Vec xv[M];
-    #pragma GCC unroll 16
-    for (int m = 0; m < M; ++m) xv[m] = Vec::loadu(x_rows[m] + d);
-    #pragma GCC unroll 16
-    for (int j = 0; j < WT; ++j) {
-      const Vec wv = Vec::loadu(w + j * k + d);
-      #pragma GCC unroll 16
-      for (int m = 0; m < M; ++m) acc[m][j] = at::vec::fmadd(xv[m], wv, acc[m][j]);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int m = 0; m < M; ++m)
-    #pragma GCC unroll 16
-    for (int j = 0; j < WT; ++j) {
-      float sum = hsum(acc[m][j]);
-      for (int64_t t = d; t < k; ++t) sum += x_rows[m][t] * w[j * k + t];
-      out[m * ldo + j] = sum;
-    }
-}
-
-// Calls group(std::integral_constant<int, M>{}, first) for x rows [0, n) in groups of up to 3.
-template <typename Group>
-inline void for_x_groups(int64_t n, Group&& group) {
-  int64_t m = 0;
-  for (; m + 3 <= n; m += 3) group(std::integral_constant<int, 3>{}, m);
-  if (n - m == 2) group(std::integral_constant<int, 2>{}, m);
-  if (n - m == 1) group(std::integral_constant<int, 1>{}, m);
-}
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "skinny_linear: CPU tensors only");
@@ -77,15 +38,20 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight) {
   for (int64_t m = 0; m < rows; ++m) x_rows[m] = xp + m * k;
   // Stretches of whole tiles; a grain of 64 W rows keeps a thread's reads long and sequential.
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    const float* w_rows[kWeightTile];
     int64_t j = begin;
-    for (; j + kWeightTile <= end; j += kWeightTile)
-      for_x_groups(rows, [&](auto count, int64_t m) {
-        tile_dots<decltype(count)::value, kWeightTile>(x_rows.data() + m, wp + j * k, k, op + m * n + j, n);
+    for (; j + kWeightTile <= end; j += kWeightTile) {
+      for (int i = 0; i < kWeightTile; ++i) w_rows[i] = wp + (j + i) * k;
+      for_tile_rows(rows, [&](auto count, int64_t m) {
+        dot_tile<decltype(count)::value, kWeightTile>(x_rows.data() + m, w_rows, k, op + m * n + j, n);
       });
-    for (; j < end; ++j)
-      for_x_groups(rows, [&](auto count, int64_t m) {
-        tile_dots<decltype(count)::value, 1>(x_rows.data() + m, wp + j * k, k, op + m * n + j, n);
+    }
+    for (; j < end; ++j) {
+      w_rows[0] = wp + j * k;
+      for_tile_rows(rows, [&](auto count, int64_t m) {
+        dot_tile<decltype(count)::value, 1>(x_rows.data() + m, w_rows, k, op + m * n + j, n);
       });
+    }
   });
   return out;
 }

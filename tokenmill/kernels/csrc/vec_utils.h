@@ -77,25 +77,49 @@ inline void dot_rows_any(const float* const* q_rows, int n, const float* k, int6
   for_row_groups(n, [&](auto rows, int r) { dot_rows<decltype(rows)::value>(q_rows + r, k, dim, dots + r); });
 }
 
-// out[r] += p[r] * v for N rows, one load of each V chunk.
-template <int N>
-inline void axpy_rows(const float* p, const float* v, int64_t dim, float* const* out) {
-  Vec w[N];
-  #pragma GCC unroll 16
-  for (int r = 0; r < N; ++r) w[r] = Vec(p[r]);
-  int64_t d = 0;
-  for (; d + kVec <= dim; d += kVec) {
-    Vec vv = Vec::loadu(v + d);
-    #pragma GCC unroll 16
-    for (int r = 0; r < N; ++r) at::vec::fmadd(w[r], vv, Vec::loadu(out[r] + d)).store(out[r] + d);
-  }
-  for (; d < dim; ++d)
-    #pragma GCC unroll 16
-    for (int r = 0; r < N; ++r) out[r][d] += p[r] * v[d];
+// Rows per group of a dot tile (below): 3 rows x 4 columns of fp32 accumulators, plus the 3 rows'
+// chunks and one column chunk, are the 16 vector registers of AVX2.
+constexpr int kTileRows = 3;
+
+// Calls group(std::integral_constant<int, N>{}, first) for rows [0, n) in groups of kTileRows.
+template <typename Group>
+inline void for_tile_rows(int64_t n, Group&& group) {
+  static_assert(kTileRows == 3, "the cases below cover the 1 to kTileRows - 1 rows left");
+  int64_t r = 0;
+  for (; r + kTileRows <= n; r += kTileRows) group(std::integral_constant<int, kTileRows>{}, r);
+  if (n - r == 2) group(std::integral_constant<int, 2>{}, r);
+  if (n - r == 1) group(std::integral_constant<int, 1>{}, r);
 }
 
-inline void axpy_rows_any(const float* p, int n, const float* v, int64_t dim, float* const* out) {
-  for_row_groups(n, [&](auto rows, int r) { axpy_rows<decltype(rows)::value>(p + r, v, dim, out + r); });
+// out[r * ld + j] = q_rows[r] . k_rows[j] for N rows and KT columns (keys, weight rows), fp32
+// accumulation: each chunk of a row is loaded once for the KT columns.
+template <int N, int KT>
+inline void dot_tile(const float* const* q_rows, const float* const* k_rows, int64_t dim, float* out, int64_t ld) {
+  Vec acc[N][KT];
+  #pragma GCC unroll 16
+  for (int r = 0; r < N; ++r)
+    #pragma GCC unroll 16
+    for (int j = 0; j < KT; ++j) acc[r][j] = Vec(0.f);
+  int64_t d = 0;
+  for (; d + kVec <= dim; d += kVec) {
+    Vec qv[N];
+    #pragma GCC unroll 16
+    for (int r = 0; r < N; ++r) qv[r] = Vec::loadu(q_rows[r] + d);
+    #pragma GCC unroll 16
+    for (int j = 0; j < KT; ++j) {
+      const Vec kv = Vec::loadu(k_rows[j] + d);
+      #pragma GCC unroll 16
+      for (int r = 0; r < N; ++r) acc[r][j] = at::vec::fmadd(qv[r], kv, acc[r][j]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < N; ++r)
+    #pragma GCC unroll 16
+    for (int j = 0; j < KT; ++j) {
+      float sum = hsum(acc[r][j]);
+      for (int64_t t = d; t < dim; ++t) sum += q_rows[r][t] * k_rows[j][t];
+      out[r * ld + j] = sum;
+    }
 }
 
 }  // namespace tokenmill
