@@ -12,6 +12,7 @@
 #include "vec_utils.h"
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
