@@ -15,8 +15,9 @@ _MODE = os.environ.get("TOKENMILL_LM_HEAD", "auto")
 
 # Rows up to which tokenmill's streaming kernel reads the fp32 weight faster than the alternative
 # (`tokenmill bench kernels`: SmolLM2's 49k x 576 head, AMD Zen3, 2 threads): MKL's GEMV / vocab-major
-# GEMM 2x slower at one row, 1.3-1.9x at 8-32 rows, even or ahead at 64 (so the cut is 32); oneDNN's
-# packed weight (--onednn-linear) 1.2-1.3x slower at one row, even or ahead from 2 rows on.
+# GEMM 2x slower at one row, within +-12% at 2-4 rows, 1.5-1.9x slower at 8-32 rows, even or ahead at
+# 64 (so the cut is 32); oneDNN's packed weight (--onednn-linear) 1.1-1.3x slower at one row, even
+# or ahead from 2 rows on.
 _SKINNY_ROWS_VS_BLAS = 32
 _SKINNY_ROWS_VS_PACKED = 1
 
