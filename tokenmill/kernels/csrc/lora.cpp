@@ -149,7 +149,7 @@ void lora_delta(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, 
         const int64_t first = std::max(lo, b.first), end = std::min(hi, b.end);
         if (b.rank == 0 || first >= end) continue;
         const float* b_rows = bp + slot * slot_b + b.col * features;
-        for_row_groups(static_cast<int>(stop - start), [&](auto count, int r) {
+        for_row_groups<kRowGroup>(stop - start, [&](auto count, int64_t r) {
           constexpr int N = decltype(count)::value;
           float* out_rows[N];
           for (int m = 0; m < N; ++m) out_rows[m] = op + rp[start + r + m] * features;

@@ -38,57 +38,25 @@ inline const float* as_float<at::BFloat16>(const at::BFloat16* src, float* scrat
   return scratch;
 }
 
-// dots[r] = q_rows[r] . k for N rows (N <= kRowGroup), one load of each chunk of k.
-template <int N>
-inline void dot_rows(const float* const* q_rows, const float* k, int64_t dim, float* dots) {
-  Vec acc[N];
-  #pragma GCC unroll 16
-  for (int r = 0; r < N; ++r) acc[r] = Vec(0.f);
-  int64_t d = 0;
-  for (; d + kVec <= dim; d += kVec) {
-    Vec kv = Vec::loadu(k + d);
-    #pragma GCC unroll 16
-    for (int r = 0; r < N; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q_rows[r] + d), kv, acc[r]);
-  }
-  #pragma GCC unroll 16
-  for (int r = 0; r < N; ++r) {
-    float s = hsum(acc[r]);
-    for (int64_t t = d; t < dim; ++t) s += q_rows[r][t] * k[t];
-    dots[r] = s;
-  }
-}
-
-// Calls group(std::integral_constant<int, N>{}, first) for rows [0, n) cut into groups of N rows:
-// kRowGroup at a time, then one group of what is left, so each group's row count is a compile-time N.
-template <typename Group>
-inline void for_row_groups(int n, Group&& group) {
-  static_assert(kRowGroup == 4, "the cases below cover the 1 to kRowGroup - 1 rows left");
-  int r = 0;
-  for (; r + kRowGroup <= n; r += kRowGroup) group(std::integral_constant<int, kRowGroup>{}, r);
-  switch (n - r) {
-    case 3: group(std::integral_constant<int, 3>{}, r); break;
-    case 2: group(std::integral_constant<int, 2>{}, r); break;
-    case 1: group(std::integral_constant<int, 1>{}, r); break;
-    default: break;
-  }
-}
-
-inline void dot_rows_any(const float* const* q_rows, int n, const float* k, int64_t dim, float* dots) {
-  for_row_groups(n, [&](auto rows, int r) { dot_rows<decltype(rows)::value>(q_rows + r, k, dim, dots + r); });
-}
-
 // Rows per group of a dot tile (below): 3 rows x 4 columns of fp32 accumulators, plus the 3 rows'
 // chunks and one column chunk, are the 16 vector registers of AVX2.
 constexpr int kTileRows = 3;
 
-// Calls group(std::integral_constant<int, N>{}, first) for rows [0, n) in groups of kTileRows.
+// Calls group(std::integral_constant<int, N>{}, first) for rows [from, n) cut into groups of N rows:
+// G at a time, then one group of what is left, so each group's row count is a compile-time N.
+template <int G, typename Group>
+inline void for_row_groups(int64_t n, Group&& group, int64_t from = 0) {
+  int64_t r = from;
+  for (; r + G <= n; r += G) group(std::integral_constant<int, G>{}, r);
+  if constexpr (G > 1) {
+    if (r < n) for_row_groups<G - 1>(n, group, r);
+  }
+}
+
+// Rows [0, n) in groups of kTileRows, for dot tiles.
 template <typename Group>
 inline void for_tile_rows(int64_t n, Group&& group) {
-  static_assert(kTileRows == 3, "the cases below cover the 1 to kTileRows - 1 rows left");
-  int64_t r = 0;
-  for (; r + kTileRows <= n; r += kTileRows) group(std::integral_constant<int, kTileRows>{}, r);
-  if (n - r == 2) group(std::integral_constant<int, 2>{}, r);
-  if (n - r == 1) group(std::integral_constant<int, 1>{}, r);
+  for_row_groups<kTileRows>(n, group);
 }
 
 // out[r * ld + j] = q_rows[r] . k_rows[j] for N rows and KT columns (keys, weight rows), fp32
@@ -120,6 +88,13 @@ inline void dot_tile(const float* const* q_rows, const float* const* k_rows, int
       for (int64_t t = d; t < dim; ++t) sum += q_rows[r][t] * k_rows[j][t];
       out[r * ld + j] = sum;
     }
+}
+
+// dots[r] = q_rows[r] . k for n rows, kRowGroup rows sharing each load of k.
+inline void dot_rows_any(const float* const* q_rows, int n, const float* k, int64_t dim, float* dots) {
+  for_row_groups<kRowGroup>(n, [&](auto rows, int64_t r) {
+    dot_tile<decltype(rows)::value, 1>(q_rows + r, &k, dim, dots + r, 1);
+  });
 }
 
 }  // namespace tokenmill
