@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: the CUDA correctness tests, then `tokenmill bench offline --compare hf` with fp16 and
 # CUDA graphs on the tiny model (and once without graphs, for the ratio), then the same in bf16 on a
-# random-weight model of SmolLM2-135M's shape, all in well under 8 minutes. Writes gpu_check.json
-# (and the bench JSONs, pytest log) to the output directory.
+# random-weight model of SmolLM2-135M's shape, then a per-step profile (bench/gpu_step_profile.py),
+# all in under 9 minutes. Writes gpu_check.json (and the bench JSONs, pytest log, profiles) to the
+# output directory.
 #
 #   bench/gpu_check.sh --prepare [DIR]   on a dev machine: copy what a bare GPU machine lacks (the
 #                                        tokenizer of the tiny model, SmolLM2's config) into DIR
@@ -107,7 +108,7 @@ torch.manual_seed(0)
 AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir)).to(torch.bfloat16).save_pretrained(target)
 AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(target)
 EOF
-    timeout 110 "$PYTHON" -m tokenmill.cli bench offline --model "$smol" --dtype bfloat16 --no-progress \
+    timeout 180 "$PYTHON" -m tokenmill.cli bench offline --model "$smol" --dtype bfloat16 --no-progress \
         --kv-cache-memory 8GiB --num-prompts $(( dry_run ? 4 : num_prompts * 4 )) --max-input 512 --max-output 256 \
         --compare hf --hf-batch-size 64 --cuda-graphs --json "$out/bench_smollm2_shape.json" \
         > "$out/bench_smollm2_shape.txt" 2>&1
@@ -116,9 +117,17 @@ EOF
     grep -v '^\s*$' "$out/bench_smollm2_shape.txt" | tail -n 20
 fi
 
-"$PYTHON" - "$out" "$tests_rc" "$graphs_rc" "$eager_rc" "$smol_rc" "$(( $(date +%s) - start ))" <<'EOF'
+echo "== where a step's time goes (bench/gpu_step_profile.py)"
+set +e
+timeout 120 "$PYTHON" bench/gpu_step_profile.py "$tiny" "$out/step-profile" --num-prompts "$num_prompts" \
+    > "$out/step_profile.txt" 2>&1
+profile_rc=$?
+set -e
+grep "^overlap=" "$out/step_profile.txt" || tail -n 20 "$out/step_profile.txt"
+
+"$PYTHON" - "$out" "$tests_rc" "$graphs_rc" "$eager_rc" "$smol_rc" "$profile_rc" "$(( $(date +%s) - start ))" <<'EOF'
 import json, pathlib, re, sys
-out, tests_rc, graphs_rc, eager_rc, smol_rc, seconds = sys.argv[1], *map(int, sys.argv[2:])
+out, tests_rc, graphs_rc, eager_rc, smol_rc, profile_rc, seconds = sys.argv[1], *map(int, sys.argv[2:])
 d = pathlib.Path(out)
 log = (d / "pytest.log").read_text()
 counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", log.splitlines()[-1] if log else "")}
@@ -129,8 +138,10 @@ report = {"gpu": (d / "gpu.txt").read_text().strip() if (d / "gpu.txt").exists()
           "seconds": seconds, "tests": {"rc": tests_rc, **counts},
           "bench_cuda_graphs": {"rc": graphs_rc, "result": load("bench_graphs.json")},
           "bench_eager": {"rc": eager_rc, "result": load("bench_eager.json")},
-          "bench_smollm2_shape_bf16": {"rc": smol_rc, "result": load("bench_smollm2_shape.json")}}
+          "bench_smollm2_shape_bf16": {"rc": smol_rc, "result": load("bench_smollm2_shape.json")},
+          "step_profile": {"rc": profile_rc, "result": load("step-profile/step_profile.json")}}
 (d / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
-print(f"gpu_check: tests rc={tests_rc} {counts}, bench rc={graphs_rc}/{eager_rc}/{smol_rc}, {seconds} s -> {d / 'gpu_check.json'}")
-sys.exit(1 if tests_rc or graphs_rc or eager_rc or smol_rc else 0)
+print(f"gpu_check: tests rc={tests_rc} {counts}, bench rc={graphs_rc}/{eager_rc}/{smol_rc}, "
+      f"step profile rc={profile_rc}, {seconds} s -> {d / 'gpu_check.json'}")
+sys.exit(1 if tests_rc or graphs_rc or eager_rc or smol_rc or profile_rc else 0)
 EOF

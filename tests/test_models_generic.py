@@ -320,3 +320,12 @@ def test_models_command_marks_generic_and_native_paths(capsys):
         if rows[model_type]["path"] == "generic":
             assert "tested" in rows[model_type]["features"]
     assert rows["olmo2"]["path"] == "generic" and rows["olmo2"]["architectures"] == ["Olmo2ForCausalLM"]
+
+
+def test_no_layer_kernels_are_fetched_from_the_hub(tmp_root):
+    """transformers >= 5.25 swaps layers for kernels downloaded from the Hub (`use_kernels` defaults on,
+    CUDA devices hit the network at load): tokenmill loads nothing at run time and keeps HF's own layers."""
+    from tokenmill.models.transformers_backend import load_hf_model
+
+    model_dir, _ = _built("llama", tmp_root)
+    assert load_hf_model(model_dir, torch.float32, torch.device("cpu")).use_kernels is False

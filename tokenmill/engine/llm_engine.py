@@ -65,7 +65,16 @@ class LaunchedStep:
 def _init_model_thread(num_threads: int, device: torch.device) -> None:
     torch.set_num_threads(num_threads)  # intra-op threads are set per calling thread
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # so is the current CUDA device
+        # So is the current CUDA device. An index-less "cuda" means the creating thread's current device
+        # (resolved by the caller): set_device rejects a device without an index.
+        torch.cuda.set_device(device.index)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """A CUDA device with its index: an index-less "cuda" is this thread's current device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _timed(fn: Callable[[StepInput], Any], step: StepInput) -> tuple[Any, float]:
@@ -165,7 +174,7 @@ class LLMEngine:
         if overlap:
             # The model runs on its own thread, one step ahead of the completions.
             self._model_thread = ThreadPoolExecutor(1, "tokenmill-model", initializer=_init_model_thread,
-                                                    initargs=(torch.get_num_threads(), self.device))
+                                                    initargs=(torch.get_num_threads(), _indexed(self.device)))
         faults.install(self)  # test-only hook, off unless TOKENMILL_FAULT_INJECTION=1
         try:
             for module in lora_modules:

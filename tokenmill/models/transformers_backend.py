@@ -333,7 +333,8 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> 
     try:
         model, info = cls.from_pretrained(
             model_dir, config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION,
-            local_files_only=True, output_loading_info=True, device_map={"": device})
+            local_files_only=True, output_loading_info=True, device_map={"": device},
+            use_kernels=False)  # transformers would otherwise fetch layer kernels from the Hub for CUDA devices
     except (OSError, ValueError, RuntimeError, KeyError) as exc:  # unreadable or inconsistent files
         raise ModelLoadError(f"{model_dir}: {' '.join(str(exc).split())[:300]}") from None
     problems = [f"{what}: {', '.join(sorted(names)[:8])}" for what, names in
