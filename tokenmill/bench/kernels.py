@@ -3,9 +3,9 @@ machine's streaming read bandwidth and the library paths they replace.
 
 - paged attention (`tokenmill::paged_attention`): a batch of decodes over contexts of 16-512
   tokens with the K/V caches of several layers (so they come from DRAM, as in a model step), the
-  same with one small cache (L2/L3-resident: the kernel's compute rate), over a bf16 cache, and
-  chunks of 64 prefill queries over their context; K/V read rate against `x.sum()` over a 1 GiB
-  tensor (the streaming read rate here);
+  same with one small cache (L2/L3-resident: the kernel's compute rate), over bf16 and int8 caches
+  (`--kv-cache-dtype`), and chunks of 64 prefill queries over their context; K/V read rate against
+  `x.sum()` over a 1 GiB tensor (the streaming read rate here);
 - the vocabulary projection (`tokenmill::skinny_linear`) at 1-64 rows against oneDNN's packed
   weight (what `--onednn-linear` packs the head into) and MKL's vocab-major GEMM, with 4 copies
   of the weight in turn so that none is served from the last-level cache.
@@ -26,6 +26,7 @@ import torch
 from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.offline import print_report, resolve_bench_model
 from tokenmill.bench.serve import format_grid
+from tokenmill.models.kv_quant import to_cache
 
 BLOCK_SIZE = 16
 PROJECTION_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -61,8 +62,9 @@ def attention_case(name: str, heads: int, kv_heads: int, dim: int, contexts: np.
     for s, n in enumerate(blocks):
         tables[s, :n] = order[used : used + n]
         used += n
-    caches = [(torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen).to(cache_dtype),
-               torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen).to(cache_dtype)) for _ in range(layers)]
+    caches = [(to_cache(torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen), cache_dtype),
+               to_cache(torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen), cache_dtype))
+              for _ in range(layers)]
     q = torch.randn(len(contexts) * queries, heads, dim, generator=gen)
     out = torch.empty_like(q)
     starts = torch.arange(len(contexts), dtype=torch.int32) * queries
@@ -76,7 +78,7 @@ def attention_case(name: str, heads: int, kv_heads: int, dim: int, contexts: np.
         torch.ops.tokenmill.paged_attention(q, k, v, out, starts, lens, tables, ctx, BLOCK_SIZE, dim**-0.5, 0, 0.0)
 
     seconds = best_seconds(call, calls)
-    kv_bytes = int(ctx.sum()) * kv_heads * dim * caches[0][0].element_size() * 2
+    kv_bytes = int(ctx.sum()) * kv_heads * caches[0][0].shape[-1] * caches[0][0].element_size() * 2
     return {"case": name, "ms": seconds * 1e3, "kv_gb_per_s": kv_bytes / seconds / 1e9,
             "kv_mb": kv_bytes / 1e6, "sequences": len(contexts), "queries_per_sequence": queries}
 
@@ -129,6 +131,8 @@ def main(args: argparse.Namespace) -> int:
                        contexts // 8 + 1, 1, 1, torch.float32, 100),
         attention_case("decode, bf16 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8,
                        torch.bfloat16, 20),
+        attention_case("decode, int8 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8,
+                       torch.int8, 20),
         attention_case("prefill chunks of 64 queries, 8 sequences", heads, kv_heads, dim,
                        contexts[:8] + 64, 64, 1, torch.float32, 5),
     ]

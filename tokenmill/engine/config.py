@@ -26,8 +26,9 @@ class EngineConfig:
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_dtype: str = option(
         "auto", "dtype of the KV cache: auto = the model's; bfloat16/float16 under an fp32 model halve the "
-        "cache's memory and the bytes attention reads per step (K/V rounded as written)",
-        choices=["auto", "float32", "float16", "bfloat16"])
+        "cache's memory and the bytes attention reads per step (K/V rounded as written); int8 quarters them "
+        "(each token's K/V row per head quantized with its own scale; not exact: see bench agreement)",
+        choices=["auto", "float32", "float16", "bfloat16", "int8"])
     kv_cache_memory: str | None = option(
         None, "KV cache budget, e.g. 512MiB or 2GiB (default: --kv-cache-memory-fraction of free memory)")
     kv_cache_memory_fraction: float = option(

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.models.kv_quant import row_width
+
 
 def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
@@ -93,7 +95,8 @@ class BlockAllocator:
 
 
 class KVCache:
-    """The K/V tensors of every layer, shaped [num_blocks * block_size, kv_heads, head_dim].
+    """The K/V tensors of every layer, shaped [num_blocks * block_size, kv_heads, head_dim] (an int8
+    cache: head_dim + 4, each row's values and scale, see tokenmill.models.kv_quant).
 
     All of them are views of one [2 * layers, blocks, block_size, kv_heads, head_dim] tensor, so a
     step zeroes its new blocks in every layer with a single call.
@@ -104,12 +107,13 @@ class KVCache:
         # Zeroed (and so paged in) up front: block 0 pads block tables, and first-touch page faults
         # are paid at startup rather than inside the first requests' steps. One block more than the
         # allocator hands out: padded rows of a CUDA-graph batch write their K/V there (`pad_slot`).
-        self.data = torch.zeros(2 * num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype,
+        width = row_width(head_dim, dtype)
+        self.data = torch.zeros(2 * num_layers, num_blocks + 1, block_size, num_kv_heads, width, dtype=dtype,
                                 device=device)
         self.pad_slot = num_blocks * block_size
         slots = (num_blocks + 1) * block_size
-        self.layers = [(self.data[2 * i].view(slots, num_kv_heads, head_dim),
-                        self.data[2 * i + 1].view(slots, num_kv_heads, head_dim)) for i in range(num_layers)]
+        self.layers = [(self.data[2 * i].view(slots, num_kv_heads, width),
+                        self.data[2 * i + 1].view(slots, num_kv_heads, width)) for i in range(num_layers)]
         self.block_size = block_size
 
     def zero_blocks(self, blocks: list[int]) -> None:
@@ -119,4 +123,4 @@ class KVCache:
 
 
 def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, dtype) * dtype.itemsize

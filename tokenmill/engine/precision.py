@@ -62,10 +62,12 @@ def resolve_dtype(name: str, device: torch.device, model_dir: Path | None = None
 
 
 def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`--kv-cache-dtype`: the model's dtype for auto; a cache wider than the model is refused (it
-    would only cost memory)."""
+    """`--kv-cache-dtype`: the model's dtype for auto; int8 for int8 rows with a scale each
+    (tokenmill.models.kv_quant); a cache wider than the model is refused (it would only cost memory)."""
     if choice == "auto":
         return model_dtype
+    if choice == "int8":
+        return torch.int8
     dtype = DTYPES[choice]
     if dtype.itemsize > model_dtype.itemsize:
         raise ValueError(f"--kv-cache-dtype {choice} is wider than the model's {str(model_dtype).removeprefix('torch.')}")

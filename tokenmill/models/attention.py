@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenmill.models.kv_quant import from_cache, to_cache
+
 
 @dataclass
 class PrefillSegment:
@@ -107,10 +109,10 @@ def paged_attention(
     `window`: sliding-window attention, each query sees only the keys of the last `window`
     positions (itself included). `softcap`: attention logits become softcap * tanh(logits / softcap).
     """
-    # The cache may be narrower than the model (--kv-cache-dtype): K/V are rounded into it, and read
-    # back in the model's dtype (the CPU kernel converts as it reads).
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    # The cache may be narrower than the model (--kv-cache-dtype): K/V are rounded (or quantized, int8)
+    # into it, and read back in the model's dtype (the CPU kernel converts as it reads).
+    k_cache.index_copy_(0, meta.slot_mapping, to_cache(k, k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, to_cache(v, v_cache.dtype))
     q = q.contiguous()
     out = torch.empty_like(q)
     if meta.paged is not None:
@@ -136,7 +138,7 @@ def paged_attention(
                 first = max(0, ctx - n - window + 1)
                 key_pos = torch.arange(first, ctx, device=q.device)
                 slots, mask = slots[first:], mask[:, first:] & _window_mask(key_pos[-n:], key_pos, window)
-            ks, vs = k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype)
+            ks, vs = from_cache(k_cache[slots], q.dtype), from_cache(v_cache[slots], q.dtype)
         o = _attend(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
     k_blocks = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])
@@ -145,8 +147,8 @@ def paged_attention(
         start, end = meta.num_prefill_tokens + group.start, meta.num_prefill_tokens + group.end
         b, ctx = end - start, group.mask.shape[-1]
         qd = q[start:end].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_blocks.index_select(0, group.blocks).view(b, ctx, *k_cache.shape[1:]).transpose(1, 2).to(q.dtype)
-        vd = v_blocks.index_select(0, group.blocks).view(b, ctx, *v_cache.shape[1:]).transpose(1, 2).to(q.dtype)
+        kd = from_cache(k_blocks.index_select(0, group.blocks).view(b, ctx, *k_cache.shape[1:]), q.dtype).transpose(1, 2)
+        vd = from_cache(v_blocks.index_select(0, group.blocks).view(b, ctx, *v_cache.shape[1:]), q.dtype).transpose(1, 2)
         mask = group.mask
         if window is not None:
             # The valid keys are a prefix of each row (its context length); keep its last `window`.

@@ -3,7 +3,8 @@
 // Every sequence s has query_lens[s] queries, rows query_start[s].. of q and out, which are the last
 // query_lens[s] positions of its context_lens[s] keys; key position t lives at slot block_tables[s][t / block_size] *
 // block_size + t % block_size of k_cache/v_cache [slots, kv_heads, head_dim]. A query at position
-// p sees keys t <= p (causal) with p - t < window when window > 0. Decodes are q_len == 1.
+// p sees keys t <= p (causal) with p - t < window when window > 0. Decodes are q_len == 1. An int8
+// cache's rows are [head_dim int8 values, their fp32 scale] (head_dim + 4 bytes, models/kv_quant.py).
 //
 // Work items are (sequence, kv heads, tile of queries): all kv heads of a sequence when there are
 // enough sequences to keep the threads busy (each K/V slot row is then read as one stretch), else
@@ -51,6 +52,7 @@ inline void prefetch_row(const T* row, int64_t n) {
 
 struct Params {
   int64_t heads, kv_heads, dim, block_size, max_blocks, window;
+  int64_t head_stride;  // cache elements per kv head of a slot: dim, or dim + 4 for int8 rows and their scale
   float scale, softcap;
 };
 
@@ -136,14 +138,14 @@ inline void prefetch_keys(const C* cache, const int64_t* offsets, int64_t from, 
 // `rows` the n keys' rows of head h as fp32; prefetches the rows of later keys (all the item's heads).
 template <int Tile, typename C, typename Fn>
 inline void for_key_tiles(const C* cache, const int64_t* offsets, int64_t keys, int64_t heads, int64_t dim,
-                          float* converted, Fn&& fn) {
+                          int64_t head_stride, float* converted, Fn&& fn) {
   const float* rows[Tile];
   for (int64_t j = 0; j < keys; j += Tile) {
     const int64_t n = std::min<int64_t>(Tile, keys - j);
     prefetch_keys(cache, offsets, std::min(keys, j + kPrefetchAhead), std::min(keys, j + kPrefetchAhead + n),
-                  heads * dim);
+                  heads * head_stride);
     for (int64_t h = 0; h < heads; ++h) {
-      rows_as_float<C>(cache + h * dim, offsets + j, n, dim, converted, rows);
+      rows_as_float<C>(cache + h * head_stride, offsets + j, n, dim, converted, rows);
       fn(static_cast<const float* const*>(rows), j, n, h);
     }
   }
@@ -168,7 +170,7 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
   const int64_t key_hi = last_pos + 1;
   const int64_t keys = key_hi - key_lo;
   const int64_t dim = p.dim;
-  const int64_t row_stride = p.kv_heads * dim;  // between slots of one head
+  const int64_t row_stride = p.kv_heads * p.head_stride;  // between slots of one head
   auto query_of = [&](int64_t r) { return (r % head_rows) / group; };
   auto head_of = [&](int64_t r) { return (item.kv_head + r / head_rows) * group + r % group; };
 
@@ -179,7 +181,7 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
   for (int64_t t = key_lo; t < key_hi;) {
     const int64_t in_block = std::min(key_hi - t, p.block_size - t % p.block_size);
     const int64_t base = (static_cast<int64_t>(table[t / p.block_size]) * p.block_size + t % p.block_size) * row_stride +
-                         item.kv_head * dim;  // (the item's first kv head)
+                         item.kv_head * p.head_stride;  // (the item's first kv head)
     for (int64_t i = 0; i < in_block; ++i) offsets[t - key_lo + i] = base + i * row_stride;
     t += in_block;
   }
@@ -203,7 +205,7 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
 
   // Raw dot products, a tile of keys at a time; every query row group of a kv head shares the
   // tile's K rows of that head.
-  for_key_tiles<kKeyTile>(k_cache, offsets, keys, item.num_kv_heads, dim, converted,
+  for_key_tiles<kKeyTile>(k_cache, offsets, keys, item.num_kv_heads, dim, p.head_stride, converted,
                           [&](const float* const* k_rows, int64_t j, int64_t n, int64_t h) {
     for_tile_rows(head_rows, [&](auto count, int64_t r) {
       constexpr int N = decltype(count)::value;
@@ -260,7 +262,7 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
     row_sum[r] = sum;
   }
   // Weighted V rows, a tile of keys at a time.
-  for_key_tiles<kValueTile>(v_cache, offsets, keys, item.num_kv_heads, dim, converted,
+  for_key_tiles<kValueTile>(v_cache, offsets, keys, item.num_kv_heads, dim, p.head_stride, converted,
                             [&](const float* const* v_rows, int64_t j, int64_t n, int64_t h) {
     for_tile_rows(head_rows, [&](auto count, int64_t r) {
       constexpr int N = decltype(count)::value;
@@ -290,11 +292,13 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k and v caches differ in shape");
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "q and out share one dtype, the k and v caches another");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() ||
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() || k_cache.scalar_type() == at::kChar ||
                   (q.scalar_type() == at::kFloat &&
                    (k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kHalf)),
-              "caches in q's dtype, or bf16/fp16 caches for fp32 queries");
-  TORCH_CHECK(q.size(2) == k_cache.size(2), "head_dim of q and cache differ");
+              "caches in q's dtype, int8 caches, or bf16/fp16 caches for fp32 queries");
+  const int64_t scale_bytes = k_cache.scalar_type() == at::kChar ? 4 : 0;  // an int8 row's fp32 scale
+  TORCH_CHECK(k_cache.size(2) == q.size(2) + scale_bytes, "cache rows must be head_dim wide",
+              scale_bytes ? " + 4 (int8 values and their fp32 scale)" : "");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must be shaped like q");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
@@ -310,7 +314,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
                      const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
                      double softcap) {
   check_inputs(q, k_cache, v_cache, out, query_start, query_lens, block_tables, context_lens);
-  const Params p{q.size(1), k_cache.size(1), q.size(2), block_size, block_tables.size(1), window,
+  const Params p{q.size(1), k_cache.size(1), q.size(2), block_size, block_tables.size(1), window, k_cache.size(2),
                  static_cast<float>(scale), static_cast<float>(softcap)};
   const int64_t seqs = block_tables.size(0);
   const int64_t tokens = q.size(0);
@@ -365,6 +369,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     run(float{}, at::BFloat16{});  // fp32 compute over a bf16 --kv-cache-dtype: half the bytes read
   } else if (k_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat) {
     run(float{}, at::Half{});
+  } else if (k_cache.scalar_type() == at::kChar) {  // --kv-cache-dtype int8, under any model dtype
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tokenmill_paged_attention_int8",
+                                    [&] { run(scalar_t{}, int8_t{}); });
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tokenmill_paged_attention",
                                     [&] { run(scalar_t{}, scalar_t{}); });

@@ -6,6 +6,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace tokenmill {
@@ -19,7 +20,8 @@ inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-// Rows of K/V as fp32: fp32 caches are read in place, others converted into `scratch`.
+// Rows of K/V as fp32: fp32 caches are read in place, others converted into `scratch`. An int8 row
+// is followed by its fp32 scale (tokenmill/models/kv_quant.py).
 template <typename T>
 inline const float* as_float(const T* src, float* scratch, int64_t n) {
   for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
@@ -28,6 +30,13 @@ inline const float* as_float(const T* src, float* scratch, int64_t n) {
 template <>
 inline const float* as_float<float>(const float* src, float*, int64_t) {
   return src;
+}
+template <>
+inline const float* as_float<int8_t>(const int8_t* src, float* scratch, int64_t n) {
+  float scale;
+  std::memcpy(&scale, src + n, sizeof(float));
+  for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]) * scale;
+  return scratch;
 }
 template <>
 inline const float* as_float<at::BFloat16>(const at::BFloat16* src, float* scratch, int64_t n) {
