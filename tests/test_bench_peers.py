@@ -42,6 +42,17 @@ def test_dry_run_shows_every_engines_setup_and_runs_nothing(tmp_path):
     assert not (tmp_path / "peers").exists() and not (tmp_path / "out").exists()
 
 
+def test_int8_kv_cache_runs_reach_every_engine_that_has_one(tmp_path):
+    result = _run("run", "--dry-run", "--kv-cache", "int8", "--out", str(tmp_path / "out"),
+                  env_extra={"TOKENMILL_PEERS_DIR": str(tmp_path / "peers")})
+    assert result.returncode == 0, result.stderr
+    plan = result.stderr
+    assert "[vllm] skipped: vLLM-CPU has no 8-bit KV cache" in plan and "vllm_runner.py" not in plan
+    for runner in ("tokenmill_runner.py", "openvino_runner.py", "llamacpp_runner.py"):
+        (line,) = [line for line in plan.splitlines() if runner in line and "$" in line]
+        assert "--kv-cache int8" in line
+
+
 def test_unknown_engine_is_a_clear_error():
     result = _run("run", "--dry-run", "tgi")
     assert result.returncode == 2 and "unknown engine(s) tgi" in result.stderr
@@ -58,7 +69,8 @@ def test_tokenmill_runs_the_workload_and_results_are_written(tiny_model_dir, tmp
     assert row["engine"] == "tokenmill" and row["output_tokens"] == sum(r["output_len"] for r in workload)
     assert row["output_tok_s"] > 0
     table = (out / "peers.md").read_text()
-    assert "| tokenmill | fp32 |" in table and "1.00x" in table and table.startswith("CPU: ")
+    assert "| tokenmill | fp32 | float32 |" in table and "1.00x" in table and table.startswith("CPU: ")
+    assert row["kv_cache"] == "float32"  # what the engine ran with, not what was asked
     assert (out / "peers.png").stat().st_size > 0
 
 

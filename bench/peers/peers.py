@@ -117,18 +117,21 @@ def install_steps(engine: str) -> list[Step]:
     raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
 
 
+def vllm_env(args: argparse.Namespace) -> dict[str, str]:
+    # vLLM keeps one core for itself unless told not to, and binds its OpenMP threads to a list.
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+
+
 def run_step(engine: str, args: argparse.Namespace, workload: Path, model_dir: Path, out: Path) -> Step:
     """The command that runs `engine` on the workload and writes its result JSON to `out`."""
     threads = str(args.threads)
     common = ["--workload", str(workload), "--model", str(model_dir), "--precision", args.precision,
-              "--threads", threads, "--out", str(out)]
+              "--kv-cache", args.kv_cache, "--threads", threads, "--out", str(out)]
     if engine == "tokenmill":
         return Step([sys.executable, str(RUNNERS / "tokenmill_runner.py"), *common])
     if engine == "vllm":
-        # vLLM keeps one core for itself unless told not to, and binds its OpenMP threads to a list.
-        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-               "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
-        return Step([str(venv_python("vllm")), str(RUNNERS / "vllm_runner.py"), *common], env=env)
+        return Step([str(venv_python("vllm")), str(RUNNERS / "vllm_runner.py"), *common], env=vllm_env(args))
     if engine == "openvino":
         export = peers_dir() / "models" / f"{model_dir.name}-openvino-{args.precision}"
         return Step([str(venv_python("openvino")), str(RUNNERS / "openvino_runner.py"), *common,
@@ -153,7 +156,7 @@ def server_step(engine: str, args: argparse.Namespace, model_dir: Path, port: in
         return Step([sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(model_dir), "--dtype", dtype,
                      "--host", "127.0.0.1", "--port", str(port)])
     if engine == "vllm":
-        env = run_step("vllm", args, Path(), model_dir, Path()).env
+        env = vllm_env(args)
         return Step([str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                      "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs",
                      str(max(args.concurrency)), "--no-enable-prefix-caching"], env=env)
@@ -246,12 +249,13 @@ def write_workload(args: argparse.Namespace, model_dir: Path, path: Path) -> Non
 
 def format_table(results: list[dict], cpu: str) -> str:
     base = next((r for r in results if r["engine"] == "tokenmill"), None)
-    lines = [f"CPU: {cpu}", "", "| engine | precision | output tok/s | vs tokenmill | wall s | output tokens |",
-             "|---|---|---|---|---|---|"]
+    lines = [f"CPU: {cpu}", "",
+             "| engine | precision | KV cache | output tok/s | vs tokenmill | wall s | output tokens |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}x" if base else "-"
-        lines.append(f"| {r['engine']} | {r['precision']} | {r['output_tok_s']:.1f} | {ratio} | {r['wall_s']:.1f} | "
-                     f"{r['output_tokens']} |")
+        lines.append(f"| {r['engine']} | {r['precision']} | {r.get('kv_cache', '?')} | {r['output_tok_s']:.1f} | "
+                     f"{ratio} | {r['wall_s']:.1f} | {r['output_tokens']} |")
     return "\n".join(lines)
 
 
@@ -262,7 +266,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"{r['engine']}\n{r['precision']}" for r in results]
+    labels = [f"{r['engine']}\n{r['precision']}, KV {r.get('kv_cache', '?')}" for r in results]
     ax.bar(labels, [r["output_tok_s"] for r in results], color="tab:blue")
     ax.set_ylabel("output tok/s")
     ax.set_title(title, fontsize=9)
@@ -302,6 +306,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         write_workload(args, model_dir, workload)
     results, failed = [], []
     for engine in args.engines:
+        if engine == "vllm" and args.kv_cache == "int8":
+            log("[vllm] skipped: vLLM-CPU has no 8-bit KV cache")
+            continue
         try:
             log(f"[{engine}] install")
             for step in install_steps(engine):
@@ -317,7 +324,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             results.append(json.loads(result.read_text()))
     if args.dry_run:
         return 0
-    table = format_table(results, cpu_name()) + "".join(f"\n| {e} | failed (see the log) | | | | |" for e in failed)
+    table = format_table(results, cpu_name()) + "".join(f"\n| {e} | failed (see the log) | | | | | |" for e in failed)
     (out_dir / "peers.md").write_text(table + "\n")
     (out_dir / "peers.json").write_text(json.dumps({"cpu": cpu_name(), "results": results, "failed": failed}, indent=2))
     plot(results, out_dir / "peers.png", f"{model_dir.name}, {args.num_prompts} requests, {cpu_name()}")
@@ -340,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-output", type=int, default=32, help="shortest output, tokens (default: 32)")
     run.add_argument("--max-output", type=int, default=256, help="longest output, tokens (default: 256)")
     run.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    run.add_argument("--kv-cache", default="compute", choices=["compute", "int8"],
+                     help="KV cache precision of every engine: the compute precision (default), or 8-bit "
+                          "(tokenmill int8, OpenVINO u8, llama.cpp q8_0; vLLM-CPU has none and is skipped)")
     serve = sub.add_parser("serve", help="each engine's OpenAI-compatible server under `tokenmill bench serve` "
                                          "(run `run` first: it installs and converts)")
     serve.add_argument("engines", nargs="*", metavar="ENGINE",

@@ -58,6 +58,12 @@ def main() -> None:
                "-c", str(slots * (max_len(workload) + 16)), "-t", str(args.threads), "--no-webui"]
     if args.no_repack:
         command.append("--no-repack")
+    # The KV cache in the compute precision (llama.cpp's default is f16), or q8_0 (8-bit blocks with a
+    # scale each, which needs flash attention).
+    kv_cache = "q8_0" if args.kv_cache == "int8" else {"bf16": "bf16", "fp32": "f32"}[args.precision]
+    command += ["--cache-type-k", kv_cache, "--cache-type-v", kv_cache]
+    if args.kv_cache == "int8":
+        command += ["--flash-attn", "on"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -75,7 +81,7 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     write_result(args.out, "llama.cpp", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload),
-                 slots=slots)
+                 kv_cache=kv_cache, slots=slots)
 
 
 if __name__ == "__main__":

