@@ -40,7 +40,7 @@ def test_ops_are_categorised_by_scope_then_name():
     assert profile._category(Event("aten::argmax", Event("tokenmill::sampler"))) == "sampler"
 
 
-def test_kernels_bench_reports_attention_and_projection(tiny_model_dir, monkeypatch, tmp_path, capsys):
+def test_kernels_bench_reports_attention_projection_and_gemms(tiny_model_dir, monkeypatch, tmp_path, capsys):
     import pytest
 
     from tokenmill.bench import kernels
@@ -51,6 +51,7 @@ def test_kernels_bench_reports_attention_and_projection(tiny_model_dir, monkeypa
         pytest.skip("tokenmill's CPU kernels are not available here")
     monkeypatch.setattr(kernels, "resolve_bench_model", lambda model: tiny_model_dir)
     monkeypatch.setattr(kernels, "PROJECTION_ROWS", (1, 3))
+    monkeypatch.setattr(kernels, "LAYER_GEMM_ROWS", (1, 5))
     fast = kernels.best_seconds
     monkeypatch.setattr(kernels, "best_seconds", lambda fn, calls, repeats=7: fast(fn, 1, 1))
     out = tmp_path / "kernels.json"
@@ -59,8 +60,11 @@ def test_kernels_bench_reports_attention_and_projection(tiny_model_dir, monkeypa
     assert "paged attention" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["read_bandwidth_gb_per_s"] > 0
-    assert [a["sequences"] for a in report["attention"]] == [4, 4, 4, 4]
+    assert [a["sequences"] for a in report["attention"]] == [4, 4, 4, 4, 4]
+    assert "int8" in report["attention"][3]["case"]
     assert all(a["ms"] > 0 and a["kv_gb_per_s"] > 0 for a in report["attention"])
     assert [p["rows"] for p in report["vocab_projection"]] == [1, 3]
     assert all(p[path] > 0 for p in report["vocab_projection"]
                for path in ("skinny kernel", "oneDNN packed", "MKL vocab-major"))
+    assert [g["rows"] for g in report["layer_gemms"]] == [1, 5]
+    assert all(g[path]["gflop_per_s"] > 0 for g in report["layer_gemms"] for path in ("oneDNN packed", "MKL"))

@@ -164,9 +164,10 @@ def server_step(engine: str, args: argparse.Namespace, model_dir: Path, port: in
         gguf = peers_dir() / "models" / f"{model_dir.name}-{args.precision}.gguf"  # converted by `run`
         slots = max(args.concurrency)
         extra = ["--no-repack"] if args.llamacpp_no_repack else []
+        kv_cache = {"bf16": "bf16", "fp32": "f32"}[args.precision]  # the compute precision (its default: f16)
         return Step([str(llama_server()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                      "-c", str(slots * (args.input_len * 2 + args.output_len * 2)), "-t", str(args.threads),
-                     "--no-webui", *extra])
+                     "--cache-type-k", kv_cache, "--cache-type-v", kv_cache, "--no-webui", *extra])
     raise ValueError(f"{engine} has no OpenAI-compatible server in this harness; one of {', '.join(SERVE_ENGINES)}")
 
 

@@ -8,7 +8,9 @@ machine's streaming read bandwidth and the library paths they replace.
   `x.sum()` over a 1 GiB tensor (the streaming read rate here);
 - the vocabulary projection (`tokenmill::skinny_linear`) at 1-64 rows against oneDNN's packed
   weight (what `--onednn-linear` packs the head into) and MKL's vocab-major GEMM, with 4 copies
-  of the weight in turn so that none is served from the last-level cache.
+  of the weight in turn so that none is served from the last-level cache;
+- one decoder layer's GEMMs at 1-256 rows (a decode batch is its row count), oneDNN's packed
+  weights against MKL, in GFLOP/s.
 
 Each figure is the best of 7 timed repeats (a noisy VM slows repeats, it never speeds them up).
 """
@@ -30,6 +32,7 @@ from tokenmill.models.kv_quant import to_cache
 
 BLOCK_SIZE = 16
 PROJECTION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+LAYER_GEMM_ROWS = (1, 16, 64, 128, 256)
 
 
 def best_seconds(fn: Callable[[], Any], calls: int, repeats: int = 7) -> float:
@@ -111,6 +114,31 @@ def projection_cases(vocab: int, hidden: int) -> list[dict[str, Any]]:
     return results
 
 
+def layer_gemm_cases(hidden: int, intermediate: int, qkv_out: int, attn_out: int) -> list[dict[str, Any]]:
+    """ms and GFLOP/s of one decoder layer's four GEMMs (fused qkv, o, fused gate/up, down) at
+    LAYER_GEMM_ROWS rows: oneDNN's packed weights (what `--onednn-linear` runs) and MKL's
+    `F.linear`. One layer's weights stay in the last-level cache: the compute rate, not DRAM's."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(hidden, qkv_out), (attn_out, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
+    weights = [torch.randn(out, inp, generator=gen) for inp, out in shapes]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    results = []
+    for rows in LAYER_GEMM_ROWS:
+        xs = [torch.randn(rows, inp, generator=gen) for inp, _ in shapes]
+        flops = sum(2 * rows * inp * out for inp, out in shapes)
+        paths = {
+            "oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                      for x, w in zip(xs, packed)],
+            "MKL": lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)],
+        }
+        row: dict[str, Any] = {"rows": rows}
+        for path, fn in paths.items():
+            seconds = best_seconds(fn, calls=max(4, 256 // rows))
+            row[path] = {"ms": seconds * 1e3, "gflop_per_s": flops / seconds / 1e9}
+        results.append(row)
+    return results
+
+
 def main(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
@@ -137,6 +165,7 @@ def main(args: argparse.Namespace) -> int:
                        contexts[:8] + 64, 64, 1, torch.float32, 5),
     ]
     projection = projection_cases(config.vocab_size, config.hidden_size)
+    gemms = layer_gemm_cases(config.hidden_size, config.intermediate_size, (heads + 2 * kv_heads) * dim, heads * dim)
     rows = [[a["case"], f"{a['ms']:.3f}", f"{a['kv_mb']:.1f}", f"{a['kv_gb_per_s']:.1f}",
              f"{a['kv_gb_per_s'] / (bandwidth / 1e9):.0%}"] for a in attention]
     tables = [f"streaming read (x.sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads",
@@ -145,9 +174,15 @@ def main(args: argparse.Namespace) -> int:
               format_grid([["rows", "skinny kernel ms", "oneDNN packed ms", "MKL vocab-major ms", "kernel GB/s"],
                            *[[str(p["rows"]), f"{p['skinny kernel']:.2f}", f"{p['oneDNN packed']:.2f}",
                               f"{p['MKL vocab-major']:.2f}", f"{p['weight_gb_per_s_kernel']:.1f}"] for p in projection]],
-                          f"vocabulary projection, {config.vocab_size} x {config.hidden_size} fp32")]
+                          f"vocabulary projection, {config.vocab_size} x {config.hidden_size} fp32"),
+              format_grid([["rows", "oneDNN packed ms", "GFLOP/s", "MKL ms", "GFLOP/s"],
+                           *[[str(g["rows"]), f"{g['oneDNN packed']['ms']:.3f}",
+                              f"{g['oneDNN packed']['gflop_per_s']:.0f}", f"{g['MKL']['ms']:.3f}",
+                              f"{g['MKL']['gflop_per_s']:.0f}"] for g in gemms]],
+                          "one decoder layer's GEMMs (qkv, o, gate/up, down), fp32, weights in cache")]
     return print_report(args, "\n\n".join(tables), {"read_bandwidth_gb_per_s": bandwidth / 1e9,
-                                                    "attention": attention, "vocab_projection": projection})
+                                                    "attention": attention, "vocab_projection": projection,
+                                                    "layer_gemms": gemms})
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
