@@ -188,9 +188,10 @@ def test_lora_adapters_on_cuda_match_peft(sharp_tiny_model_dir, tmp_path):
                 sharp_tiny_model_dir, None, prompt, 10), choice.lora_name
 
 
-@pytest.mark.parametrize("kv_dtype, min_agreement", [(torch.bfloat16, 0.75), (torch.int8, 0.5)])
-def test_narrow_kv_cache_under_an_fp32_model_on_cuda(sharp_tiny_model_dir, kv_dtype, min_agreement):
-    """bf16 or int8 (quantized rows + scales, read back by the torch path) K/V under CUDA graphs."""
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_narrow_kv_cache_under_an_fp32_model_on_cuda(sharp_tiny_model_dir, kv_dtype):
+    """bf16 or int8 (quantized rows + scales, read back by the torch path) K/V under CUDA graphs. The
+    same prompts on the CPU, either attention path: bf16 16/16, int8 14/16 first-4 tokens agree."""
     prompts = mixed_prompts(16, 5, 120, seed=12)
     full = _tokens(_cuda_llm(sharp_tiny_model_dir, dtype="float32"), prompts, SHORT)
     llm = _cuda_llm(sharp_tiny_model_dir, dtype="float32", kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
@@ -198,7 +199,7 @@ def test_narrow_kv_cache_under_an_fp32_model_on_cuda(sharp_tiny_model_dir, kv_dt
     assert llm.engine.kv_cache.data.dtype == kv_dtype
     narrow = _tokens(llm, prompts, SHORT)
     first4 = sum(a[:4] == b[:4] for a, b in zip(full, narrow)) / len(prompts)
-    assert first4 >= min_agreement, first4
+    assert first4 >= 0.75, first4
 
 
 def test_prefix_cache_hits_on_cuda_keep_tokens_exact(sharp_tiny_model_dir):
