@@ -223,7 +223,8 @@ class LLMEngine:
         self.sampler = Sampler(spec.vocab_size, self.config.seed, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device, self.tp_group,
                                   self._decode_graphs(), lora, LoRASlots(lora.max_loras) if lora else None)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB%s)", num_blocks, bs, num_blocks * per_block / 2**20,
+        logger.info("KV cache: %d blocks x %d tokens, %s (%.1f MiB%s)", num_blocks, bs,
+                    str(self.kv_dtype).removeprefix("torch."), num_blocks * per_block / 2**20,
                     ", the draft model's included" if self._draft else "")
         if config.speculative_method:
             source = (f"n-grams of {config.ngram_prompt_lookup_min}-{config.ngram_prompt_lookup_max} tokens looked "
