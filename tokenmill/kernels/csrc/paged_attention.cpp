@@ -151,6 +151,22 @@ inline void for_key_tiles(const C* cache, const int64_t* offsets, int64_t keys, 
   }
 }
 
+// Calls fn(N, width, r, i) for the query row groups of kv head h (rows r = h * head_rows + ..., N at
+// a time, as std::integral_constant) over a tile of n keys: once with width = Tile when the tile is
+// full, else once per key i with width 1. N and width are compile-time, so the callee's register
+// tiles are sized at compile time.
+template <int Tile, typename Fn>
+inline void for_row_groups_of_tile(int64_t head_rows, int64_t h, int64_t n, Fn&& fn) {
+  for_tile_rows(head_rows, [&](auto count, int64_t r) {
+    r += h * head_rows;
+    if (n == Tile) {
+      fn(count, std::integral_constant<int, Tile>{}, r, int64_t{0});
+    } else {
+      for (int64_t i = 0; i < n; ++i) fn(count, std::integral_constant<int, 1>{}, r, i);
+    }
+  });
+}
+
 // T: the dtype of q and out (the model's); C: the cache's (the same, or a narrower --kv-cache-dtype).
 template <typename T, typename C>
 void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_cache, T* out,
@@ -207,14 +223,9 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
   // tile's K rows of that head.
   for_key_tiles<kKeyTile>(k_cache, offsets, keys, item.num_kv_heads, dim, p.head_stride, converted,
                           [&](const float* const* k_rows, int64_t j, int64_t n, int64_t h) {
-    for_tile_rows(head_rows, [&](auto count, int64_t r) {
-      constexpr int N = decltype(count)::value;
-      r += h * head_rows;
-      if (n == kKeyTile) {
-        dot_tile<N, kKeyTile>(q_rows.data() + r, k_rows, dim, scores + r * keys + j, keys);
-      } else {
-        for (int64_t i = 0; i < n; ++i) dot_tile<N, 1>(q_rows.data() + r, k_rows + i, dim, scores + r * keys + j + i, keys);
-      }
+    for_row_groups_of_tile<kKeyTile>(head_rows, h, n, [&](auto count, auto width, int64_t r, int64_t i) {
+      dot_tile<decltype(count)::value, decltype(width)::value>(q_rows.data() + r, k_rows + i, dim,
+                                                               scores + r * keys + j + i, keys);
     });
   });
   // Per row: scale, optional softcap tanh, mask (the row's visible keys are one range), max,
@@ -264,15 +275,9 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
   // Weighted V rows, a tile of keys at a time.
   for_key_tiles<kValueTile>(v_cache, offsets, keys, item.num_kv_heads, dim, p.head_stride, converted,
                             [&](const float* const* v_rows, int64_t j, int64_t n, int64_t h) {
-    for_tile_rows(head_rows, [&](auto count, int64_t r) {
-      constexpr int N = decltype(count)::value;
-      r += h * head_rows;
-      if (n == kValueTile) {
-        weighted_sum_tile<N, kValueTile>(scores + r * keys + j, keys, v_rows, dim, acc_rows.data() + r);
-      } else {
-        for (int64_t i = 0; i < n; ++i)
-          weighted_sum_tile<N, 1>(scores + r * keys + j + i, keys, v_rows + i, dim, acc_rows.data() + r);
-      }
+    for_row_groups_of_tile<kValueTile>(head_rows, h, n, [&](auto count, auto width, int64_t r, int64_t i) {
+      weighted_sum_tile<decltype(count)::value, decltype(width)::value>(scores + r * keys + j + i, keys, v_rows + i,
+                                                                        dim, acc_rows.data() + r);
     });
   });
   for (int64_t r = 0; r < rows; ++r) {
