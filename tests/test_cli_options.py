@@ -32,7 +32,7 @@ def test_server_and_scale_flags(monkeypatch):
     settings = settings_from_args(args)
     assert (settings.max_num_seqs, settings.max_body_bytes, settings.allow_special_tokens_in_messages) == (7, 2048, True)
     config = EngineConfig.from_cli_args(args)
-    assert (config.max_num_seqs, config.onednn_linear, config.tensor_parallel_size) == (7, False, 2)
+    assert (config.max_num_seqs, config.packed_linear, config.tensor_parallel_size) == (7, False, 2)
     monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
     assert settings_from_args(build_parser().parse_args(["serve"])).api_key == "from-env"
     assert settings_from_args(build_parser().parse_args(["serve", "--api-key", "k"])).api_key == "k"

@@ -253,59 +253,96 @@ def test_int8_linear_rejects_bad_shapes():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 64])
-@pytest.mark.parametrize(("in_features", "out_features"), [(64, 40), (100, 7), (576, 1031)])  # 100: a vector tail
-def test_skinny_linear_matches_a_float64_product(rows, in_features, out_features):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64, 250])  # register tiles of 6 (AVX2) / 12 rows, blocks
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 40), (100, 7), (576, 1031), (1536, 64)])
+def test_packed_linear_matches_a_float64_product(rows, in_features, out_features):
+    """The panel GEMM: N off the panel width (a partial last panel), K any length, bias or none,
+    1-250 rows (several row blocks at K=1536), a strided x."""
     gen = torch.Generator().manual_seed(rows * 7 + in_features)
     weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
-    out = torch.ops.tokenmill.skinny_linear(x, weight)
-    torch.testing.assert_close(out.double(), x.double() @ weight.double().t(), atol=1e-4, rtol=1e-5)
-    # A strided x (a view into the hidden states) reads the right rows.
+    packed = torch.ops.tokenmill.pack_linear_weight(weight)
+    expected = x.double() @ weight.double().t()
+    out = torch.ops.tokenmill.packed_linear(x, packed, None, out_features)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+    out = torch.ops.tokenmill.packed_linear(x, packed, bias, out_features)
+    torch.testing.assert_close(out.double(), expected + bias.double(), atol=1e-4, rtol=1e-5)
     wide = torch.randn(rows, 2 * in_features, generator=gen)
-    torch.testing.assert_close(torch.ops.tokenmill.skinny_linear(wide[:, ::2], weight), wide[:, ::2] @ weight.t(),
-                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(torch.ops.tokenmill.packed_linear(wide[:, ::2], packed, None, out_features),
+                               wide[:, ::2] @ weight.t(), atol=1e-4, rtol=1e-5)
 
 
 @needs_kernels
-def test_skinny_linear_rejects_bad_inputs():
-    with pytest.raises(RuntimeError, match="x \\[M, K\\] and weight \\[N, K\\]"):
-        torch.ops.tokenmill.skinny_linear(torch.zeros(1, 32), torch.zeros(8, 64))
+def test_packed_linear_rows_do_not_depend_on_their_batch():
+    """A row's outputs are bit-identical whether it runs alone or in any position of a batch of any
+    size (one accumulation order for every register tile): other requests never change a result."""
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(200, 320, generator=gen), torch.randn(200, generator=gen)
+    packed = torch.ops.tokenmill.pack_linear_weight(weight)
+    batch = torch.randn(131, 320, generator=gen)
+    alone = torch.cat([torch.ops.tokenmill.packed_linear(row[None], packed, bias, 200) for row in batch])
+    for rows in (2, 5, 6, 7, 64, 131):
+        assert torch.equal(torch.ops.tokenmill.packed_linear(batch[:rows], packed, bias, 200), alone[:rows]), rows
+    assert torch.equal(torch.ops.tokenmill.packed_linear(batch[3:50], packed, bias, 200), alone[3:50])
+
+
+@needs_kernels
+def test_packed_linear_rejects_bad_inputs():
+    packed = torch.ops.tokenmill.pack_linear_weight(torch.zeros(40, 64))
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):  # another K
+        torch.ops.tokenmill.packed_linear(torch.zeros(1, 32), packed, None, 40)
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):  # an N the panels do not hold
+        torch.ops.tokenmill.packed_linear(torch.zeros(1, 64), packed, None, 200)
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):  # not a packed weight
+        torch.ops.tokenmill.packed_linear(torch.zeros(1, 64), torch.zeros(40, 64), None, 40)
     with pytest.raises(RuntimeError, match="fp32"):
-        torch.ops.tokenmill.skinny_linear(torch.zeros(1, 64).bfloat16(), torch.zeros(8, 64).bfloat16())
-    with pytest.raises(RuntimeError, match="row-major"):
-        torch.ops.tokenmill.skinny_linear(torch.zeros(1, 64), torch.zeros(64, 8).t())
+        torch.ops.tokenmill.packed_linear(torch.zeros(1, 64).bfloat16(), packed, None, 40)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.tokenmill.packed_linear(torch.zeros(1, 64), packed, torch.zeros(39), 40)
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.tokenmill.pack_linear_weight(torch.zeros(40, 64).bfloat16())
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_pack_linears_picks_the_panel_kernel_for_fp32(monkeypatch, kernels):
+    """fp32 linears go to the panel GEMM when tokenmill's kernels load, to oneDNN when they cannot;
+    either gives nn.Linear's result, for 2-D and 3-D inputs, with and without a bias."""
+    from tokenmill.models import packed_linear
+
+    if kernels and not build.load():
+        pytest.skip("kernels off")
+    monkeypatch.setattr(packed_linear.build, "load", lambda: kernels)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 50), torch.nn.SiLU(), torch.nn.Linear(50, 70, bias=False))
+    x = torch.randn(2, 9, 96)
+    with torch.inference_mode():
+        expected = model(x)
+        assert packed_linear.pack_linears(model) == 2
+        kinds = {type(m).__name__ for m in model if not isinstance(m, torch.nn.SiLU)}
+        assert kinds == {"PanelLinear" if kernels else "OneDnnLinear"}
+        torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(model(x[0]), expected[0], atol=1e-4, rtol=1e-5)
 
 
 def test_vocab_projection_paths_agree(monkeypatch):
-    """The streaming kernel (<= 32 rows), the vocab-major GEMM and nn.Linear give the same logits."""
-    from tokenmill.kernels import ops
+    """A plain CPU head (vocab-major product or nn.Linear) and a packed one give the same logits."""
     from tokenmill.models import lm_head
+    from tokenmill.models.packed_linear import pack_linears
 
-    calls = []
-    monkeypatch.setattr(ops, "skinny_linear", lambda x, w: calls.append(x.shape[0]) or torch.ops.tokenmill.skinny_linear(x, w))
     head = torch.nn.Linear(96, 1000, bias=False)
-    results = {}
-    for rows in (1, 9, 32, 33):
+    holder = torch.nn.Module()
+    holder.head = torch.nn.Linear(96, 1000, bias=False)
+    holder.head.load_state_dict(head.state_dict())
+    pack_linears(holder)
+    for rows in (1, 9, 33):
         hidden = torch.randn(rows, 96)
-        for mode in ("auto", "vocab-major", "linear"):
+        results = {}
+        for mode in ("auto", "linear"):
             monkeypatch.setattr(lm_head, "_MODE", mode)
             results[mode] = lm_head.project_to_vocab(head, hidden)
-        torch.testing.assert_close(results["auto"], results["linear"], atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(results["vocab-major"], results["linear"], atol=1e-4, rtol=1e-5)
-    assert calls == ([1, 9, 32] if build.load() else [])  # the kernel served "auto" up to 32 rows
-    # A oneDNN-packed head tied to the embeddings: the kernel reads the embedding matrix at one row.
-    from tokenmill.models.onednn import PackedLinear, onednn_linear_available
-
-    if onednn_linear_available():
-        calls.clear()
-        monkeypatch.setattr(lm_head, "_MODE", "auto")
-        packed = PackedLinear(head)
-        for rows in (1, 2):
-            hidden = torch.randn(rows, 96)
-            torch.testing.assert_close(lm_head.project_to_vocab(packed, hidden, head.weight), head(hidden),
-                                       atol=1e-4, rtol=1e-5)
-        assert calls == ([1] if build.load() else [])
+        results["packed"] = lm_head.project_to_vocab(holder.head, hidden)
+        for got in results.values():
+            torch.testing.assert_close(got, head(hidden), atol=1e-4, rtol=1e-5)
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):

@@ -66,21 +66,20 @@ def test_dispatch_matches_hf_sparse_moe_block(model_type, tokens, dead, hf_exper
         torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=0)
 
 
-def test_onednn_packing_leaves_experts_and_int8_quantizes_them():
+def test_packing_leaves_experts_and_int8_quantizes_them():
     from tokenmill.models.moe import GroupedExperts
-    from tokenmill.models.onednn import onednn_linear_available, pack_linears
+    from tokenmill.models.packed_linear import pack_linears
     from tokenmill.models.quant import WeightOnlyInt8Linear, quantize_model
 
     config, block = _hf_block("mixtral")
     x = _hidden(32, (2,), block)
     with torch.inference_mode():
         expected = block(x[None])[0]
-    if onednn_linear_available():
-        packed = _ours(config, block)
-        assert pack_linears(packed) == 0  # router and stacked experts are not nn.Linear: left alone
-        assert isinstance(packed.experts, GroupedExperts)
-        with torch.inference_mode():
-            torch.testing.assert_close(packed(x), expected, atol=1e-5, rtol=0)
+    packed = _ours(config, block)
+    assert pack_linears(packed) == 0  # router and stacked experts are not nn.Linear: left alone
+    assert isinstance(packed.experts, GroupedExperts)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), expected, atol=1e-5, rtol=0)
     int8 = _ours(config, block)
     router_before = int8.gate.weight.detach().clone()
     quantize_model(int8, "int8")
@@ -174,7 +173,7 @@ def test_loaded_layers_match_hf_layers(moe_model_dirs, tmp_path, model_type, lay
     """Every layer's MLP (sparse with its shared expert, or dense) as loaded from either checkpoint
     layout equals transformers' on random hidden states, each routing path included."""
     from tokenmill.models.loader import load_model
-    from tokenmill.models.onednn import pack_linears
+    from tokenmill.models.packed_linear import pack_linears
 
     model_dir = moe_model_dirs[model_type]
     if layout == "fused":
@@ -186,7 +185,7 @@ def test_loaded_layers_match_hf_layers(moe_model_dirs, tmp_path, model_type, lay
         expected = [layer.mlp(x[None])[0] for layer in hf.model.layers]
         for ours_layer, want in zip(ours.layers, expected):
             torch.testing.assert_close(ours_layer.mlp(x), want, atol=1e-5, rtol=0)
-        split_experts(ours)  # the per-expert form (int8's), packed here to oneDNN as well
+        split_experts(ours)  # the per-expert form (int8's), its linears packed as well
         pack_linears(ours)
         for ours_layer, want in zip(ours.layers, expected):
             torch.testing.assert_close(ours_layer.mlp(x), want, atol=1e-5, rtol=0)

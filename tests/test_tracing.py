@@ -283,6 +283,6 @@ def test_engine_flags_rebuild_the_engine_config():
     from tokenmill.engine.config import EngineConfig
 
     config = EngineConfig(model="m", dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False,
-                          onednn_linear=False, compile=True, overlap_scheduling=True, max_num_seqs=7)
+                          packed_linear=False, compile=True, overlap_scheduling=True, max_num_seqs=7)
     args = build_parser().parse_args(["serve", "--model", "m", *engine_cli_args(config)])
     assert EngineConfig.from_cli_args(args) == config

@@ -75,7 +75,7 @@ class Feature:
 
 
 FEATURES = [
-    Feature("oneDNN linear (--onednn-linear)", {"onednn_linear": False}, {"onednn_linear": True}, "mixed"),
+    Feature("packed linear (--packed-linear)", {"packed_linear": False}, {"packed_linear": True}, "mixed"),
     Feature("prefix caching (--enable-prefix-caching)", {"enable_prefix_caching": False},
             {"enable_prefix_caching": True}, "shared-prefix"),
     Feature("result cache (--result-cache-size 256)", {"result_cache_size": 0}, {"result_cache_size": 256}, "repeat"),

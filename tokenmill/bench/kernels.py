@@ -6,11 +6,12 @@ machine's streaming read bandwidth and the library paths they replace.
   same with one small cache (L2/L3-resident: the kernel's compute rate), over bf16 and int8 caches
   (`--kv-cache-dtype`), and chunks of 64 prefill queries over their context; K/V read rate against
   `x.sum()` over a 1 GiB tensor (the streaming read rate here);
-- the vocabulary projection (`tokenmill::skinny_linear`) at 1-64 rows against oneDNN's packed
-  weight (what `--onednn-linear` packs the head into) and MKL's vocab-major GEMM, with 4 copies
-  of the weight in turn so that none is served from the last-level cache;
-- one decoder layer's GEMMs at 1-256 rows (a decode batch is its row count), oneDNN's packed
-  weights against MKL, in GFLOP/s.
+- the panel GEMM of `--packed-linear` (`tokenmill::packed_linear`) on the vocabulary projection at
+  1-64 rows, with 4 copies of the weight in turn so that none is served from the last-level cache,
+  and on one decoder layer's GEMMs at 1-256 rows (a decode batch is its row count; weights in
+  cache: the compute rate, in GFLOP/s), against oneDNN's packed weights (what bf16 layers, and
+  fp32 ones without tokenmill's kernels, run on) and MKL (a plain nn.Linear; vocab-major for the
+  head, the orientation a plain head uses).
 
 Each figure is the best of 7 timed repeats (a noisy VM slows repeats, it never speeds them up).
 """
@@ -33,6 +34,7 @@ from tokenmill.models.kv_quant import to_cache
 BLOCK_SIZE = 16
 PROJECTION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 LAYER_GEMM_ROWS = (1, 16, 64, 128, 256)
+GEMM_PATHS = ("panel kernel", "oneDNN packed", "MKL")
 
 
 def best_seconds(fn: Callable[[], Any], calls: int, repeats: int = 7) -> float:
@@ -86,11 +88,23 @@ def attention_case(name: str, heads: int, kv_heads: int, dim: int, contexts: np.
             "kv_mb": kv_bytes / 1e6, "sequences": len(contexts), "queries_per_sequence": queries}
 
 
+def gemm_paths(weights: list[torch.Tensor], vocab_major: bool = False) -> dict[str, Callable[[torch.Tensor, int], Any]]:
+    """(x, index) -> x @ weights[index]^T by each path, weights packed once up front."""
+    panels = [torch.ops.tokenmill.pack_linear_weight(w) for w in weights]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    mkl = (lambda x, i: torch.mm(weights[i], x.t())) if vocab_major else \
+        (lambda x, i: torch.nn.functional.linear(x, weights[i]))
+    return {
+        "panel kernel": lambda x, i: torch.ops.tokenmill.packed_linear(x, panels[i], None, weights[i].shape[0]),
+        "oneDNN packed": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
+        "MKL": mkl,
+    }
+
+
 def projection_cases(vocab: int, hidden: int) -> list[dict[str, Any]]:
-    """ms per vocabulary projection of 1-64 rows: streaming kernel, packed oneDNN, MKL vocab-major."""
+    """ms per vocabulary projection of 1-64 rows by each path, 4 weights in turn (from DRAM)."""
     gen = torch.Generator().manual_seed(1)
-    weights = [torch.randn(vocab, hidden, generator=gen) for _ in range(4)]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    paths = gemm_paths([torch.randn(vocab, hidden, generator=gen) for _ in range(4)], vocab_major=True)
     weight_bytes = vocab * hidden * 4
     results = []
     for rows in PROJECTION_ROWS:
@@ -101,39 +115,28 @@ def projection_cases(vocab: int, hidden: int) -> list[dict[str, Any]]:
             turn[0] += 1
             return turn[0] % 4
 
-        paths = {
-            "skinny kernel": lambda: torch.ops.tokenmill.skinny_linear(x, weights[next_index()]),
-            "oneDNN packed": lambda: torch.ops.mkldnn._linear_pointwise(x, packed[next_index()], None, "none", [], ""),
-            "MKL vocab-major": lambda: torch.mm(weights[next_index()], x.t()),
-        }
-        row = {"rows": rows}
-        for path, fn in paths.items():
-            row[path] = best_seconds(fn, calls=8) * 1e3
-        row["weight_gb_per_s_kernel"] = weight_bytes / row["skinny kernel"] / 1e6
+        row: dict[str, Any] = {"rows": rows}
+        for path, gemm in paths.items():
+            row[path] = best_seconds(lambda: gemm(x, next_index()), calls=8) * 1e3
+        row["weight_gb_per_s_kernel"] = weight_bytes / row["panel kernel"] / 1e6
         results.append(row)
     return results
 
 
 def layer_gemm_cases(hidden: int, intermediate: int, qkv_out: int, attn_out: int) -> list[dict[str, Any]]:
     """ms and GFLOP/s of one decoder layer's four GEMMs (fused qkv, o, fused gate/up, down) at
-    LAYER_GEMM_ROWS rows: oneDNN's packed weights (what `--onednn-linear` runs) and MKL's
-    `F.linear`. One layer's weights stay in the last-level cache: the compute rate, not DRAM's."""
+    LAYER_GEMM_ROWS rows by each path. One layer's weights stay in the last-level cache: the
+    compute rate, not DRAM's."""
     gen = torch.Generator().manual_seed(3)
     shapes = [(hidden, qkv_out), (attn_out, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
-    weights = [torch.randn(out, inp, generator=gen) for inp, out in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    paths = gemm_paths([torch.randn(out, inp, generator=gen) for inp, out in shapes])
     results = []
     for rows in LAYER_GEMM_ROWS:
         xs = [torch.randn(rows, inp, generator=gen) for inp, _ in shapes]
         flops = sum(2 * rows * inp * out for inp, out in shapes)
-        paths = {
-            "oneDNN packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                                      for x, w in zip(xs, packed)],
-            "MKL": lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, weights)],
-        }
         row: dict[str, Any] = {"rows": rows}
-        for path, fn in paths.items():
-            seconds = best_seconds(fn, calls=max(4, 256 // rows))
+        for path, gemm in paths.items():
+            seconds = best_seconds(lambda: [gemm(x, i) for i, x in enumerate(xs)], calls=max(4, 256 // rows))
             row[path] = {"ms": seconds * 1e3, "gflop_per_s": flops / seconds / 1e9}
         results.append(row)
     return results
@@ -171,14 +174,14 @@ def main(args: argparse.Namespace) -> int:
     tables = [f"streaming read (x.sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads",
               format_grid([["paged attention", "ms/call", "K/V MB", "K/V GB/s", "of read rate"], *rows],
                           f"paged attention, {args.batch} sequences, heads {heads}/{kv_heads}, head_dim {dim}"),
-              format_grid([["rows", "skinny kernel ms", "oneDNN packed ms", "MKL vocab-major ms", "kernel GB/s"],
-                           *[[str(p["rows"]), f"{p['skinny kernel']:.2f}", f"{p['oneDNN packed']:.2f}",
-                              f"{p['MKL vocab-major']:.2f}", f"{p['weight_gb_per_s_kernel']:.1f}"] for p in projection]],
+              format_grid([["rows", "panel kernel ms", "oneDNN packed ms", "MKL vocab-major ms", "kernel GB/s"],
+                           *[[str(p["rows"]), f"{p['panel kernel']:.2f}", f"{p['oneDNN packed']:.2f}",
+                              f"{p['MKL']:.2f}", f"{p['weight_gb_per_s_kernel']:.1f}"] for p in projection]],
                           f"vocabulary projection, {config.vocab_size} x {config.hidden_size} fp32"),
-              format_grid([["rows", "oneDNN packed ms", "GFLOP/s", "MKL ms", "GFLOP/s"],
-                           *[[str(g["rows"]), f"{g['oneDNN packed']['ms']:.3f}",
-                              f"{g['oneDNN packed']['gflop_per_s']:.0f}", f"{g['MKL']['ms']:.3f}",
-                              f"{g['MKL']['gflop_per_s']:.0f}"] for g in gemms]],
+              format_grid([["rows", *[f"{path} {unit}" for path in GEMM_PATHS for unit in ("ms", "GFLOP/s")]],
+                           *[[str(g["rows"]), *[f"{g[path][key]:{fmt}}" for path in GEMM_PATHS
+                                                for key, fmt in (("ms", ".3f"), ("gflop_per_s", ".0f"))]]
+                             for g in gemms]],
                           "one decoder layer's GEMMs (qkv, o, gate/up, down), fp32, weights in cache")]
     return print_report(args, "\n\n".join(tables), {"read_bandwidth_gb_per_s": bandwidth / 1e9,
                                                     "attention": attention, "vocab_projection": projection,

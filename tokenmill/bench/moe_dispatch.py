@@ -3,7 +3,7 @@ same routed tokens (batch-1 and batch-64 decode, a 512-token prefill by default)
 
 Each way is the product code of tokenmill.models.moe: the stacked weights through `grouped_mm`
 (fp32 default), a loop over the experts that received tokens on plain (MKL) linears, the same loop
-on oneDNN-packed linears (PackedLinear) and on torch.ao int8 linears (`--quantization int8`).
+on packed linears (--packed-linear: tokenmill's fp32 panel GEMM or oneDNN) and on torch.ao int8 linears (`--quantization int8`).
 Every way is checked against the first before it is timed (fp32: within 1e-4; int8: reported).
 """
 
@@ -45,7 +45,7 @@ def _layer(hidden: int, intermediate: int, experts: int, top_k: int, seed: int):
 def _variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """(name, layer) for each way, all with the same weights."""
     from tokenmill.models.moe import split_experts
-    from tokenmill.models.onednn import onednn_linear_available, pack_linears
+    from tokenmill.models.packed_linear import pack_linears
     from tokenmill.models.quant import quantize_model
 
     def make():
@@ -55,11 +55,10 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
     loop = make()
     split_experts(loop)
     variants = [("grouped_mm", grouped), ("loop, MKL linears", loop)]
-    if onednn_linear_available():
-        packed = make()
-        split_experts(packed)  # (--onednn-linear itself leaves experts on grouped_mm: see moe.py)
-        pack_linears(packed)
-        variants.append(("loop, oneDNN packed", packed))
+    packed = make()
+    split_experts(packed)  # (--packed-linear itself leaves experts on grouped_mm: see moe.py)
+    if pack_linears(packed):
+        variants.append(("loop, packed linears", packed))
     int8 = make()
     quantize_model(int8, "int8")
     variants.append(("loop, int8 (torch.ao)", int8))

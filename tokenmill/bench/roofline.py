@@ -87,7 +87,7 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
         if t.numel() == 0:
             continue
         seen.setdefault(t.data_ptr(), t.numel() * t.element_size())
-    # Weights that are neither parameters nor buffers: oneDNN-packed copies (PackedLinear) and
+    # Weights that are neither parameters nor buffers: packed copies (PackedLinear) and
     # torch.ao dynamic-int8 packed params. All of them are linear weights, streamed every step.
     opaque = 0
     for module in model.modules():

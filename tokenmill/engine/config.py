@@ -40,9 +40,11 @@ class EngineConfig:
     result_cache_size: int = option(
         0, "answer repeats of identical greedy or seeded requests from an LRU of the last N finished "
         "completions, without running the model (default: 0 = off)", metavar="N")
-    onednn_linear: bool = option(
-        True, "CPU only: run the linear layers on oneDNN with weights pre-packed at load (fp32/bf16; measured "
-        "2.5x the default MKL GEMMs on AMD CPUs). Ignored with --quantization, --compile and on GPU")
+    packed_linear: bool = option(
+        True, "CPU only: pack the linear layers' weights once at load: fp32 on tokenmill's panel GEMM kernel "
+        "(1.2-1.6x oneDNN's packed fp32, which is itself ~1.5x MKL's default path on AMD CPUs), bf16 on oneDNN "
+        "(AMX / AVX512-BF16). Ignored with --quantization, --compile and on GPU (--onednn-linear: old name)",
+        aliases=("--onednn-linear",))
     compile: bool = option(
         False, "torch.compile the dense parts of the model step (dynamic token count; attention stays eager)")
     cuda_graphs: bool = option(

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from tokenmill.engine.config import EngineConfig, parse_memory
 from tokenmill.engine.kv_cache import bytes_per_block
 from tokenmill.models.loader import load_model, load_spec, resolve_architecture
-from tokenmill.models.onednn import onednn_linear_available, pack_linears
+from tokenmill.models.packed_linear import pack_linears
 from tokenmill.models.parallel import TPInfo, check_shardable
 from tokenmill.models.quant import quantize_model
 from tokenmill.models.registry import NATIVE
@@ -58,15 +58,12 @@ def load_prepared_model(config: EngineConfig, model_dir: Path, dtype: torch.dtyp
 
 
 def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
-    """Quantize, pack for oneDNN or compile the loaded model, as the config asks (every TP rank alike)."""
+    """Quantize, pack or compile the loaded model, as the config asks (every TP rank alike)."""
     if config.quantization:
         quantize_model(model, config.quantization)
-    elif config.onednn_linear and device.type == "cpu" and not config.compile:
-        # (inductor cannot lower oneDNN ops on packed weights it did not pack itself)
-        if onednn_linear_available():
-            pack_linears(model)
-        else:
-            logger.warning("--onednn-linear: this torch build has no oneDNN linear; using the default GEMMs")
+    elif config.packed_linear and device.type == "cpu" and not config.compile:
+        # (inductor cannot lower ops on weights it did not pack itself)
+        pack_linears(model)
     if config.compile:
         # The dense parts of the step (attention stays eager); the token count is dynamic.
         logger.info("compiling the model step with torch.compile (first steps are slow)")

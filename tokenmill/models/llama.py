@@ -185,8 +185,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        tied = self.embed_tokens.weight if self.spec.tie_word_embeddings else None
-        logits = project_to_vocab(self.lm_head, hidden, tied)
+        logits = project_to_vocab(self.lm_head, hidden)
         if self.spec.final_softcap is not None:
             logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
         return logits

@@ -1,0 +1,121 @@
+"""Linear layers with their weights packed once at load, for CPU inference (`--packed-linear`).
+
+PyTorch runs a CPU `nn.Linear` through MKL's sgemm, which on this project's AMD CPUs takes a slow
+code path (~2/3 of oneDNN's rate on decode-batch shapes and half the memory bandwidth at one row).
+Two packings replace it, chosen by the weight's dtype:
+
+- fp32 (`PanelLinear`): tokenmill's panel GEMM (kernels/csrc/packed_linear.cpp): the weight in
+  panels of 16 (AVX2) or 32 (AVX-512) output columns, k-major, which one row streams at memory
+  speed and many rows multiply from registers. Against oneDNN's packed fp32 weights on SmolLM2's
+  layer shapes (`tokenmill bench kernels`): 1.3-1.6x at 1-4 rows, 1.2-1.4x at 64, 1.1-1.3x at 256+.
+- bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinear`): oneDNN with the weight
+  reordered into its blocked layout (AMX / AVX512-BF16 on CPUs that have them).
+
+Either way the math stays in the weight's dtype with fp32 accumulation; only the blocking and the
+order of the sums differ, like any other BLAS. MoE expert weights are not nn.Linear modules and
+stay stacked on `grouped_mm` (see moe.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from tokenmill.kernels import build
+
+logger = logging.getLogger(__name__)
+
+# oneDNN's reorder takes a typical row count; 64 (a decode batch) was as fast as a matching hint for
+# 8 to 1024 rows, while a hint of 1 halved the speed of batches.
+_BATCH_HINT = 64
+
+
+def padded_rows(rows: int) -> int:
+    """Row counts rounded up to a few buckets. oneDNN builds (JIT-compiles) a primitive for every
+    new input shape; a step's token count takes hundreds of values, and building a primitive per
+    step per layer type cost more than the padding does (<= 1/8 extra rows at worst)."""
+    if rows <= 8:
+        return rows
+    step = 8 if rows <= 64 else 32 if rows <= 256 else 128
+    return -(-rows // step) * step
+
+
+def onednn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W packed at load (a plain tensor, not a Parameter: inference only)."""
+
+    def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = packed_weight
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:  # e.g. [1, T, in] from HF modules (the generic path): rows are rows
+            return self.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        return self.forward_rows(x)
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PanelLinear(PackedLinear):
+    """fp32, on tokenmill's panel GEMM: any row count, and a row's result does not depend on the
+    other rows of its step."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear, torch.ops.tokenmill.pack_linear_weight(linear.weight.detach()))
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tokenmill.packed_linear(x, self.packed_weight, self.bias, self.out_features)
+
+
+class OneDnnLinear(PackedLinear):
+    """fp32 or bf16, W held as an opaque oneDNN tensor."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear, torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _BATCH_HINT))
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:rows]
+
+
+def packing_for(weight: torch.Tensor) -> type[PackedLinear] | None:
+    """The packed layer a CPU weight of this dtype gets, or None (it keeps the default GEMMs)."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32 and build.load():
+        return PanelLinear
+    # oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on AVX2-only CPUs it raises.
+    onednn_dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    if weight.dtype in onednn_dtypes and onednn_linear_available():
+        return OneDnnLinear
+    return None
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every plain nn.Linear of a CPU fp32/bf16 model by its packed layer (see the module
+    docstring; other dtypes and CPUs keep the default GEMMs); returns how many."""
+    counts: dict[str, int] = {}
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            packed = packing_for(child.weight)
+            if packed is not None:
+                setattr(module, name, packed(child))
+                counts[packed.__name__] = counts.get(packed.__name__, 0) + 1
+    logger.info("packed linear layers: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
+    return sum(counts.values())
