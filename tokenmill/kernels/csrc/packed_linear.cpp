@@ -134,6 +134,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("linear_panel_width() -> int", []() -> int64_t { return kPanel; });  // no tensor: every backend
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
 
