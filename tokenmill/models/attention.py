@@ -141,6 +141,14 @@ def paged_attention(
             ks, vs = from_cache(k_cache[slots], q.dtype), from_cache(v_cache[slots], q.dtype)
         o = _attend(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
+    if meta.decode_groups:
+        _attend_decode_groups(q, k_cache, v_cache, out, meta, scale, window, softcap)
+    return out.flatten(1)
+
+
+def _attend_decode_groups(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                          meta: AttentionMetadata, scale: float, window: int | None, softcap: float | None) -> None:
+    """Decodes without the CPU kernel: whole blocks gathered into a padded batch for SDPA."""
     k_blocks = k_cache.view(-1, meta.block_size, *k_cache.shape[1:])
     v_blocks = v_cache.view(-1, meta.block_size, *v_cache.shape[1:])
     for group in meta.decode_groups:
@@ -156,4 +164,3 @@ def paged_attention(
             mask = mask & (torch.arange(ctx, device=q.device) >= ctx_lens - window)
         o = _attend(qd, kd, vd, mask, scale, softcap)
         out[start:end] = o.squeeze(2)
-    return out.flatten(1)
