@@ -7,7 +7,8 @@ Two packings replace it, chosen by the weight's dtype:
 - fp32 (`PanelLinear`): tokenmill's panel GEMM (kernels/csrc/packed_linear.cpp): the weight in
   panels of 16 (AVX2) or 32 (AVX-512) output columns, k-major, which one row streams at memory
   speed and many rows multiply from registers. Against oneDNN's packed fp32 weights on SmolLM2's
-  layer shapes (`tokenmill bench kernels`): 1.3-1.6x at 1-4 rows, 1.2-1.4x at 64, 1.1-1.3x at 256+.
+  layer shapes (`tokenmill bench kernels`, AMD Zen3): 1.4-1.6x at 1-16 rows, 1.2-1.4x at 64, 1.1-1.2x
+  at 128-256.
 - bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinear`): oneDNN with the weight
   reordered into its blocked layout (AMX / AVX512-BF16 on CPUs that have them).
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import build
+from tokenmill.kernels.cpu_caps import detect
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +108,8 @@ def packing_for(weight: torch.Tensor) -> type[PackedLinear] | None:
     """The packed layer a CPU weight of this dtype gets, or None (it keeps the default GEMMs)."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.float32 and build.load():
-        return PanelLinear
+    if weight.dtype == torch.float32 and build.load() and detect().vector_isa != "generic":
+        return PanelLinear  # (a generic build is scalar code; oneDNN picks vector code at run time)
     # oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on AVX2-only CPUs it raises.
     onednn_dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
     if weight.dtype in onednn_dtypes and onednn_linear_available():

@@ -20,9 +20,6 @@
 #include <algorithm>
 #include <cstdint>
 
-#ifndef KSTEPS_SMALL_R
-#define KSTEPS_SMALL_R 1
-#endif
 namespace {
 
 using namespace tokenmill;
