@@ -42,7 +42,7 @@ class EngineConfig:
         "completions, without running the model (default: 0 = off)", metavar="N")
     packed_linear: bool = option(
         True, "CPU only: pack the linear layers' weights once at load: fp32 on tokenmill's panel GEMM kernel "
-        "(1.2-1.6x oneDNN's packed fp32, which is itself ~1.5x MKL's default path on AMD CPUs), bf16 on oneDNN "
+        "(1.05-1.8x oneDNN's packed fp32, which is itself up to 1.4x MKL's default path on AMD CPUs), bf16 on oneDNN "
         "(AMX / AVX512-BF16). Ignored with --quantization, --compile and on GPU (--onednn-linear: old name)",
         aliases=("--onednn-linear",))
     compile: bool = option(

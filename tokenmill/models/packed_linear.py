@@ -1,14 +1,14 @@
 """Linear layers with their weights packed once at load, for CPU inference (`--packed-linear`).
 
 PyTorch runs a CPU `nn.Linear` through MKL's sgemm, which on this project's AMD CPUs takes a slow
-code path (~2/3 of oneDNN's rate on decode-batch shapes and half the memory bandwidth at one row).
+code path (0.7-0.8x oneDNN's rate on decode-batch shapes, ~0.7x at one row).
 Two packings replace it, chosen by the weight's dtype:
 
 - fp32 (`PanelLinear`): tokenmill's panel GEMM (kernels/csrc/packed_linear.cpp): the weight in
   panels of 16 (AVX2) or 32 (AVX-512) output columns, k-major, which one row streams at memory
   speed and many rows multiply from registers. Against oneDNN's packed fp32 weights on SmolLM2's
-  layer shapes (`tokenmill bench kernels`, AMD Zen3): 1.4-1.6x at 1-16 rows, 1.2-1.4x at 64, 1.1-1.2x
-  at 128-256.
+  layer shapes (`tokenmill bench kernels`, AMD Zen3): 1.4-1.8x at one row, 1.3-1.5x at 16, ~1.3x at
+  64, 1.05-1.3x at 128-256.
 - bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinear`): oneDNN with the weight
   reordered into its blocked layout (AMX / AVX512-BF16 on CPUs that have them).
 

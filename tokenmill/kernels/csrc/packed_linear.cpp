@@ -108,7 +108,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t block_rows = std::max<int64_t>(kTileM, kBlockBytes / (k * 4) / kTileM * kTileM);
+  // Blocks of about equal rows: a last block of a few rows would stream every panel again for them.
+  const int64_t max_rows = std::max<int64_t>(kTileM, kBlockBytes / (k * 4) / kTileM * kTileM);
+  const int64_t blocks = (m + max_rows - 1) / max_rows;
+  const int64_t block_rows = ((m + blocks - 1) / blocks + kTileM - 1) / kTileM * kTileM;
   // Threads take contiguous stretches of panels: at decode sizes each streams its part of W once.
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
