@@ -3,7 +3,8 @@ same routed tokens (batch-1 and batch-64 decode, a 512-token prefill by default)
 
 Each way is the product code of tokenmill.models.moe: the stacked weights through `grouped_mm`
 (fp32 default), a loop over the experts that received tokens on plain (MKL) linears, the same loop
-on packed linears (--packed-linear: tokenmill's fp32 panel GEMM or oneDNN) and on torch.ao int8 linears (`--quantization int8`).
+on packed linears (`--packed-linear`: tokenmill's fp32 panel GEMM, or oneDNN) and on torch.ao int8
+linears (`--quantization int8`).
 Every way is checked against the first before it is timed (fp32: within 1e-4; int8: reported).
 """
 

@@ -25,7 +25,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def fused_elementwise(x: torch.Tensor) -> bool:
     """Whether per-op work on `x` should run as tokenmill's fp32 CPU kernels (fused RMSNorm, SiLU*up,
-    RoPE): fp32 on CPU with the kernels built, and not while
-    torch.compile traces (it fuses itself, and the ops have no fake implementations)."""
+    RoPE): fp32 on CPU with the kernels built, and not while torch.compile traces (it fuses itself,
+    and the ops have no fake implementations)."""
     return x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_compiling() and load()
 

@@ -19,6 +19,7 @@ stay stacked on `grouped_mm` (see moe.py).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 
@@ -141,17 +142,12 @@ def pack_linears(model: nn.Module) -> int:
     targets = [(module, name, child, packing_for(child.weight)) for module in list(model.modules())
                for name, child in list(module.named_children()) if type(child) is nn.Linear]
     targets = [t for t in targets if t[3] is not None]
-    sizes = [-(-PanelLinear.panel_numel(child) // _ALIGN) * _ALIGN if kind is PanelLinear else 0
-             for _, _, child, kind in targets]
-    buffer = huge_page_buffer(sum(sizes)) if sum(sizes) else None
-    offset = 0
+    numels = [PanelLinear.panel_numel(child) if kind is PanelLinear else 0 for _, _, child, kind in targets]
+    starts = list(itertools.accumulate((-(-n // _ALIGN) * _ALIGN for n in numels), initial=0))
+    buffer = huge_page_buffer(starts[-1]) if starts[-1] else None
     counts: dict[str, int] = {}
-    for (module, name, child, kind), size in zip(targets, sizes):
-        if kind is PanelLinear:
-            packed = PanelLinear(child, buffer[offset : offset + PanelLinear.panel_numel(child)])
-            offset += size
-        else:
-            packed = kind(child)
+    for (module, name, child, kind), numel, start in zip(targets, numels, starts):
+        packed = PanelLinear(child, buffer[start : start + numel]) if kind is PanelLinear else kind(child)
         setattr(module, name, packed)
         counts[kind.__name__] = counts.get(kind.__name__, 0) + 1
     logger.info("packed linear layers: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
