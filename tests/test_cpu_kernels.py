@@ -324,6 +324,28 @@ def test_pack_linears_picks_the_panel_kernel_for_fp32(monkeypatch, kernels):
         torch.testing.assert_close(model(x[0]), expected[0], atol=1e-4, rtol=1e-5)
 
 
+def test_tied_embedding_reads_the_packed_head():
+    """An embedding tied to a panel-packed head looks rows up in the head's panels (every panel
+    position, the partial last panel, any id shape) and drops its own copy; untied ones stay."""
+    from tokenmill.models.packed_linear import PanelEmbedding, pack_linears
+
+    if not build.load():
+        pytest.skip("kernels off")
+    model = torch.nn.Module()
+    model.embed, model.untied = torch.nn.Embedding(1003, 72, padding_idx=0), torch.nn.Embedding(1003, 72)
+    model.head = torch.nn.Linear(72, 1003, bias=False)
+    model.head.weight = model.embed.weight
+    table = model.embed.weight.detach().clone()
+    with torch.inference_mode():
+        pack_linears(model)
+        assert isinstance(model.embed, PanelEmbedding) and type(model.untied) is torch.nn.Embedding
+        assert [name for name, _ in model.named_parameters()] == ["untied.weight"]
+        ids = torch.tensor([[0, 1, 15, 16, 17, 31, 32, 1000, 1002], [5, 6, 7, 8, 9, 10, 11, 12, 13]])
+        assert torch.equal(model.embed(ids), table[ids])
+        assert torch.equal(model.embed(ids[0, 3]), table[ids[0, 3]])
+        assert model.embed.panels.data_ptr() == model.head.packed_weight.data_ptr()  # one copy
+
+
 def test_vocab_projection_paths_agree(monkeypatch):
     """A plain CPU head (vocab-major product or nn.Linear) and a packed one give the same logits."""
     from tokenmill.models import lm_head

@@ -29,8 +29,15 @@ def test_int8_weights_agree_with_fp32_mostly(tiny_model_dir):
     fp32 = _tokens(LLM(str(tiny_model_dir), progress=False, kv_cache_memory="32MiB"), prompts)
     q = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="32MiB", quantization="int8")
     int8 = _tokens(q, prompts)
-    # Every linear layer is int8 but the lm_head (and the embeddings), kept in the model dtype.
-    assert [n for n, m in q.engine.model.named_modules() if type(m) is torch.nn.Linear] == ["lm_head"]
+    # Every linear layer is int8 but the lm_head (and the embeddings), kept in the model dtype and
+    # packed like the layers of an unquantized model (--packed-linear).
+    from tokenmill.models.packed_linear import PackedLinear
+    from tokenmill.models.quant import WeightOnlyInt8Linear
+
+    modules = dict(q.engine.model.named_modules())
+    assert not any(type(m) is torch.nn.Linear for m in modules.values())
+    assert isinstance(modules["lm_head"], PackedLinear)
+    assert all(isinstance(m, (WeightOnlyInt8Linear, PackedLinear)) for n, m in modules.items() if n.endswith("_proj"))
     first_token_agreement = sum(a[0] == b[0] for a, b in zip(fp32, int8)) / len(prompts)
     assert first_token_agreement >= 0.75, first_token_agreement
 

@@ -43,7 +43,8 @@ class EngineConfig:
     packed_linear: bool = option(
         True, "CPU only: pack the linear layers' weights once at load: fp32 on tokenmill's panel GEMM kernel "
         "(1.05-1.8x oneDNN's packed fp32, which is itself up to 1.4x MKL's default path on AMD CPUs), bf16 on oneDNN "
-        "(AMX / AVX512-BF16). Ignored with --quantization, --compile and on GPU (--onednn-linear: old name)",
+        "(AMX / AVX512-BF16); with --quantization, the layers it keeps in float (the lm_head). Ignored with "
+        "--compile and on GPU (--onednn-linear: old name)",
         aliases=("--onednn-linear",))
     compile: bool = option(
         False, "torch.compile the dense parts of the model step (dynamic token count; attention stays eager)")

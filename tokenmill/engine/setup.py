@@ -61,8 +61,9 @@ def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.de
     """Quantize, pack or compile the loaded model, as the config asks (every TP rank alike)."""
     if config.quantization:
         quantize_model(model, config.quantization)
-    elif config.packed_linear and device.type == "cpu" and not config.compile:
-        # (inductor cannot lower ops on weights it did not pack itself)
+    if config.packed_linear and device.type == "cpu" and not config.compile:
+        # After quantization: the layers it keeps in float (the lm_head). (Not under --compile:
+        # inductor cannot lower ops on weights it did not pack itself.)
         pack_linears(model)
     if config.compile:
         # The dense parts of the step (attention stays eager); the token count is dynamic.

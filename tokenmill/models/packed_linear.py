@@ -91,6 +91,26 @@ class PanelLinear(PackedLinear):
         return torch.ops.tokenmill.packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
 
+class PanelEmbedding(nn.Module):
+    """The token embedding of a model whose lm_head shares (ties) its matrix, read from the head's
+    panel-packed copy: row v of the matrix is column v % width of panel v // width. One copy of the
+    vocabulary matrix instead of two (SmolLM2: 113 MB at fp32); a lookup reads one strided row per
+    token, nothing next to the head's full pass over the matrix every step."""
+
+    def __init__(self, embedding: nn.Embedding, head: PanelLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.panels = head.packed_weight  # [panels, dim, width] (not `packed_weight`: counted once, at the head)
+        self.width = self.panels.shape[-1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self.panels[flat // self.width, :, flat % self.width].view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, read from the packed lm_head"
+
+
 class OneDnnLinear(PackedLinear):
     """fp32 or bf16, W held as an opaque oneDNN tensor."""
 
@@ -138,7 +158,8 @@ _ALIGN = 16
 def pack_linears(model: nn.Module) -> int:
     """Replace every plain nn.Linear of a CPU fp32/bf16 model by its packed layer (see the module
     docstring; other dtypes and CPUs keep the default GEMMs); returns how many. The panel-packed
-    weights share one huge-page buffer."""
+    weights share one huge-page buffer, and an embedding tied to a panel-packed layer reads it
+    (PanelEmbedding) instead of keeping its own copy."""
     targets = [(module, name, child, packing_for(child.weight)) for module in list(model.modules())
                for name, child in list(module.named_children()) if type(child) is nn.Linear]
     targets = [t for t in targets if t[3] is not None]
@@ -146,9 +167,24 @@ def pack_linears(model: nn.Module) -> int:
     starts = list(itertools.accumulate((-(-n // _ALIGN) * _ALIGN for n in numels), initial=0))
     buffer = huge_page_buffer(starts[-1]) if starts[-1] else None
     counts: dict[str, int] = {}
+    panel_of_weight: dict[int, PanelLinear] = {}
     for (module, name, child, kind), numel, start in zip(targets, numels, starts):
         packed = PanelLinear(child, buffer[start : start + numel]) if kind is PanelLinear else kind(child)
+        if isinstance(packed, PanelLinear) and packed.bias is None:
+            panel_of_weight[id(child.weight)] = packed
         setattr(module, name, packed)
         counts[kind.__name__] = counts.get(kind.__name__, 0) + 1
-    logger.info("packed linear layers: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
+    _read_tied_embeddings_from(panel_of_weight, model, counts)
+    logger.info("packed layers: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
     return len(targets)
+
+
+def _read_tied_embeddings_from(panel_of_weight: dict[int, PanelLinear], model: nn.Module, counts: dict[str, int]) -> None:
+    """Point every nn.Embedding whose weight a panel-packed layer shares at that layer's panels (the
+    weight itself is then dropped with the embedding)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            head = panel_of_weight.get(id(child.weight)) if type(child) is nn.Embedding else None
+            if head is not None and child.max_norm is None:
+                setattr(module, name, PanelEmbedding(child, head))
+                counts["PanelEmbedding"] = counts.get("PanelEmbedding", 0) + 1
