@@ -46,6 +46,9 @@ class EngineConfig:
         "(AMX / AVX512-BF16); with --quantization, the layers it keeps in float (the lm_head). Ignored with "
         "--compile and on GPU (--onednn-linear: old name)",
         aliases=("--onednn-linear",))
+    fused_layers: bool = option(
+        True, "CPU fp32 with --packed-linear: run each Llama-shaped decoder layer of a decode step as one C++ call "
+        "(the same kernels in the same order, without the Python between them: bit-identical results)")
     compile: bool = option(
         False, "torch.compile the dense parts of the model step (dynamic token count; attention stays eager)")
     cuda_graphs: bool = option(

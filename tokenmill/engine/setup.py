@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from tokenmill.engine.config import EngineConfig, parse_memory
 from tokenmill.engine.kv_cache import bytes_per_block
+from tokenmill.models.fused_layer import fuse_decoder_layers
 from tokenmill.models.loader import load_model, load_spec, resolve_architecture
 from tokenmill.models.packed_linear import pack_linears
 from tokenmill.models.parallel import TPInfo, check_shardable
@@ -65,6 +66,8 @@ def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.de
         # After quantization: the layers it keeps in float (the lm_head). (Not under --compile:
         # inductor cannot lower ops on weights it did not pack itself.)
         pack_linears(model)
+        if config.fused_layers:  # (layers on PanelLinear only: nothing without tokenmill's kernels)
+            fuse_decoder_layers(model)
     if config.compile:
         # The dense parts of the step (attention stays eager); the token count is dynamic.
         logger.info("compiling the model step with torch.compile (first steps are slow)")

@@ -65,6 +65,11 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     paged: PagedQueries | None = None  # queries for the fused CPU kernel (tokenmill.kernels)
 
+    @property
+    def paged_only(self) -> bool:
+        """Whether every query of the step is attended by the fused CPU kernel."""
+        return self.paged is not None and not self.prefills and not self.decode_groups
+
 
 def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
     """True where a key is within the sliding window of a query, as HF masks it: q - k < window."""

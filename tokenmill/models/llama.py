@@ -130,8 +130,11 @@ class LlamaLayer(nn.Module):
         self.self_attn = self.attention_class(spec, layer_idx, tp)
         self.post_attention_layernorm = self.norm_class(spec.hidden_size, spec.norm_eps)
         self.mlp = self.mlp_class(spec, tp)
+        self.fused = None  # the layer as one C++ call (tokenmill.models.fused_layer), where it applies
 
     def forward(self, x, cos, sin, kv, meta):
+        if self.fused is not None and self.fused.applies(self, kv, meta):
+            return self.fused(x, cos, sin, kv, meta)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -10,14 +10,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vec_utils.h"
 
 #include <cmath>
 #include <cstdint>
 
+namespace tokenmill {
 namespace {
 
-using namespace tokenmill;
 
 // Rows of this many elements or more are worth a thread each.
 constexpr int64_t kMinWorkPerThread = 1 << 15;
@@ -27,6 +28,8 @@ inline int64_t grain(int64_t work_per_item) { return std::max<int64_t>(1, kMinWo
 void check_float(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, what, ": float32 CPU tensors only");
 }
+
+}  // namespace
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of a contiguous x.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -133,7 +136,7 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
   rope_one(k, cos.data_ptr<float>(), sin.data_ptr<float>(), rotary);
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -142,7 +145,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("silu_mul", &silu_mul);
-  m.impl("rope_", &rope_);
+  m.impl("rms_norm", &tokenmill::rms_norm);
+  m.impl("silu_mul", &tokenmill::silu_mul);
+  m.impl("rope_", &tokenmill::rope_);
 }

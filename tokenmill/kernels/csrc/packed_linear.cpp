@@ -15,14 +15,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vec_utils.h"
 
 #include <algorithm>
 #include <cstdint>
 
+namespace tokenmill {
 namespace {
 
-using namespace tokenmill;
 
 // Output columns per panel: two vectors, so a row of the register tile is two accumulators.
 constexpr int64_t kPanel = 2 * kVec;
@@ -75,6 +76,8 @@ inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t 
     for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = row[c] + (bias != nullptr ? bias[c] : 0.f);
   }
 }
+
+}  // namespace
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 2,
@@ -130,15 +133,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return out;
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("linear_panel_width() -> int", []() -> int64_t { return kPanel; });  // no tensor: every backend
+  m.def("linear_panel_width() -> int", []() -> int64_t { return tokenmill::kPanel; });  // no tensor: every backend
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("pack_linear_weight", &pack_linear_weight);
-  m.impl("packed_linear", &packed_linear);
+  m.impl("pack_linear_weight", &tokenmill::pack_linear_weight);
+  m.impl("packed_linear", &tokenmill::packed_linear);
 }

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vec_utils.h"
 
 #include <algorithm>
@@ -33,9 +34,9 @@
 #include <limits>
 #include <vector>
 
+namespace tokenmill {
 namespace {
 
-using namespace tokenmill;
 
 // Queries handled per work item: one decode, or up to this many rows of a prefill chunk.
 constexpr int64_t kQueryTile = 8;
@@ -314,6 +315,8 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
                 "query_start, query_lens, context_lens: int32 [seqs]");
 }
 
+}  // namespace
+
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
                      const at::Tensor& query_start, const at::Tensor& query_lens, const at::Tensor& block_tables,
                      const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
@@ -383,7 +386,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   }
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor query_start, "
@@ -391,5 +394,5 @@ TORCH_LIBRARY(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention", &tokenmill::paged_attention);
 }

@@ -1,0 +1,81 @@
+"""The one-call decoder layer (`--fused-layers`, tokenmill.models.fused_layer): bit-identical to
+the Python layer it replaces, used where it applies, standing aside where it does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import mixed_prompts, run_staggered
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import build
+from tokenmill.models.fused_layer import FusedLayer
+
+pytestmark = pytest.mark.skipif(not build.load(), reason="tokenmill's CPU kernels are not built here")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    """Counts the fused layer calls (one entry per call, the step's token count)."""
+    calls: list[int] = []
+    original = FusedLayer.__call__
+
+    def counting(self, x, *args):
+        calls.append(x.shape[0])
+        return original(self, x, *args)
+
+    monkeypatch.setattr(FusedLayer, "__call__", counting)
+    return calls
+
+
+def _engine(model_dir, **args) -> LLM:
+    return LLM(str(model_dir), progress=False, kv_cache_memory="32MiB", max_num_batched_tokens=32, **args)
+
+
+@pytest.mark.parametrize("model", ["sharp_tiny_model_dir", "tiny_qwen2_dir", "tiny_mistral_dir"])
+def test_fused_layers_are_bit_identical_to_the_python_layers(model, request, fused_calls):
+    """Llama, Qwen2 (qkv bias) and Mistral (sliding window, prompts past it): the same tokens and
+    the same logprobs to the last bit, batches joining mid-decode, chunked prefill (chunks with
+    cached context take the fused path too)."""
+    model_dir = request.getfixturevalue(model)
+    prompts = mixed_prompts(6, 1, 70, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
+    fused, plain = _engine(model_dir), _engine(model_dir, fused_layers=False)
+    layers = fused.engine.model.layers
+    assert all(layer.fused is not None for layer in layers)
+    assert all(layer.fused is None for layer in plain.engine.model.layers)
+    outs = {}
+    for name, llm in (("fused", fused), ("plain", plain)):
+        outs[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    assert outs["fused"] == outs["plain"]
+    assert len(fused_calls) >= len(layers) * params.max_tokens  # decode steps (and context chunks) ran fused
+    assert max(fused_calls) > 1  # batched steps too
+    staggered = SamplingParams(temperature=0.0, max_tokens=8)
+    assert run_staggered(fused, prompts, staggered) == run_staggered(plain, prompts, staggered)
+
+
+def test_fused_layers_stand_aside_where_they_do_not_apply(sharp_tiny_model_dir, fused_calls):
+    """An int8 KV cache (quantized in Python), --fused-layers off and projections LoRA wrapped after
+    loading take the Python layer; so does a first prefill chunk (SDPA)."""
+    prompt = mixed_prompts(1, 20, 20, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    _engine(sharp_tiny_model_dir, kv_cache_dtype="int8").generate(prompt, params)
+    _engine(sharp_tiny_model_dir, fused_layers=False).generate(prompt, params)
+    lora = _engine(sharp_tiny_model_dir, enable_lora=True, max_loras=1)
+    assert type(lora.engine.model.layers[0].self_attn.qkv_proj).__name__ == "LoRALinear"
+    lora.generate(prompt, params)
+    assert fused_calls == []
+    llm = _engine(sharp_tiny_model_dir)
+    llm.generate(prompt, params)
+    layers = len(llm.engine.model.layers)
+    assert fused_calls == [1] * layers * (params.max_tokens - 1)  # the decodes; not the 20-token first chunk
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma"])
+def test_only_llama_shaped_layers_fuse(family, tmp_path, default_model_dir):
+    """Qwen3's q/k norms and Gemma's (1 + w) norms and GELU keep the Python layer."""
+    from tests.conftest import save_random_model
+    from tests.test_native_families import CONFIGS
+
+    model_dir = save_random_model(CONFIGS[family](), default_model_dir, tmp_path, seed=3)
+    llm = _engine(model_dir)
+    assert all(layer.fused is None for layer in llm.engine.model.layers)
