@@ -222,7 +222,7 @@ def test_every_isa_variant_compiles(isa):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 40])  # direct up to 4 rows, tiles up to 15, GEMM from 16
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 40, 700])  # direct up to 4 rows, widened panels, 2 blocks
 @pytest.mark.parametrize(("in_features", "out_features"), [(64, 40), (96, 7), (100, 33)])  # 100: one group per row
 def test_int8_linear_matches_its_dequantized_weight(rows, in_features, out_features):
     from tokenmill.models.quant import WeightOnlyInt8Linear
@@ -232,24 +232,45 @@ def test_int8_linear_matches_its_dequantized_weight(rows, in_features, out_featu
     with torch.no_grad():
         linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
     kernel, fallback = WeightOnlyInt8Linear(linear, use_cpu_kernel=True), WeightOnlyInt8Linear(linear, False)
+    assert torch.equal(kernel.dequantized(torch.float32), fallback.dequantized(torch.float32))  # packing is lossless
     x = torch.randn(2, rows, in_features, generator=gen)
     expected = x.double() @ kernel.dequantized(torch.float64).t() + linear.bias.double()
     torch.testing.assert_close(kernel(x).double(), expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(fallback(x).double(), expected, atol=1e-4, rtol=1e-5)
+    # Bit for bit the fp32 panel GEMM's result on the dequantized weight (w = q * scale, same FMA chain).
+    panels = torch.ops.tokenmill.pack_linear_weight(kernel.dequantized(torch.float32))
+    assert torch.equal(kernel(x[0]), torch.ops.tokenmill.packed_linear(x[0], panels, linear.bias.detach(), out_features))
     # Quantization error itself: under half a step of each group's scale per weight.
     err = (kernel.dequantized(torch.float32) - linear.weight).abs()
-    step = kernel.scales.repeat_interleave(kernel.group_size, dim=1)
+    step = kernel.quantized()[1].repeat_interleave(kernel.group_size, dim=1)
     assert bool((err <= step / 2 + 1e-6).all())
     assert WeightOnlyInt8Linear(linear.bfloat16(), True)(x.bfloat16()).dtype == torch.bfloat16  # a bf16 model
 
 
 @needs_kernels
+def test_int8_linear_rows_do_not_depend_on_their_batch():
+    from tokenmill.models.quant import WeightOnlyInt8Linear
+
+    layer = WeightOnlyInt8Linear(torch.nn.Linear(96, 70), use_cpu_kernel=True)
+    batch = torch.randn(131, 96)
+    alone = torch.cat([layer(row[None]) for row in batch])
+    for size in (2, 4, 5, 7, 64, 131):
+        assert torch.equal(layer(batch[:size]), alone[:size]), size
+
+
+@needs_kernels
 def test_int8_linear_rejects_bad_shapes():
-    q = torch.zeros(8, 64, dtype=torch.int8)
-    with pytest.raises(RuntimeError, match="features"):
-        torch.ops.tokenmill.int8_linear(torch.zeros(1, 32), q, torch.ones(8, 2), torch.empty(0), 32)
-    with pytest.raises(RuntimeError, match="scales"):
-        torch.ops.tokenmill.int8_linear(torch.zeros(1, 64), q, torch.ones(8, 3), torch.empty(0), 32)
+    q = torch.ops.tokenmill.pack_linear_weight(torch.zeros(8, 64, dtype=torch.int8))
+    scales = torch.ops.tokenmill.pack_linear_weight(torch.ones(8, 2))
+    with pytest.raises(RuntimeError, match="K, N"):
+        torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 32), q, scales, None, 8)
+    with pytest.raises(RuntimeError, match="groups dividing K"):
+        torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 64), q, torch.ops.tokenmill.pack_linear_weight(
+            torch.ones(8, 3)), None, 8)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 64), q, scales, torch.zeros(7), 8)
+    with pytest.raises(RuntimeError, match="int8 weight"):
+        torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 64), scales, scales, None, 8)
 
 
 @needs_kernels

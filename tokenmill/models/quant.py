@@ -10,8 +10,10 @@ per tensor, over the whole batch, so one outlier token costs every row its preci
 tokens depend on its batch): teacher-forced top-1 agreement with fp32 on SmolLM2 was 49%, against
 98% for this scheme (`tokenmill bench agreement`).
 
-On CPU the product runs in tokenmill's C++ kernel (`tokenmill.kernels`, 1 byte per weight streamed
-at decode); without it (no compiler, a GPU) the weight is widened to the activation dtype per call.
+On CPU the product runs on tokenmill's panel GEMM (`tokenmill.kernels`, packed_linear.cpp: 1 byte per
+weight streamed at decode, each weight widened and scaled in registers; blocks of many rows widen a
+panel once and multiply it in fp32); without it (no compiler, a GPU) the weight is widened to the
+activation dtype per call.
 MoE expert weights are split into one linear per expert first and quantized the same way; MoE
 routers are not linear layers and stay in the model dtype (int8 routing would pick other experts).
 """
@@ -46,27 +48,38 @@ def quantize_weight(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
 
 
 class WeightOnlyInt8Linear(nn.Module):
+    """On CPU with tokenmill's kernels the int8 weight and its scales are packed into the panels of
+    the panel GEMM (kernels/csrc/packed_linear.cpp: widened and scaled in registers as they stream);
+    elsewhere they stay [N, K] and [N, K / group_size] and are widened per call."""
+
     def __init__(self, linear: nn.Linear, use_cpu_kernel: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size_for(linear.in_features)
         qweight, scales = quantize_weight(linear.weight, self.group_size)
+        self.use_cpu_kernel = use_cpu_kernel and qweight.device.type == "cpu"
+        if self.use_cpu_kernel:
+            qweight, scales = (torch.ops.tokenmill.pack_linear_weight(t) for t in (qweight, scales))
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.bias = linear.bias
-        self.use_cpu_kernel = use_cpu_kernel and qweight.device.type == "cpu"
-        self._no_offsets = torch.empty(0, device=qweight.device)
+
+    def quantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 [N, K], fp32 scales [N, K / group_size]), unpacked from the panels if packed."""
+        if not self.use_cpu_kernel:
+            return self.qweight, self.scales
+        return tuple(t.transpose(1, 2).reshape(-1, t.shape[1])[: self.out_features] for t in (self.qweight, self.scales))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        n, k = self.qweight.shape
-        groups = self.qweight.view(n, k // self.group_size, self.group_size).to(dtype)
-        return (groups * self.scales[..., None].to(dtype)).view(n, k)
+        qweight, scales = self.quantized()
+        n, k = qweight.shape
+        groups = qweight.reshape(n, k // self.group_size, self.group_size).to(dtype)
+        return (groups * scales[..., None].to(dtype)).view(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_cpu_kernel:
-            out = torch.ops.tokenmill.int8_linear(x, self.qweight, self.scales, self._no_offsets, self.group_size)
-        else:
-            out = nn.functional.linear(x, self.dequantized(x.dtype))
+            return torch.ops.tokenmill.packed_int8_linear(x, self.qweight, self.scales, self.bias, self.out_features)
+        out = nn.functional.linear(x, self.dequantized(x.dtype))
         return out + self.bias if self.bias is not None else out
 
 
