@@ -31,15 +31,18 @@ def _engine(model_dir, **args) -> LLM:
     return LLM(str(model_dir), progress=False, kv_cache_memory="32MiB", max_num_batched_tokens=32, **args)
 
 
-@pytest.mark.parametrize("model", ["sharp_tiny_model_dir", "tiny_qwen2_dir", "tiny_mistral_dir"])
-def test_fused_layers_are_bit_identical_to_the_python_layers(model, request, fused_calls):
-    """Llama, Qwen2 (qkv bias) and Mistral (sliding window, prompts past it): the same tokens and
-    the same logprobs to the last bit, batches joining mid-decode, chunked prefill (chunks with
-    cached context take the fused path too)."""
+@pytest.mark.parametrize(("model", "quantization"), [("sharp_tiny_model_dir", None), ("tiny_qwen2_dir", None),
+                                                     ("tiny_mistral_dir", None), ("sharp_tiny_model_dir", "int8"),
+                                                     ("tiny_qwen2_dir", "int8")])
+def test_fused_layers_are_bit_identical_to_the_python_layers(model, quantization, request, fused_calls):
+    """Llama, Qwen2 (qkv bias) and Mistral (sliding window, prompts past it), fp32 and int8 weights:
+    the same tokens and the same logprobs to the last bit, batches joining mid-decode, chunked
+    prefill (chunks with cached context take the fused path too)."""
     model_dir = request.getfixturevalue(model)
     prompts = mixed_prompts(6, 1, 70, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
-    fused, plain = _engine(model_dir), _engine(model_dir, fused_layers=False)
+    fused = _engine(model_dir, quantization=quantization)
+    plain = _engine(model_dir, quantization=quantization, fused_layers=False)
     layers = fused.engine.model.layers
     assert all(layer.fused is not None for layer in layers)
     assert all(layer.fused is None for layer in plain.engine.model.layers)

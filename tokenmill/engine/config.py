@@ -47,8 +47,9 @@ class EngineConfig:
         "--compile and on GPU (--onednn-linear: old name)",
         aliases=("--onednn-linear",))
     fused_layers: bool = option(
-        True, "CPU fp32 with --packed-linear: run each Llama-shaped decoder layer of a decode step as one C++ call "
-        "(the same kernels in the same order, without the Python between them: bit-identical results)")
+        True, "CPU fp32 with --packed-linear (or --quantization int8): run each Llama-shaped decoder layer of a "
+        "decode step as one C++ call (the same kernels in the same order, without the Python between them: "
+        "bit-identical results)")
     compile: bool = option(
         False, "torch.compile the dense parts of the model step (dynamic token count; attention stays eager)")
     cuda_graphs: bool = option(

@@ -66,7 +66,7 @@ def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.de
         # After quantization: the layers it keeps in float (the lm_head). (Not under --compile:
         # inductor cannot lower ops on weights it did not pack itself.)
         pack_linears(model)
-        if config.fused_layers:  # (layers on PanelLinear only: nothing without tokenmill's kernels)
+        if config.fused_layers:  # (layers on the panel GEMM only: nothing without tokenmill's kernels)
             fuse_decoder_layers(model)
     if config.compile:
         # The dense parts of the step (attention stays eager); the token count is dynamic.

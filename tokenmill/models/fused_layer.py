@@ -7,8 +7,9 @@ runs the same kernels in the same order from C++, so its output is bit-identical
 layer's; the layer takes it whenever the step's attention all runs on the paged kernel (decodes and
 chunks with cached context; first prefill chunks go through SDPA in Python) and the cache is not
 int8. Fused: layers of exactly the Llama structure (RMSNorm, fused qkv with optional bias, no q/k
-norm, SiLU-gated MLP, no tensor parallelism) whose four projections are panel-packed fp32
-(`--packed-linear`). Anything wrapped later (LoRA) makes the layer stand aside.
+norm, SiLU-gated MLP, no tensor parallelism) in fp32 whose four projections are on the panel GEMM:
+fp32 (`--packed-linear`) or int8 (`--quantization int8`). Anything wrapped later (LoRA) makes the
+layer stand aside.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from tokenmill.models.attention import AttentionMetadata
 from tokenmill.models.llama import LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
 from tokenmill.models.packed_linear import PanelLinear
+from tokenmill.models.quant import WeightOnlyInt8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,20 @@ def _fusable(layer: nn.Module) -> bool:
             and type(attn).project_qkv is LlamaAttention.project_qkv and attn.qk_norm_class is None
             and not attn.tp.enabled
             and isinstance(mlp, LlamaMLP) and type(mlp).forward is LlamaMLP.forward and mlp.silu and not mlp.tp.enabled
-            and all(type(m) is PanelLinear for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+            and layer.input_layernorm.weight.dtype == torch.float32
+            and all(_on_panels(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+
+
+def _on_panels(linear: nn.Module) -> bool:
+    return type(linear) is PanelLinear or (type(linear) is WeightOnlyInt8Linear and linear.use_cpu_kernel)
+
+
+def _panel_arguments(linear: nn.Module) -> tuple:
+    """(weight, scales or None, bias or None) of a projection on the panel GEMM."""
+    if type(linear) is PanelLinear:
+        return linear.packed_weight, None, linear.bias
+    bias = None if linear.bias is None else linear.bias.detach()
+    return linear.qweight, linear.scales, bias
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -69,7 +84,7 @@ def fuse_decoder_layers(model: nn.Module) -> int:
         layer.fused = FusedLayer(
             linears,
             (norm.weight.detach(), layer.post_attention_layernorm.weight.detach(), norm.eps,
-             *(t for m in linears for t in (m.packed_weight, m.bias)), attn.num_heads, attn.num_kv_heads,
+             *(t for m in linears for t in _panel_arguments(m)), attn.num_heads, attn.num_kv_heads,
              mlp.intermediate),
             (attn.scale, attn.window or 0, attn.softcap or 0.0))
         count += 1
