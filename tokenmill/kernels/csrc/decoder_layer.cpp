@@ -8,6 +8,7 @@
 // module calls and views per layer, ~3 ms of a 24 ms batch-1 step of SmolLM2 (30 layers).
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "kernels.h"
@@ -18,11 +19,22 @@ namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
 
-// x W^T + b on a panel-packed weight: fp32, or int8 when it comes with scales.
+// x W^T + b on a panel-packed weight: fp32, or int8 when it comes with scales. (The profiler
+// scopes, here and below, name the kernels as their torch ops: `tokenmill bench profile` sorts a
+// step's time by them. They cost nothing measurable while no profiler runs.)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& scales, const OptTensor& bias,
                   int64_t n) {
-  if (scales.has_value() && scales->defined()) return tokenmill::packed_int8_linear(x, weight, *scales, bias, n);
+  if (scales.has_value() && scales->defined()) {
+    RECORD_FUNCTION("tokenmill::packed_int8_linear", std::vector<c10::IValue>());
+    return tokenmill::packed_int8_linear(x, weight, *scales, bias, n);
+  }
+  RECORD_FUNCTION("tokenmill::packed_linear", std::vector<c10::IValue>());
   return tokenmill::packed_linear(x, weight, bias, n);
+}
+
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("tokenmill::rms_norm", std::vector<c10::IValue>());
+  return tokenmill::rms_norm(x, weight, eps);
 }
 
 at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
@@ -42,23 +54,37 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm
   const int64_t tokens = x.size(0), hidden = x.size(1), head_dim = k_cache.size(2);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
 
-  const at::Tensor qkv = linear(tokenmill::rms_norm(x.contiguous(), input_norm, eps), qkv_weight, qkv_scales,
-                                qkv_bias, q_size + 2 * kv_size);
+  const at::Tensor qkv = linear(norm(x.contiguous(), input_norm, eps), qkv_weight, qkv_scales, qkv_bias,
+                                q_size + 2 * kv_size);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
-  tokenmill::rope_(q, k, cos.view({tokens, -1}), sin.view({tokens, -1}));
-  k_cache.index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));
-  v_cache.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
-  q = q.contiguous();
-  at::Tensor attended = at::empty_like(q);
-  tokenmill::paged_attention(q, k_cache, v_cache, attended, query_start, query_lens, block_tables, context_lens,
-                             block_size, scale, window, softcap);
+  {
+    RECORD_FUNCTION("tokenmill::rope_", std::vector<c10::IValue>());
+    tokenmill::rope_(q, k, cos.view({tokens, -1}), sin.view({tokens, -1}));
+  }
+  at::Tensor attended = at::empty({tokens, heads, head_dim}, x.options());
+  {
+    RECORD_FUNCTION("tokenmill::attention", std::vector<c10::IValue>());  // (the cache writes too, as in Python)
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
+    const at::Tensor queries = q.contiguous();
+    {
+      RECORD_FUNCTION("tokenmill::paged_attention", std::vector<c10::IValue>());
+      tokenmill::paged_attention(queries, k_cache, v_cache, attended, query_start, query_lens, block_tables,
+                                 context_lens, block_size, scale, window, softcap);
+    }
+  }
 
   at::Tensor out = x + linear(attended.view({tokens, q_size}), o_weight, o_scales, o_bias, hidden);
   const at::Tensor gate_up =
-      linear(tokenmill::rms_norm(out, post_norm, eps), gate_up_weight, gate_up_scales, gate_up_bias, 2 * intermediate);
-  out.add_(linear(tokenmill::silu_mul(gate_up), down_weight, down_scales, down_bias, hidden));
+      linear(norm(out, post_norm, eps), gate_up_weight, gate_up_scales, gate_up_bias, 2 * intermediate);
+  at::Tensor activated;
+  {
+    RECORD_FUNCTION("tokenmill::silu_mul", std::vector<c10::IValue>());
+    activated = tokenmill::silu_mul(gate_up);
+  }
+  out.add_(linear(activated, down_weight, down_scales, down_bias, hidden));
   return out;
 }
 
