@@ -60,6 +60,47 @@ inline const float* as_float<at::BFloat16>(const at::BFloat16* src, float* scrat
   return scratch;
 }
 
+// Lane sums in one fixed order, ((v0+v1)+(v2+v3)) + ((v4+v5)+(v6+v7)) (AVX-512: v_i + v_i+8 first),
+// for one vector (hsum_pairwise) or four at once (hsum4: one transposing reduction instead of four).
+// Both give the same bits for the same vector, so a dot product does not depend on whether it was
+// reduced alone or in a tile of four (a key's score is the same in every tiling of the keys).
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+inline __m256 eight_lanes(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x = v;
+  return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+#else
+  return v;
+#endif
+}
+#endif
+
+inline float hsum_pairwise(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  const __m256 x = eight_lanes(v);
+  const __m256 pairs = _mm256_hadd_ps(x, x);
+  const __m256 quads = _mm256_hadd_ps(pairs, pairs);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+#else
+  return hsum(v);
+#endif
+}
+
+inline void hsum4(const Vec& a, const Vec& b, const Vec& c, const Vec& d, float* out) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  // hadd pairs within each 128-bit lane, twice: each lane then holds a partial sum of a, b, c and d
+  // in order; the two lanes added.
+  const __m256 ab = _mm256_hadd_ps(eight_lanes(a), eight_lanes(b)), cd = _mm256_hadd_ps(eight_lanes(c), eight_lanes(d));
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#else
+  out[0] = hsum(a);
+  out[1] = hsum(b);
+  out[2] = hsum(c);
+  out[3] = hsum(d);
+#endif
+}
+
 // Rows per group of a dot tile (below): 3 rows x 4 columns of fp32 accumulators, plus the 3 rows'
 // chunks and one column chunk, are the 16 vector registers of AVX2.
 constexpr int kTileRows = 3;
@@ -103,13 +144,20 @@ inline void dot_tile(const float* const* q_rows, const float* const* k_rows, int
     }
   }
   #pragma GCC unroll 16
-  for (int r = 0; r < N; ++r)
+  for (int r = 0; r < N; ++r) {
+    float sums[KT];
+    if constexpr (KT == 4) {
+      hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], sums);
+    } else {
+      #pragma GCC unroll 16
+      for (int j = 0; j < KT; ++j) sums[j] = hsum_pairwise(acc[r][j]);
+    }
     #pragma GCC unroll 16
     for (int j = 0; j < KT; ++j) {
-      float sum = hsum(acc[r][j]);
-      for (int64_t t = d; t < dim; ++t) sum += q_rows[r][t] * k_rows[j][t];
-      out[r * ld + j] = sum;
+      for (int64_t t = d; t < dim; ++t) sums[j] += q_rows[r][t] * k_rows[j][t];
+      out[r * ld + j] = sums[j];
     }
+  }
 }
 
 // dots[r] = q_rows[r] . k for n rows, kRowGroup rows sharing each load of k.
