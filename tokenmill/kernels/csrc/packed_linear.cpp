@@ -95,41 +95,20 @@ inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t 
   store_tile<R>(acc, bias, out, ldo, cols);
 }
 
-// panel_tile over an int8 panel and its scales [groups, kPanel]: each weight widened and scaled
-// (w = q * scale, as the dequantized weight) in registers, then the same FMA chain.
-template <int R>
+// panel_tile over P consecutive int8 panels and their scales [groups, kPanel] each: each weight
+// widened and scaled (w = q * scale, as the dequantized weight) in registers, then the same FMA
+// chain over k in order. P > 1 (one row of x over two panels at once) gives the chains of the
+// other panels to overlap: at one byte per weight, one row's two chains per panel were latency-
+// bound, not memory-bound. `cols`: of the last panel.
+template <int R, int P>
 inline void int8_panel_tile(const float* x, int64_t ldx, const int8_t* panel, const float* scales, int64_t k,
                             int64_t group, const float* bias, float* out, int64_t ldo, int64_t cols) {
-  Vec acc[R][2];
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
-  for (int64_t g0 = 0; g0 < k; g0 += group) {
-    const float* s = scales + g0 / group * kPanel;
-    const Vec s0 = Vec::loadu(s), s1 = Vec::loadu(s + kVec);
-    for (int64_t d = g0; d < g0 + group; ++d) {
-      const int8_t* w = panel + d * kPanel;
-      const Vec w0 = load_int8(w) * s0, w1 = load_int8(w + kVec) * s1;
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const Vec a(x[r * ldx + d]);
-        acc[r][0] = at::vec::fmadd(a, w0, acc[r][0]);
-        acc[r][1] = at::vec::fmadd(a, w1, acc[r][1]);
-      }
-    }
-  }
-  store_tile<R>(acc, bias, out, ldo, cols);
-}
-
-// One row of x over P consecutive full int8 panels at once: int8_panel_tile<1> has only 2 FMA chains,
-// and at one byte per weight their latency (not the memory) was the limit; 2P chains hide it. Each
-// output is still one chain over k in order (bit-identical to int8_panel_tile<1>).
-template <int P>
-inline void int8_panels_row(const float* x, const int8_t* panel, const float* scales, int64_t k, int64_t group,
-                            const float* bias, float* out) {
   const int64_t panel_scales = k / group * kPanel;
-  Vec acc[P][2];
+  Vec acc[P][R][2];
   #pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) acc[p][0] = acc[p][1] = Vec(0.f);
+  for (int p = 0; p < P; ++p)
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[p][r][0] = acc[p][r][1] = Vec(0.f);
   for (int64_t g0 = 0; g0 < k; g0 += group) {
     Vec s[P][2];
     #pragma GCC unroll 16
@@ -139,20 +118,23 @@ inline void int8_panels_row(const float* x, const int8_t* panel, const float* sc
       s[p][1] = Vec::loadu(sp + kVec);
     }
     for (int64_t d = g0; d < g0 + group; ++d) {
-      const Vec a(x[d]);
       #pragma GCC unroll 16
       for (int p = 0; p < P; ++p) {
         const int8_t* w = panel + p * k * kPanel + d * kPanel;
-        acc[p][0] = at::vec::fmadd(a, load_int8(w) * s[p][0], acc[p][0]);
-        acc[p][1] = at::vec::fmadd(a, load_int8(w + kVec) * s[p][1], acc[p][1]);
+        const Vec w0 = load_int8(w) * s[p][0], w1 = load_int8(w + kVec) * s[p][1];
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          const Vec a(x[r * ldx + d]);
+          acc[p][r][0] = at::vec::fmadd(a, w0, acc[p][r][0]);
+          acc[p][r][1] = at::vec::fmadd(a, w1, acc[p][r][1]);
+        }
       }
     }
   }
   #pragma GCC unroll 16
-  for (int p = 0; p < P; ++p) {
-    Vec tile[1][2] = {{acc[p][0], acc[p][1]}};
-    store_tile<1>(tile, bias != nullptr ? bias + p * kPanel : nullptr, out + p * kPanel, 0, kPanel);
-  }
+  for (int p = 0; p < P; ++p)
+    store_tile<R>(acc[p], bias != nullptr ? bias + p * kPanel : nullptr, out + p * kPanel, ldo,
+                  p == P - 1 ? cols : kPanel);
 }
 
 // This thread's buffer for a widened int8 panel (kept across calls: no allocation per panel).
@@ -267,10 +249,10 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
     for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
       auto bias_at = [&](int64_t col) { return bias_ptr != nullptr ? bias_ptr + col : nullptr; };
       int64_t p = begin;
-      if (m == 1) {  // pairs of full panels (see int8_panels_row)
+      if (m == 1) {  // pairs of full panels (see int8_panel_tile)
         for (; p + 2 <= end && (p + 2) * kPanel <= n; p += 2)
-          int8_panels_row<2>(xp, qp + p * k * kPanel, sp + p * groups * kPanel, k, group, bias_at(p * kPanel),
-                             op + p * kPanel);
+          int8_panel_tile<1, 2>(xp, k, qp + p * k * kPanel, sp + p * groups * kPanel, k, group, bias_at(p * kPanel),
+                                op + p * kPanel, n, kPanel);
       }
       std::vector<float>& widened = widened_panel();
       for (; p < end; ++p) {
@@ -280,8 +262,8 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
         if (m <= kInt8DirectRows) {
           for_row_groups<kInt8DirectRows>(rows, [&](auto count, int64_t r) {
             const int64_t row = m0 + r;
-            int8_panel_tile<decltype(count)::value>(xp + row * k, k, panel, scales, k, group, bias_at(col),
-                                                    op + row * n + col, n, cols);
+            int8_panel_tile<decltype(count)::value, 1>(xp + row * k, k, panel, scales, k, group, bias_at(col),
+                                                       op + row * n + col, n, cols);
           });
           continue;
         }
