@@ -1,8 +1,8 @@
 """Llama-shaped decoder layers as one C++ call on CPU fp32 steps (`--fused-layers`).
 
 A batch-1 decode step of a small model is a few milliseconds of memory-bound GEMMs and, around
-them, ~25 Python-level op dispatches, module calls and views per layer: on SmolLM2 (30 layers) that
-Python was ~3 ms of a 24 ms step. `tokenmill::llama_decoder_layer` (kernels/csrc/decoder_layer.cpp)
+them, ~25 Python-level op dispatches, module calls and views per layer: on SmolLM2 (30 layers)
+taking it out brought a batch-1 step from ~23 to ~18.5 ms (bench/README.md). `tokenmill::llama_decoder_layer` (kernels/csrc/decoder_layer.cpp)
 runs the same kernels in the same order from C++, so its output is bit-identical to the Python
 layer's; the layer takes it whenever the step's attention all runs on the paged kernel (decodes and
 chunks with cached context; first prefill chunks go through SDPA in Python) and the cache is not

@@ -5,7 +5,7 @@
 //   x = x + a W_o^T + b;  x = x + silu_mul(rms_norm(x) W_gate_up^T + b) W_down^T + b
 // The same kernels, in the same order, as the Python layer (tokenmill/models/llama.py) on this
 // path, so the result is bit-identical; what goes is the Python between them: ~25 op dispatches,
-// module calls and views per layer, ~3 ms of a 24 ms batch-1 step of SmolLM2 (30 layers).
+// module calls and views per layer (a batch-1 step of SmolLM2, 30 layers: ~23 -> ~18.5 ms).
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
