@@ -34,7 +34,7 @@ from tokenmill.models.kv_quant import to_cache
 BLOCK_SIZE = 16
 PROJECTION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 LAYER_GEMM_ROWS = (1, 16, 64, 128, 256)
-GEMM_PATHS = ("panel kernel", "oneDNN packed", "MKL")
+GEMM_PATHS = ("panel kernel", "panel int8", "oneDNN packed", "MKL")
 
 
 def best_seconds(fn: Callable[[], Any], calls: int, repeats: int = 7) -> float:
@@ -88,17 +88,29 @@ def attention_case(name: str, heads: int, kv_heads: int, dim: int, contexts: np.
             "kv_mb": kv_bytes / 1e6, "sequences": len(contexts), "queries_per_sequence": queries}
 
 
-def gemm_paths(weights: list[torch.Tensor], vocab_major: bool = False) -> dict[str, Callable[[torch.Tensor, int], Any]]:
-    """(x, index) -> x @ weights[index]^T by each path, weights packed once up front."""
+def gemm_paths(weights: list[torch.Tensor], vocab_major: bool = False,
+               int8: bool = False) -> dict[str, Callable[[torch.Tensor, int], Any]]:
+    """(x, index) -> x @ weights[index]^T by each path, weights packed once up front; `int8`: also
+    the weights as `--quantization int8` holds them (int8 panels and scales) on the panel GEMM."""
+    from tokenmill.models.quant import WeightOnlyInt8Linear
+
     panels = [torch.ops.tokenmill.pack_linear_weight(w) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
     mkl = (lambda x, i: torch.mm(weights[i], x.t())) if vocab_major else \
         (lambda x, i: torch.nn.functional.linear(x, weights[i]))
-    return {
-        "panel kernel": lambda x, i: torch.ops.tokenmill.packed_linear(x, panels[i], None, weights[i].shape[0]),
-        "oneDNN packed": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
-        "MKL": mkl,
-    }
+    paths = {"panel kernel": lambda x, i: torch.ops.tokenmill.packed_linear(x, panels[i], None, weights[i].shape[0])}
+    if int8:
+        layers = [WeightOnlyInt8Linear(_linear_of(w), use_cpu_kernel=True) for w in weights]
+        paths["panel int8"] = lambda x, i: layers[i](x)
+    paths["oneDNN packed"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
+    paths["MKL"] = mkl
+    return paths
+
+
+def _linear_of(weight: torch.Tensor) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight
+    return linear
 
 
 def projection_cases(vocab: int, hidden: int) -> list[dict[str, Any]]:
@@ -129,7 +141,7 @@ def layer_gemm_cases(hidden: int, intermediate: int, qkv_out: int, attn_out: int
     compute rate, not DRAM's."""
     gen = torch.Generator().manual_seed(3)
     shapes = [(hidden, qkv_out), (attn_out, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
-    paths = gemm_paths([torch.randn(out, inp, generator=gen) for inp, out in shapes])
+    paths = gemm_paths([torch.randn(out, inp, generator=gen) for inp, out in shapes], int8=True)
     results = []
     for rows in LAYER_GEMM_ROWS:
         xs = [torch.randn(rows, inp, generator=gen) for inp, _ in shapes]
@@ -182,7 +194,8 @@ def main(args: argparse.Namespace) -> int:
                            *[[str(g["rows"]), *[f"{g[path][key]:{fmt}}" for path in GEMM_PATHS
                                                 for key, fmt in (("ms", ".3f"), ("gflop_per_s", ".0f"))]]
                              for g in gemms]],
-                          "one decoder layer's GEMMs (qkv, o, gate/up, down), fp32, weights in cache")]
+                          "one decoder layer's GEMMs (qkv, o, gate/up, down), fp32 weights (panel int8: "
+                          "--quantization int8's), weights in cache")]
     return print_report(args, "\n\n".join(tables), {"read_bandwidth_gb_per_s": bandwidth / 1e9,
                                                     "attention": attention, "vocab_projection": projection,
                                                     "layer_gemms": gemms})
