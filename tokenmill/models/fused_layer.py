@@ -1,15 +1,15 @@
 """Llama-shaped decoder layers as one C++ call on CPU fp32 steps (`--fused-layers`).
 
-A batch-1 decode step of a small model is a few milliseconds of memory-bound GEMMs and, around
-them, ~25 Python-level op dispatches, module calls and views per layer: on SmolLM2 (30 layers)
-taking it out brought a batch-1 step from ~23 to ~18.5 ms (bench/README.md). `tokenmill::llama_decoder_layer` (kernels/csrc/decoder_layer.cpp)
-runs the same kernels in the same order from C++, so its output is bit-identical to the Python
-layer's; the layer takes it whenever the step's attention all runs on the paged kernel (decodes and
-chunks with cached context; first prefill chunks go through SDPA in Python) and the cache is not
-int8. Fused: layers of exactly the Llama structure (RMSNorm, fused qkv with optional bias, no q/k
-norm, SiLU-gated MLP, no tensor parallelism) in fp32 whose four projections are on the panel GEMM:
-fp32 (`--packed-linear`) or int8 (`--quantization int8`). Anything wrapped later (LoRA) makes the
-layer stand aside.
+A batch-1 decode step of a small model is a few milliseconds of memory-bound GEMMs and, around them,
+~25 Python-level op dispatches, module calls and views per layer: on SmolLM2 (30 layers) taking it
+out brought a batch-1 step from ~23 to ~18.5 ms (bench/README.md). `tokenmill::llama_decoder_layer`
+(kernels/csrc/decoder_layer.cpp) runs the same kernels in the same order from C++, so its output is
+bit-identical to the Python layer's; the layer takes it whenever the step's attention all runs on
+the paged kernel (decodes and chunks with cached context; first prefill chunks go through SDPA in
+Python) and the cache is not int8. Fused: layers of exactly the Llama structure (RMSNorm, fused qkv
+with optional bias, no q/k norm, SiLU-gated MLP, no tensor parallelism) in fp32 whose four
+projections are on the panel GEMM: fp32 (`--packed-linear`) or int8 (`--quantization int8`).
+Anything wrapped later (LoRA) makes the layer stand aside.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class FusedLayer:
             p.block_tables, p.context_lens, meta.block_size, *self.attention)
 
 
-def _fusable(layer: nn.Module) -> bool:
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+def _fusable(layer: LlamaLayer) -> bool:
+    attn, mlp = layer.self_attn, layer.mlp
     return (type(layer).forward is LlamaLayer.forward
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
             and isinstance(attn, LlamaAttention) and type(attn).forward is LlamaAttention.forward

@@ -19,7 +19,6 @@
 namespace tokenmill {
 namespace {
 
-
 // Rows of this many elements or more are worth a thread each.
 constexpr int64_t kMinWorkPerThread = 1 << 15;
 

@@ -37,7 +37,6 @@
 namespace tokenmill {
 namespace {
 
-
 // Queries handled per work item: one decode, or up to this many rows of a prefill chunk.
 constexpr int64_t kQueryTile = 8;
 
