@@ -259,6 +259,26 @@ def test_int8_linear_rows_do_not_depend_on_their_batch():
 
 
 @needs_kernels
+def test_int8_weights_share_one_buffer():
+    """--quantization int8 moves every layer's packed int8 weight and scales into one (huge-page)
+    buffer, as pack_linears does for fp32 panels; results are those of the layers before the move."""
+    from tokenmill.models.quant import WeightOnlyInt8Linear, quantize_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(96, 50), torch.nn.SiLU(), torch.nn.Linear(50, 70, bias=False))
+    x = torch.randn(3, 96)
+    with torch.inference_mode():
+        apart = [WeightOnlyInt8Linear(model[i], use_cpu_kernel=True) for i in (0, 2)]
+        expected = apart[1](torch.nn.functional.silu(apart[0](x)))
+        quantize_model(model, "int8")
+        layers = [model[0], model[2]]
+        tensors = [t for layer in layers for t in (layer.qweight, layer.scales)]
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+        for layer, alone in zip(layers, apart):
+            assert torch.equal(layer.qweight, alone.qweight) and torch.equal(layer.scales, alone.scales)
+        assert torch.equal(model(x), expected)
+
+
+@needs_kernels
 def test_int8_linear_rejects_bad_shapes():
     q = torch.ops.tokenmill.pack_linear_weight(torch.zeros(8, 64, dtype=torch.int8))
     scales = torch.ops.tokenmill.pack_linear_weight(torch.ones(8, 2))

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.moe import split_experts
+from tokenmill.models.packed_linear import into_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,19 @@ def quantize_model(model: nn.Module, method: str) -> None:
         logger.warning("int8 without tokenmill's CPU kernels: weights are widened on every call (slow)")
     before = _linear_bytes(model)
     _replace_linears(model, use_kernel)
+    if use_kernel:
+        _into_huge_pages([m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear)])
     after = _linear_bytes(model)
     logger.info("int8 weights (groups of %d, lm_head and embeddings kept): linear layers %.1f MiB -> %.1f MiB",
                 GROUP_SIZE, before / 2**20, after / 2**20)
+
+
+def _into_huge_pages(layers: list[WeightOnlyInt8Linear]) -> None:
+    """Every layer's packed int8 weight and scales moved into one huge-page buffer (as
+    pack_linears does for fp32 panels: a decode step streams them all)."""
+    moved = into_huge_pages([t for layer in layers for t in (layer.qweight, layer.scales)])
+    for layer, qweight, scales in zip(layers, moved[0::2], moved[1::2]):
+        layer.qweight, layer.scales = qweight, scales
 
 
 def _replace_linears(module: nn.Module, use_kernel: bool) -> None:
