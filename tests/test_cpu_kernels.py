@@ -315,6 +315,32 @@ def test_packed_linear_matches_a_float64_product(rows, in_features, out_features
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 40), (576, 1031)])
+def test_bf16_panels_compute_on_their_exact_fp32_values(rows, in_features, out_features):
+    """bf16 weights (a bf16 model on a CPU without native bf16) are widened exactly as they stream:
+    the result is the fp32 kernel's on the same values, bit for bit, returned in x's dtype (bf16
+    activations are taken to fp32 first, like oneDNN's bf16 GEMM accumulates in fp32)."""
+    gen = torch.Generator().manual_seed(rows + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen)
+    packed = torch.ops.tokenmill.pack_linear_weight(weight)
+    assert packed.dtype == torch.bfloat16
+    as_fp32 = torch.ops.tokenmill.pack_linear_weight(weight.float())
+    out = torch.ops.tokenmill.packed_linear(x.bfloat16(), packed, bias, out_features)
+    assert out.dtype == torch.bfloat16
+    exact = torch.ops.tokenmill.packed_linear(x.bfloat16().float(), as_fp32, bias.float(), out_features)
+    assert torch.equal(out, exact.bfloat16())
+    assert torch.equal(torch.ops.tokenmill.packed_linear(x, packed, None, out_features),
+                       torch.ops.tokenmill.packed_linear(x, as_fp32, None, out_features))
+    expected = x.bfloat16().double() @ weight.double().t() + bias.double()
+    torch.testing.assert_close(out.double(), expected, atol=0.1, rtol=1e-2)  # (bf16 output rounding)
+    with pytest.raises(RuntimeError, match="bias of x's dtype"):
+        torch.ops.tokenmill.packed_linear(x, packed, bias, out_features)
+
+
+@needs_kernels
 def test_packed_linear_rows_do_not_depend_on_their_batch():
     """A row's outputs are bit-identical whether it runs alone or in any position of a batch of any
     size (one accumulation order for every register tile): other requests never change a result."""
@@ -341,8 +367,42 @@ def test_packed_linear_rejects_bad_inputs():
         torch.ops.tokenmill.packed_linear(torch.zeros(1, 64).bfloat16(), packed, None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.tokenmill.packed_linear(torch.zeros(1, 64), packed, torch.zeros(39), 40)
-    with pytest.raises(RuntimeError, match="fp32"):
-        torch.ops.tokenmill.pack_linear_weight(torch.zeros(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="fp32, bf16 or int8"):
+        torch.ops.tokenmill.pack_linear_weight(torch.zeros(40, 64).half())
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_pack_linears_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, native_bf16):
+    """bf16 linears go to the panel GEMM where the CPU has no native bf16 (AMX / AVX512-BF16; torch's
+    bf16 GEMMs are slow there), to oneDNN where it has; the tied embedding reads bf16 panels too."""
+    from tokenmill.kernels.cpu_caps import CpuCaps
+    from tokenmill.models import packed_linear
+
+    if not build.load():
+        pytest.skip("kernels off")
+    caps = packed_linear.detect()
+    monkeypatch.setattr(packed_linear, "detect", lambda: CpuCaps(**{**caps.__dict__, "avx512_bf16": native_bf16,
+                                                                      "amx_bf16": native_bf16}))
+    expect_panels = not native_bf16
+    if not expect_panels and packed_linear.packing_for(torch.zeros(2, 2).bfloat16()) is None:
+        pytest.skip("no oneDNN bf16 here")
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(300, 64).bfloat16()
+    model.head = torch.nn.Linear(64, 300, bias=False).bfloat16()
+    model.head.weight = model.embed.weight
+    model.proj = torch.nn.Linear(64, 64).bfloat16()
+    x, ids = torch.randn(3, 64).bfloat16(), torch.tensor([0, 17, 299])
+    with torch.inference_mode():
+        expected = (model.head(x), model.proj(x), model.embed(ids))
+        packed_linear.pack_linears(model)
+        assert {type(model.head).__name__, type(model.proj).__name__} == {
+            "PanelLinear" if expect_panels else "OneDnnLinear"}
+        got = (model.head(x), model.proj(x), model.embed(ids))
+        for g, e in zip(got, expected):
+            assert g.dtype == torch.bfloat16
+            torch.testing.assert_close(g.float(), e.float(), atol=0.05, rtol=2e-2)
+        assert torch.equal(got[2], expected[2])  # embedding rows exactly, from the panels when packed
+        assert isinstance(model.embed, packed_linear.PanelEmbedding) == expect_panels
 
 
 @pytest.mark.parametrize("kernels", [True, False])

@@ -60,7 +60,10 @@ def _fusable(layer: LlamaLayer) -> bool:
 
 
 def _on_panels(linear: nn.Module) -> bool:
-    return type(linear) is PanelLinear or (type(linear) is WeightOnlyInt8Linear and linear.use_cpu_kernel)
+    """fp32 or int8 panels (the fused layer's activations are fp32: bf16 panels keep Python layers)."""
+    if type(linear) is PanelLinear:
+        return linear.packed_weight.dtype == torch.float32
+    return type(linear) is WeightOnlyInt8Linear and linear.use_cpu_kernel
 
 
 def _panel_arguments(linear: nn.Module) -> tuple:

@@ -9,8 +9,10 @@ Two packings replace it, chosen by the weight's dtype:
   speed and many rows multiply from registers. Against oneDNN's packed fp32 weights on SmolLM2's
   layer shapes (`tokenmill bench kernels`, AMD Zen3): 1.4-1.8x at one row, 1.3-1.5x at 16, ~1.3x at
   64, 1.05-1.3x at 128-256.
-- bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinear`): oneDNN with the weight
-  reordered into its blocked layout (AMX / AVX512-BF16 on CPUs that have them).
+- bf16 on a CPU without native bf16 (AMX or AVX512-BF16) goes to the same panel GEMM, each weight
+  widened to fp32 as it streams (half the bytes of fp32, fp32 arithmetic).
+- bf16 on CPUs with native bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinear`):
+  oneDNN with the weight reordered into its blocked layout (AMX / AVX512-BF16).
 
 Either way the math stays in the weight's dtype with fp32 accumulation; only the blocking and the
 order of the sums differ, like any other BLAS. MoE expert weights are not nn.Linear modules and
@@ -72,9 +74,10 @@ class PackedLinear(nn.Module):
 
 
 class PanelLinear(PackedLinear):
-    """fp32, on tokenmill's panel GEMM: any row count, and a row's result does not depend on the
-    other rows of its step. `storage`: where to keep the packed weight (panel_numel(linear) floats;
-    default: its own tensor)."""
+    """fp32 (or bf16 where the CPU has no native bf16: widened to fp32 as the weight streams, half
+    the bytes), on tokenmill's panel GEMM: any row count, and a row's result does not depend on the
+    other rows of its step. `storage`: where to keep the packed weight (panel_numel(linear) values of
+    the weight's dtype; default: its own tensor)."""
 
     def __init__(self, linear: nn.Linear, storage: torch.Tensor | None = None) -> None:
         packed = torch.ops.tokenmill.pack_linear_weight(linear.weight.detach())
@@ -129,8 +132,11 @@ def packing_for(weight: torch.Tensor) -> type[PackedLinear] | None:
     """The packed layer a CPU weight of this dtype gets, or None (it keeps the default GEMMs)."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.float32 and build.load() and detect().vector_isa != "generic":
-        return PanelLinear  # (a generic build is scalar code; oneDNN picks vector code at run time)
+    panel_dtypes = (torch.float32,) if detect().native_bf16 else (torch.float32, torch.bfloat16)
+    if weight.dtype in panel_dtypes and build.load() and detect().vector_isa != "generic":
+        # (a generic build is scalar code; oneDNN picks vector code at run time. bf16 where the CPU
+        # has no native bf16: torch's bf16 GEMMs ran batch-1 decode at 27 ms/step there, fp32 at 20.)
+        return PanelLinear
     # oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on AVX2-only CPUs it raises.
     onednn_dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
     if weight.dtype in onednn_dtypes and onednn_linear_available():
@@ -180,12 +186,13 @@ def pack_linears(model: nn.Module) -> int:
                for name, child in list(module.named_children()) if type(child) is nn.Linear]
     targets = [t for t in targets if t[3] is not None]
     numels = [PanelLinear.panel_numel(child) if kind is PanelLinear else 0 for _, _, child, kind in targets]
-    starts = _aligned_starts([n * 4 for n in numels])
+    starts = _aligned_starts([n * child.weight.element_size() for n, (_, _, child, _) in zip(numels, targets)])
     buffer = huge_page_buffer(starts[-1]) if starts[-1] else None
     counts: dict[str, int] = {}
     panel_of_weight: dict[int, PanelLinear] = {}
     for (module, name, child, kind), numel, start in zip(targets, numels, starts):
-        packed = PanelLinear(child, _view(buffer, start, numel, torch.float32)) if kind is PanelLinear else kind(child)
+        storage = _view(buffer, start, numel, child.weight.dtype) if kind is PanelLinear else None
+        packed = PanelLinear(child, storage) if kind is PanelLinear else kind(child)
         if isinstance(packed, PanelLinear) and packed.bias is None:
             panel_of_weight[id(child.weight)] = packed
         setattr(module, name, packed)

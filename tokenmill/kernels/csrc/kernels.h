@@ -14,7 +14,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 
-// packed_linear.cpp (fp32 x; fp32 or int8 weights)
+// packed_linear.cpp (fp32 x; fp32, bf16 or int8 weights)
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t n);

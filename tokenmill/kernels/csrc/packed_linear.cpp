@@ -1,5 +1,6 @@
 // Linear layers on a panel-packed weight: y = x W^T (+ bias) for any number of rows of x, with W
-// in fp32 or int8 (weight-only, a scale per group of input channels of each output, models/quant.py).
+// in fp32, bf16 (widened to fp32 as it streams) or int8 (weight-only, a scale per group of input
+// channels of each output, models/quant.py); fp32 arithmetic.
 //
 // The weight [N, K] is packed once into panels of kPanel output columns, each stored k-major:
 // packed[p, k, c] = W[p * kPanel + c, k] (columns past N are zero); int8 scales [N, groups] the same
@@ -75,15 +76,20 @@ inline void store_tile(Vec (&acc)[R][2], const float* bias, float* out, int64_t 
 // whatever R is: a row's result does not depend on how many rows share its step (batch invariance),
 // and two chains per row already run one row at the memory's speed (two chains per row over
 // interleaved k steps measured 0.8x at one row: 23 vs 29 GB/s).
-template <int R>
-inline void panel_tile(const float* x, int64_t ldx, const float* panel, int64_t k, const float* bias, float* out,
+// bf16 panels (a bf16 model on a CPU without native bf16) are widened to fp32 in registers as they
+// stream, exactly: half the bytes of fp32 per weight, the same arithmetic as on their fp32 values.
+inline Vec weights_at(const float* w) { return Vec::loadu(w); }
+inline Vec weights_at(const at::BFloat16* w) { return load_bf16(w); }
+
+template <int R, typename W>
+inline void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k, const float* bias, float* out,
                        int64_t ldo, int64_t cols) {
   Vec acc[R][2];
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
   for (int64_t d = 0; d < k; ++d) {
-    const float* w = panel + d * kPanel;
-    const Vec w0 = Vec::loadu(w), w1 = Vec::loadu(w + kVec);
+    const W* w = panel + d * kPanel;
+    const Vec w0 = weights_at(w), w1 = weights_at(w + kVec);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const Vec a(x[r * ldx + d]);
@@ -179,9 +185,10 @@ const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, at::Ten
 }  // namespace
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.device().is_cpu() && (weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kChar) &&
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar) &&
                   weight.dim() == 2,
-              "pack_linear_weight: an fp32 or int8 CPU weight [N, K] (or int8 scales [N, groups])");
+              "pack_linear_weight: an fp32, bf16 or int8 CPU weight [N, K] (or int8 scales [N, groups])");
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
@@ -190,27 +197,15 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t n) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "packed_linear: fp32 CPU x [M, K]");
-  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == kPanel &&
-                  packed.is_contiguous() && packed.size(1) == x.size(1) && packed.size(0) * kPanel >= n &&
-                  (packed.size(0) - 1) * kPanel < n,
-              "packed_linear: a weight from pack_linear_weight for this K, N and CPU (panels of ", kPanel, ")");
-  at::Tensor bias_holder;
-  const float* bias_ptr = bias_data(bias, n, bias_holder, "packed_linear");
-  TORCH_CHECK(bias_ptr == nullptr || bias->scalar_type() == at::kFloat, "packed_linear: an fp32 bias");
-  const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1);
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (m == 0 || n == 0) return out;
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for_panel_blocks(m, k, packed.size(0), [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
+namespace {
+
+template <typename W>
+void panel_gemm(const float* xp, const W* wp, const float* bias_ptr, float* op, int64_t m, int64_t k, int64_t n,
+                int64_t panels) {
+  for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-      const float* panel = wp + p * k * kPanel;
+      const W* panel = wp + p * k * kPanel;
       const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
       for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
         const int64_t row = m0 + r;
@@ -218,7 +213,35 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
       });
     }
   });
-  return out;
+}
+
+}  // namespace
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t n) {
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || (bf16 && x.is_floating_point())),
+              "packed_linear: a CPU x [M, K], fp32 (or any float over bf16 weights)");
+  TORCH_CHECK((packed.scalar_type() == at::kFloat || bf16) && packed.dim() == 3 && packed.size(2) == kPanel &&
+                  packed.is_contiguous() && packed.size(1) == x.size(1) && packed.size(0) * kPanel >= n &&
+                  (packed.size(0) - 1) * kPanel < n,
+              "packed_linear: an fp32 or bf16 weight from pack_linear_weight for this K, N and CPU (panels of ", kPanel,
+              ")");
+  at::Tensor bias_holder;
+  const float* bias_ptr = bias_data(bias, n, bias_holder, "packed_linear");
+  TORCH_CHECK(bias_ptr == nullptr || bias->scalar_type() == x.scalar_type(), "packed_linear: a bias of x's dtype");
+  const at::Tensor xc = x.to(at::kFloat).contiguous();  // (bf16 activations: computed in fp32, like oneDNN's)
+  const int64_t m = xc.size(0), k = xc.size(1);
+  at::Tensor out = at::empty({m, n}, xc.options());
+  if (m > 0 && n > 0) {
+    if (bf16)
+      panel_gemm(xc.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), bias_ptr, out.data_ptr<float>(), m, k, n,
+                 packed.size(0));
+    else
+      panel_gemm(xc.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, out.data_ptr<float>(), m, k, n,
+                 packed.size(0));
+  }
+  return out.to(x.scalar_type());
 }
 
 at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,

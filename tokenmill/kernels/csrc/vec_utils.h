@@ -33,6 +33,21 @@ inline Vec load_int8(const int8_t* src) {
 #endif
 }
 
+// kVec bf16 values as fp32 (bf16 is the top half of an fp32: widen and shift, exact).
+inline Vec load_bf16(const at::BFloat16* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#else
+  float widened[kVec];
+  for (int64_t i = 0; i < kVec; ++i) widened[i] = static_cast<float>(src[i]);
+  return Vec::loadu(widened);
+#endif
+}
+
 // Rows of K/V as fp32: fp32 caches are read in place, others converted into `scratch`. An int8 row
 // is followed by its fp32 scale (tokenmill/models/kv_quant.py).
 template <typename T>
