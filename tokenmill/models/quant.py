@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.moe import split_experts
-from tokenmill.models.packed_linear import into_huge_pages
+from tokenmill.models.packed_linear import PanelLinear, into_huge_pages, packing_for
 
 logger = logging.getLogger(__name__)
 
@@ -110,19 +110,18 @@ def head_to_bf16(model: nn.Module) -> int:
     ms/step) for no measured loss: top-1 agreement with fp32 98.19% -> 98.14%, with bf16 96.78% ->
     97.02% (`tokenmill bench agreement --quantization int8 --references float32 bfloat16`). A tied
     embedding keeps its fp32 matrix (its rows are read, not streamed)."""
-    from tokenmill.models.packed_linear import PanelLinear, packing_for
-
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if (name in _KEPT and type(child) is nn.Linear and child.weight.dtype == torch.float32
-                    and packing_for(child.weight.detach().bfloat16()) is PanelLinear):
-                head = nn.Linear(child.in_features, child.out_features, bias=False, device=child.weight.device,
-                                 dtype=torch.bfloat16)
-                head.weight = nn.Parameter(child.weight.detach().bfloat16(), requires_grad=False)
-                head.bias = child.bias  # (fp32: the panel GEMM adds it in fp32)
-                setattr(module, name, head)
-                count += 1
+            if name not in _KEPT or type(child) is not nn.Linear or child.weight.dtype != torch.float32:
+                continue
+            if packing_for(torch.empty(0, dtype=torch.bfloat16, device=child.weight.device)) is not PanelLinear:
+                continue
+            head = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")  # (no init)
+            head.weight = nn.Parameter(child.weight.detach().bfloat16(), requires_grad=False)
+            head.bias = child.bias  # (fp32: the panel GEMM adds it in fp32)
+            setattr(module, name, head)
+            count += 1
     if count:
         logger.info("int8: the lm_head in bf16 (weights widened to fp32 as they stream)")
     return count
