@@ -140,17 +140,17 @@ def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch):
     # The second, timed round of the repeat workload is answered from memory.
     assert by[(result.name, "on")].output_tok_s > 5 * by[(result.name, "off")].output_tok_s
     # The layers go int8 (1 byte per weight + an fp32 scale per 32: 0.28x of fp32); the tied
-    # embedding / lm_head table stays fp32, held once, plus the lm_head's own bf16 copy where the
-    # panel GEMM takes bf16 weights (models/quant.py: head_to_bf16).
+    # embedding / lm_head table is held once, in bf16 where the panel GEMM takes bf16 weights
+    # (models/quant.py: head_to_bf16), else in fp32.
     import torch
 
     from tokenmill.models.packed_linear import PanelLinear, packing_for
 
     config = json.loads((tiny_model_dir / "config.json").read_text())
     table_mib = config["vocab_size"] * config["hidden_size"] * 4 / 2**20
-    head_copy = 0.5 if packing_for(torch.empty(0, dtype=torch.bfloat16)) is PanelLinear else 0.0
+    table_on = 0.5 if packing_for(torch.empty(0, dtype=torch.bfloat16)) is PanelLinear else 1.0
     layers_off = by[(int8.name, "off")].weight_mib - table_mib
-    layers_on = by[(int8.name, "on")].weight_mib - (1 + head_copy) * table_mib
+    layers_on = by[(int8.name, "on")].weight_mib - table_on * table_mib
     assert 0.2 * layers_off < layers_on < 0.35 * layers_off, (layers_off, layers_on)
     assert all(r.output_tok_s > 0 for r in rows)
     table = features.format_rows(rows)

@@ -447,6 +447,34 @@ def test_tied_embedding_reads_the_packed_head():
         assert model.embed.panels.data_ptr() == model.head.packed_weight.data_ptr()  # one copy
 
 
+def test_int8_head_in_bf16_keeps_one_copy_for_a_tied_embedding():
+    """--quantization int8's lm_head held in bf16 (no native bf16 here): the head's panels become
+    bf16 in place of fp32, the tied embedding reads the same bf16 panels and returns fp32 rows (the
+    table's values rounded to bf16), and the head computes on the bf16 values."""
+    from tokenmill.models.packed_linear import PanelEmbedding, pack_linears, packing_for
+    from tokenmill.models.quant import head_to_bf16
+
+    if packing_for(torch.empty(0, dtype=torch.bfloat16)) is None or not build.load():
+        pytest.skip("no bf16 panels here")
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Embedding(300, 64)
+    model.lm_head = torch.nn.Linear(64, 300, bias=False)
+    model.lm_head.weight = model.embed_tokens.weight
+    table = model.embed_tokens.weight.detach().clone()
+    with torch.inference_mode():
+        pack_linears(model)
+        if head_to_bf16(model) == 0:
+            pytest.skip("this CPU has native bf16: the head stays fp32")
+        assert model.lm_head.packed_weight.dtype == torch.bfloat16
+        assert isinstance(model.embed_tokens, PanelEmbedding) and model.embed_tokens.panels is model.lm_head.packed_weight
+        ids = torch.tensor([0, 15, 16, 299])
+        rows = model.embed_tokens(ids)
+        assert rows.dtype == torch.float32 and torch.equal(rows, table[ids].bfloat16().float())
+        x = torch.randn(3, 64)
+        assert torch.equal(model.lm_head(x), torch.ops.tokenmill.packed_linear(
+            x, torch.ops.tokenmill.pack_linear_weight(table.bfloat16().float()), None, 300))
+
+
 def test_vocab_projection_paths_agree(monkeypatch):
     """A plain CPU head (vocab-major product or nn.Linear) and a packed one give the same logits."""
     from tokenmill.models import lm_head

@@ -39,14 +39,18 @@ def test_int8_weights_agree_with_fp32_mostly(tiny_model_dir):
     assert isinstance(modules["lm_head"], PackedLinear)
     assert all(isinstance(m, (WeightOnlyInt8Linear, PackedLinear)) for n, m in modules.items() if n.endswith("_proj"))
     # Where the panel GEMM takes bf16 weights (tokenmill's kernels, no native bf16), the lm_head is
-    # held in bf16 (half the bytes; agreement measured by `tokenmill bench agreement`); the
-    # embeddings stay fp32 either way.
-    from tokenmill.models.packed_linear import PanelLinear, packing_for
+    # held in bf16 (half the bytes; agreement measured by `tokenmill bench agreement`), and the tied
+    # embedding reads it: one copy, rows returned in fp32.
+    from tokenmill.models.packed_linear import PanelEmbedding, PanelLinear, packing_for
 
     head_bf16 = packing_for(torch.zeros(1, 1).bfloat16()) is PanelLinear
-    assert modules["lm_head"].packed_weight.dtype == (torch.bfloat16 if head_bf16 else torch.float32)
-    embeddings = [m for m in modules.values() if isinstance(m, torch.nn.Embedding)]
-    assert embeddings and all(m.weight.dtype == torch.float32 for m in embeddings)
+    head = modules["lm_head"]
+    assert head.packed_weight.dtype == (torch.bfloat16 if head_bf16 else torch.float32)
+    embedding = modules["embed_tokens"]
+    if isinstance(embedding, PanelEmbedding):
+        assert embedding.panels is head.packed_weight
+    ids = torch.tensor([0, 1, 5])
+    assert embedding(ids).dtype == torch.float32
     first_token_agreement = sum(a[0] == b[0] for a, b in zip(fp32, int8)) / len(prompts)
     assert first_token_agreement >= 0.75, first_token_agreement
 

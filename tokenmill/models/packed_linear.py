@@ -105,10 +105,12 @@ class PanelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.panels = head.packed_weight  # [panels, dim, width] (not `packed_weight`: counted once, at the head)
         self.width = self.panels.shape[-1]
+        self.dtype = self.panels.dtype  # of the rows returned (the panels may later be held narrower)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        return self.panels[flat // self.width, :, flat % self.width].view(*ids.shape, self.embedding_dim)
+        rows = self.panels[flat // self.width, :, flat % self.width].view(*ids.shape, self.embedding_dim)
+        return rows.to(self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, read from the packed lm_head"

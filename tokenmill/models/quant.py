@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.moe import split_experts
-from tokenmill.models.packed_linear import PanelLinear, into_huge_pages, packing_for
+from tokenmill.models.packed_linear import PanelEmbedding, PanelLinear, into_huge_pages, packing_for
 
 logger = logging.getLogger(__name__)
 
@@ -104,26 +104,27 @@ def quantize_model(model: nn.Module, method: str) -> None:
 
 
 def head_to_bf16(model: nn.Module) -> int:
-    """The fp32 layers int8 keeps (the lm_head) as bf16 copies, where the panel GEMM takes bf16
-    weights under fp32 activations (CPUs without native bf16); returns how many. Half the bytes of
-    the largest matrix a decode step streams (SmolLM2: 113 -> 57 MB, batch-1 int8 10.7 -> 9.8
-    ms/step) for no measured loss: top-1 agreement with fp32 98.19% -> 98.14%, with bf16 96.78% ->
-    97.02% (`tokenmill bench agreement --quantization int8 --references float32 bfloat16`). A tied
-    embedding keeps its fp32 matrix (its rows are read, not streamed)."""
+    """After pack_linears: the fp32 layers int8 keeps (the lm_head) held in bf16, where the panel GEMM
+    takes bf16 weights under fp32 activations (CPUs without native bf16); returns how many. Half the
+    bytes of the largest matrix a decode step streams (SmolLM2: 113 -> 57 MB, batch-1 int8 11.0-11.9
+    -> 9.4 ms/step). A tied embedding keeps reading the head's panels (one copy, now bf16: its rows are
+    returned in fp32). Agreement: `tokenmill bench agreement --quantization int8 --references
+    float32 bfloat16` (bench/README.md)."""
+    if packing_for(torch.empty(0, dtype=torch.bfloat16)) is not PanelLinear:
+        return 0
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if name not in _KEPT or type(child) is not nn.Linear or child.weight.dtype != torch.float32:
+            if name not in _KEPT or type(child) is not PanelLinear or child.packed_weight.dtype != torch.float32:
                 continue
-            if packing_for(torch.empty(0, dtype=torch.bfloat16, device=child.weight.device)) is not PanelLinear:
-                continue
-            head = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")  # (no init)
-            head.weight = nn.Parameter(child.weight.detach().bfloat16(), requires_grad=False)
-            head.bias = child.bias  # (fp32: the panel GEMM adds it in fp32)
-            setattr(module, name, head)
+            fp32_panels, (bf16_panels,) = child.packed_weight, into_huge_pages([child.packed_weight.bfloat16()])
+            for embedding in model.modules():
+                if isinstance(embedding, PanelEmbedding) and embedding.panels is fp32_panels:
+                    embedding.panels = bf16_panels
+            child.packed_weight = bf16_panels
             count += 1
     if count:
-        logger.info("int8: the lm_head in bf16 (weights widened to fp32 as they stream)")
+        logger.info("int8: the lm_head held in bf16 (widened to fp32 as it streams)")
     return count
 
 
