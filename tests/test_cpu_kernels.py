@@ -466,7 +466,8 @@ def test_int8_head_in_bf16_keeps_one_copy_for_a_tied_embedding():
         if head_to_bf16(model) == 0:
             pytest.skip("this CPU has native bf16: the head stays fp32")
         assert model.lm_head.packed_weight.dtype == torch.bfloat16
-        assert isinstance(model.embed_tokens, PanelEmbedding) and model.embed_tokens.panels is model.lm_head.packed_weight
+        assert isinstance(model.embed_tokens, PanelEmbedding)
+        assert model.embed_tokens.panels is model.lm_head.packed_weight
         ids = torch.tensor([0, 15, 16, 299])
         rows = model.embed_tokens(ids)
         assert rows.dtype == torch.float32 and torch.equal(rows, table[ids].bfloat16().float())
