@@ -43,8 +43,9 @@ class EngineConfig:
     packed_linear: bool = option(
         True, "CPU only: pack the linear layers' weights once at load: fp32 on tokenmill's panel GEMM kernel "
         "(1.05-1.8x oneDNN's packed fp32, which is itself up to 1.4x MKL's default path on AMD CPUs), bf16 on oneDNN "
-        "(AMX / AVX512-BF16); with --quantization, the layers it keeps in float (the lm_head). Ignored with "
-        "--compile and on GPU (--onednn-linear: old name)",
+        "where the CPU has native bf16 (AMX / AVX512-BF16), else on the same panel GEMM (widened to fp32 as it "
+        "streams); with --quantization, the layers it keeps in float (the lm_head, held in bf16 on the panel GEMM "
+        "where the CPU has no native bf16). Ignored with --compile and on GPU (--onednn-linear: old name)",
         aliases=("--onednn-linear",))
     fused_layers: bool = option(
         True, "CPU fp32 with --packed-linear (or --quantization int8): run each Llama-shaped decoder layer of a "

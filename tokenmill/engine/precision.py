@@ -1,7 +1,9 @@
 """`--dtype auto`: the compute dtype for a model on a device, and why.
 
 On CPU, bf16 is only faster than fp32 when the CPU computes in bf16 natively (AMX or AVX512-BF16);
-elsewhere (AVX2-only CPUs) oneDNN converts bf16 to fp32 around every GEMM and bf16 is slower. And a
+elsewhere (AVX2-only CPUs) bf16 weights are widened to fp32 as they stream (half the bytes), but the
+elementwise ops and the Python between layers run in bf16 and the one-call fp32 decoder layer does
+not apply: SmolLM2 batch-1 21.0 vs 19.8 ms/step, 221 vs ~230 offline tok/s on an AMD Zen3. And a
 model trained and shipped in fp32 stays fp32: bf16 would change its outputs for no reason it asked for.
 """
 
