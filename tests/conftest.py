@@ -104,6 +104,24 @@ def sharp_tiny_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bf16_sharp_tiny_model_dir(tmp_path_factory, sharp_tiny_model_dir) -> Path:
+    """The sharp tiny Llama published in bf16 (its weights rounded to bf16, as most HF checkpoints
+    ship): loaded in fp32, every weight is a bf16 value."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = Path(shutil.copytree(sharp_tiny_model_dir, tmp_path_factory.mktemp("bf16-sharp-tiny-llama") / "model"))
+    for path in target.glob("*.safetensors"):
+        save_file({k: v.bfloat16().contiguous() for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config.pop("dtype", None)
+    (target / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    return target
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory, default_model_dir) -> Path:
     from transformers import GPT2Config
 

@@ -4,6 +4,7 @@ the Python layer it replaces, used where it applies, standing aside where it doe
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import mixed_prompts, run_staggered
 from tokenmill import LLM, SamplingParams
@@ -82,3 +83,44 @@ def test_only_llama_shaped_layers_fuse(family, tmp_path, default_model_dir):
     model_dir = save_random_model(CONFIGS[family](), default_model_dir, tmp_path, seed=3)
     llm = _engine(model_dir)
     assert all(layer.fused is None for layer in llm.engine.model.layers)
+
+
+def test_bf16_valued_weights_run_from_bf16_panels_bit_identically(bf16_sharp_tiny_model_dir, monkeypatch,
+                                                                    fused_calls):
+    """A model published in bf16, run in fp32: every projection (and the tied embedding) is held in
+    bf16 panels, half the bytes, and the fused layers read them; tokens and logprobs equal those of
+    the same engine on fp32 panels to the last bit, and the greedy tokens HF fp32 generate's."""
+    from tests.conftest import hf_greedy
+    from tokenmill.models import packed_linear
+    from tokenmill.models.packed_linear import PanelEmbedding, PanelLinear
+
+    prompts = mixed_prompts(4, 1, 60, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
+    narrow = _engine(bf16_sharp_tiny_model_dir, dtype="float32")
+    panels = [m for m in narrow.engine.model.modules() if isinstance(m, PanelLinear)]
+    assert panels and all(m.packed_weight.dtype == torch.bfloat16 for m in panels)
+    embedding = narrow.engine.model.embed_tokens
+    assert isinstance(embedding, PanelEmbedding) and embedding.panels.dtype == torch.bfloat16
+    assert embedding(torch.tensor([3, 77])).dtype == torch.float32
+    assert all(layer.fused is not None for layer in narrow.engine.model.layers)
+    monkeypatch.setattr(packed_linear, "panel_dtype", lambda weight: weight.dtype)
+    wide = _engine(bf16_sharp_tiny_model_dir, dtype="float32")
+    assert all(m.packed_weight.dtype == torch.float32 for m in wide.engine.model.modules() if isinstance(m, PanelLinear))
+    outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+            for llm in (narrow, wide)]
+    assert outs[0] == outs[1]
+    assert fused_calls
+    assert [tokens for tokens, _ in outs[0]] == [hf_greedy(bf16_sharp_tiny_model_dir, p, params.max_tokens)
+                                                 for p in prompts]
+
+
+def test_only_exact_bf16_values_go_to_bf16_panels():
+    from tokenmill.models.packed_linear import panel_dtype
+
+    weight = torch.randn(8, 8)
+    assert panel_dtype(weight) == torch.float32
+    assert panel_dtype(weight.bfloat16().float()) == torch.bfloat16
+    nudged = weight.bfloat16().float()
+    nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(1.0))  # one value a bf16 cannot hold
+    assert panel_dtype(nudged) == torch.float32
+    assert panel_dtype(weight.bfloat16()) == torch.bfloat16

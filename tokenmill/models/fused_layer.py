@@ -8,7 +8,8 @@ bit-identical to the Python layer's; the layer takes it whenever the step's atte
 the paged kernel (decodes and chunks with cached context; first prefill chunks go through SDPA in
 Python) and the cache is not int8. Fused: layers of exactly the Llama structure (RMSNorm, fused qkv
 with optional bias, no q/k norm, SiLU-gated MLP, no tensor parallelism) in fp32 whose four
-projections are on the panel GEMM: fp32 (`--packed-linear`) or int8 (`--quantization int8`).
+projections are on the panel GEMM: fp32 or bf16 panels (`--packed-linear`; bf16 holds the bf16-valued
+weights of a model published in bf16: the kernel widens them back to fp32) or int8 (`--quantization int8`).
 Anything wrapped later (LoRA) makes the layer stand aside.
 """
 
@@ -60,9 +61,9 @@ def _fusable(layer: LlamaLayer) -> bool:
 
 
 def _on_panels(linear: nn.Module) -> bool:
-    """fp32 or int8 panels (the fused layer's activations are fp32: bf16 panels keep Python layers)."""
+    """fp32, bf16 or int8 panels (the activations are fp32: _fusable asks for an fp32 norm)."""
     if type(linear) is PanelLinear:
-        return linear.packed_weight.dtype == torch.float32
+        return True
     return type(linear) is WeightOnlyInt8Linear and linear.use_cpu_kernel
 
 

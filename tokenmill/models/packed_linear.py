@@ -11,6 +11,9 @@ Two packings replace it, chosen by the weight's dtype:
   64, 1.05-1.3x at 128-256.
 - bf16 on a CPU without native bf16 (AMX or AVX512-BF16) goes to the same panel GEMM, each weight
   widened to fp32 as it streams (half the bytes of fp32, fp32 arithmetic).
+- fp32 weights whose every value is a bf16 value (a model published in bf16, run in fp32: SmolLM2)
+  are held in bf16 panels too: the kernel widens them back exactly, so the results are the fp32
+  panels' bit for bit, from half the bytes (batch-1 decode streams the weights once per step).
 - bf16 on CPUs with native bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinear`):
   oneDNN with the weight reordered into its blocked layout (AMX / AVX512-BF16).
 
@@ -77,10 +80,10 @@ class PanelLinear(PackedLinear):
     """fp32 (or bf16 where the CPU has no native bf16: widened to fp32 as the weight streams, half
     the bytes), on tokenmill's panel GEMM: any row count, and a row's result does not depend on the
     other rows of its step. `storage`: where to keep the packed weight (panel_numel(linear) values of
-    the weight's dtype; default: its own tensor)."""
+    panel_dtype(linear.weight); default: its own tensor)."""
 
     def __init__(self, linear: nn.Linear, storage: torch.Tensor | None = None) -> None:
-        packed = torch.ops.tokenmill.pack_linear_weight(linear.weight.detach())
+        packed = torch.ops.tokenmill.pack_linear_weight(linear.weight.detach().to(panel_dtype(linear.weight)))
         if storage is not None:
             packed = storage.view(packed.shape).copy_(packed)
         super().__init__(linear, packed)
@@ -105,7 +108,7 @@ class PanelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.panels = head.packed_weight  # [panels, dim, width] (not `packed_weight`: counted once, at the head)
         self.width = self.panels.shape[-1]
-        self.dtype = self.panels.dtype  # of the rows returned (the panels may later be held narrower)
+        self.dtype = embedding.weight.dtype  # of the rows returned (the panels may be held narrower)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -144,6 +147,14 @@ def packing_for(weight: torch.Tensor) -> type[PackedLinear] | None:
     if weight.dtype in onednn_dtypes and onednn_linear_available():
         return OneDnnLinear
     return None
+
+
+def panel_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of a weight's panels: its own, or bf16 for an fp32 weight whose every value is a bf16
+    value (its low 16 bits are zero): the same numbers in half the bytes (see the module docstring)."""
+    if weight.dtype == torch.float32 and not (weight.detach().view(torch.int32) & 0xFFFF).any():
+        return torch.bfloat16
+    return weight.dtype
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
@@ -188,17 +199,19 @@ def pack_linears(model: nn.Module) -> int:
                for name, child in list(module.named_children()) if type(child) is nn.Linear]
     targets = [t for t in targets if t[3] is not None]
     numels = [PanelLinear.panel_numel(child) if kind is PanelLinear else 0 for _, _, child, kind in targets]
-    starts = _aligned_starts([n * child.weight.element_size() for n, (_, _, child, _) in zip(numels, targets)])
+    dtypes = [panel_dtype(child.weight) for _, _, child, _ in targets]
+    starts = _aligned_starts([n * dtype.itemsize for n, dtype in zip(numels, dtypes)])
     buffer = huge_page_buffer(starts[-1]) if starts[-1] else None
     counts: dict[str, int] = {}
     panel_of_weight: dict[int, PanelLinear] = {}
-    for (module, name, child, kind), numel, start in zip(targets, numels, starts):
-        storage = _view(buffer, start, numel, child.weight.dtype) if kind is PanelLinear else None
+    for (module, name, child, kind), numel, dtype, start in zip(targets, numels, dtypes, starts):
+        storage = _view(buffer, start, numel, dtype) if kind is PanelLinear else None
         packed = PanelLinear(child, storage) if kind is PanelLinear else kind(child)
         if isinstance(packed, PanelLinear) and packed.bias is None:
             panel_of_weight[id(child.weight)] = packed
         setattr(module, name, packed)
-        counts[kind.__name__] = counts.get(kind.__name__, 0) + 1
+        label = kind.__name__ + (" (bf16-valued fp32 weights, in bf16)" if dtype != child.weight.dtype else "")
+        counts[label] = counts.get(label, 0) + 1
     _read_tied_embeddings_from(panel_of_weight, model, counts)
     logger.info("packed layers: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
     return len(targets)
