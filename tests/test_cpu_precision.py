@@ -91,3 +91,47 @@ def test_engine_auto_dtype_follows_the_cpu(monkeypatch, caplog, tmp_path, tiny_m
     assert llm.engine.kv_cache.data.dtype == expected
     assert next(llm.engine.model.parameters()).dtype == expected
     assert f"--dtype auto: {str(expected).removeprefix('torch.')} on CPU, because" in caplog.text
+
+
+@pytest.mark.parametrize(("flags", "device", "expected"), [
+    (ZEN3, "cpu", (torch.float32, torch.bfloat16)),  # no native bf16: bf16 weights, fp32 arithmetic
+    (SKYLAKE_X, "cpu", (torch.float32, torch.bfloat16)),
+    (SAPPHIRE_RAPIDS, "cpu", (torch.bfloat16, torch.bfloat16)),
+    (COOPER_LAKE, "cpu", (torch.bfloat16, torch.bfloat16)),
+    (ZEN3, "cuda", (torch.bfloat16, torch.bfloat16)),  # (the CPU does not matter on a GPU)
+])
+def test_bf16_precision_by_cpu(monkeypatch, flags, device, expected):
+    monkeypatch.setattr(precision, "detect", lambda: caps_from_flags(flags, "AVX512"))
+    resolved = precision.resolve_precision("bfloat16", torch.device(device))
+    assert (resolved.compute, resolved.weights) == expected
+    assert precision.resolve_precision("float32", torch.device(device)) == precision.Precision(torch.float32,
+                                                                                               torch.float32)
+
+
+def test_bf16_without_native_bf16_is_bf16_weights_and_cache_in_fp32_arithmetic(monkeypatch, caplog,
+                                                                              sharp_tiny_model_dir,
+                                                                              bf16_sharp_tiny_model_dir):
+    """`--dtype bfloat16` on a CPU without native bf16: every weight rounded to bf16 (the linear ones
+    held in bf16), a bf16 KV cache, fp32 activations: the same tokens and logprobs as an fp32 engine
+    over the model's weights rounded to bf16 with a bf16 cache."""
+    from tokenmill import LLM, SamplingParams
+    from tests.conftest import mixed_prompts
+
+    monkeypatch.setattr(precision, "detect", lambda: caps_from_flags(ZEN3, "AVX2"))
+    with caplog.at_level(logging.INFO, logger="tokenmill.engine.precision"):
+        llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="16MiB", dtype="bfloat16")
+    assert "--dtype bfloat16: weights and KV cache in bf16, arithmetic in fp32" in caplog.text
+    engine = llm.engine
+    assert (engine.dtype, engine.kv_dtype, engine.kv_cache.data.dtype) == (torch.float32, torch.bfloat16,
+                                                                          torch.bfloat16)
+    assert engine.precision.describe() == "bfloat16 weights, float32 arithmetic"
+    for name, parameter in engine.model.named_parameters():
+        assert parameter.dtype == torch.float32
+        assert torch.equal(parameter, parameter.bfloat16().float()), name
+    reference = LLM(str(bf16_sharp_tiny_model_dir), progress=False, kv_cache_memory="16MiB", dtype="float32",
+                    kv_cache_dtype="bfloat16")
+    prompts = mixed_prompts(4, 1, 40, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine_llm.generate(prompts, params)]
+            for engine_llm in (llm, reference)]
+    assert outs[0] == outs[1]

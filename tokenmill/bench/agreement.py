@@ -86,7 +86,7 @@ def predictions(llm: Any, chunks: list[list[int]], step: int | None = None) -> t
 def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
     model_dir = resolve_bench_model(args.model)
     llm = make_llm(args, model_dir)
-    setting = (f"dtype {str(llm.engine.dtype).removeprefix('torch.')}, quantization {args.quantization or 'none'}, "
+    setting = (f"dtype {llm.engine.precision.describe()}, quantization {args.quantization or 'none'}, "
                f"KV cache {str(llm.engine.kv_dtype).removeprefix('torch.')}")
     chunks = text_chunks(llm.tokenizer, args.tokens, args.chunk)
     tested = predictions(llm, chunks, args.step)

@@ -251,10 +251,10 @@ def main(args: argparse.Namespace) -> int:
     finally:
         llm.engine.close()
     attention = "fused CPU kernel" if llm.engine.runner.fused_attention else "gather + SDPA"
-    print(f"dtype {str(llm.engine.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads, "
+    print(f"dtype {llm.engine.precision.describe()}, {torch.get_num_threads()} threads, "
           f"attention: {attention} (TOKENMILL_CPU_KERNELS=0 for gather + SDPA)")
     return print_report(args, format_profiles(results),
-                        {"dtype": str(llm.engine.dtype), "num_threads": torch.get_num_threads(),
+                        {"dtype": llm.engine.precision.describe(), "num_threads": torch.get_num_threads(),
                          "attention": attention, "profiles": [asdict(r) for r in results]})
 
 

@@ -19,7 +19,8 @@ class EngineConfig:
         "architecture has one, else transformers", choices=["auto", "native", "transformers"])
     served_model_name: str | None = option(None, "model name reported by the API (default: the directory name)")
     dtype: str = option("auto", "weight/activation dtype; auto = bf16 on a CPU with native bf16 (AMX or "
-                        "AVX512-BF16) for a model published in bf16/fp16, else fp32 on CPU; bf16 (or fp16) on GPU",
+                        "AVX512-BF16) for a model published in bf16/fp16, else fp32 on CPU; bf16 (or fp16) on GPU. "
+                        "bfloat16 on a CPU without native bf16: bf16 weights and KV cache, fp32 arithmetic",
                         choices=["auto", "float32", "float16", "bfloat16"])
     device: str = option("auto", "where to run; auto picks CUDA when available", choices=["auto", "cpu", "cuda"])
     quantization: str | None = option(None, "weight-only quantization of the linear layers", choices=["int8"])

@@ -23,7 +23,7 @@ from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.kv_cache import BlockAllocator, KVCache
 from tokenmill.engine.model_runner import ModelRunner, StepInput
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
-from tokenmill.engine.precision import resolve_dtype, resolve_kv_cache_dtype
+from tokenmill.engine.precision import resolve_kv_cache_dtype, resolve_precision
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.request import Request
 from tokenmill.engine.result_cache import ResultCache
@@ -122,8 +122,9 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.model_dir)
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.precision = resolve_precision(config.dtype, self.device, self.model_dir)
+        self.dtype = self.precision.compute
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.precision.weights)
         self.model_name = config.served_model_name or self.model_dir.name
         self.tokenizer = load_tokenizer(self.model_dir)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
@@ -136,7 +137,7 @@ class LLMEngine:
             self.device = rank_device(self.device, 0)
             self.tp_group = TensorParallelGroup(config, self.device)  # workers load their shards meanwhile
         try:
-            self.model, self.spec = load_prepared_model(config, self.model_dir, self.dtype, self.device, progress=progress)
+            self.model, self.spec = load_prepared_model(config, self.model_dir, self.precision, self.device, progress=progress)
             # LoRA: the model's target layers wrapped, with --max-loras slots each (before the KV budget is taken).
             self.lora_model = (LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
                                if config.lora_enabled else None)
@@ -187,7 +188,7 @@ class LLMEngine:
         draft_dir = resolve_model(self.config.speculative_model)
         try:
             draft_spec = check_draft_model(draft_dir, self.spec, self.tokenizer)
-            model = load_draft_model(self.config, draft_dir, self.dtype, self.device)
+            model = load_draft_model(self.config, draft_dir, self.precision, self.device)
         except BaseException:
             self.close()
             raise

@@ -1,16 +1,20 @@
-"""`--dtype auto`: the compute dtype for a model on a device, and why.
+"""`--dtype`: what it means for a model on a device (`Precision`), and what `auto` picks, and why.
 
-On CPU, bf16 is only faster than fp32 when the CPU computes in bf16 natively (AMX or AVX512-BF16);
-elsewhere (AVX2-only CPUs) bf16 weights are widened to fp32 as they stream (half the bytes), but the
-elementwise ops and the Python between layers run in bf16 and the one-call fp32 decoder layer does
-not apply: SmolLM2 batch-1 21.0 vs 19.8 ms/step, 221 vs ~230 offline tok/s on an AMD Zen3. And a
-model trained and shipped in fp32 stays fp32: bf16 would change its outputs for no reason it asked for.
+`--dtype auto` on CPU picks bf16 only where the CPU computes bf16 natively (AMX or AVX512-BF16) and
+the model was published in bf16/fp16; elsewhere fp32. A model trained and shipped in fp32 stays
+fp32: bf16 would change its outputs for no reason it asked for. A model published in bf16 loses
+nothing in fp32 on an AVX2 CPU: its weights are bf16 values, held in bf16 panels all the same
+(packed_linear.panel_dtype), so fp32 runs it exactly at bf16's weight bytes.
+
+`--dtype bfloat16` on a CPU without native bf16 means bf16 weights and KV cache with fp32 arithmetic
+(see resolve_precision): such a CPU widens bf16 to fp32 to compute anyway.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,6 +65,33 @@ def resolve_dtype(name: str, device: torch.device, model_dir: Path | None = None
     dtype, reason = choose_cpu_dtype(detect(), model_source_dtype(model_dir))
     logger.info("--dtype auto: %s on CPU, because %s", str(dtype).removeprefix("torch."), reason)
     return dtype
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What `--dtype` means for the engine: the dtype the model computes in (its activations and the
+    model it is loaded as), and the one its weights are held in (and its KV cache by default)."""
+
+    compute: torch.dtype
+    weights: torch.dtype
+
+    def describe(self) -> str:
+        name = str(self.weights).removeprefix("torch.")
+        return name if self.weights == self.compute else f"{name} weights, {str(self.compute).removeprefix('torch.')} arithmetic"
+
+
+def resolve_precision(name: str, device: torch.device, model_dir: Path | None = None) -> Precision:
+    """`--dtype NAME` on `device`. bf16 on a CPU without native bf16 keeps bf16 weights (rounded to
+    bf16, held in half the bytes on the panel GEMM) and KV cache, but computes in fp32: that CPU
+    computes bf16 by widening to fp32 anyway, so rounding every activation back to bf16 between ops
+    would only lose accuracy and time (SmolLM2 batch-1 12 vs 21 ms/step, offline 249 vs 221 tok/s
+    on an AMD Zen3; OpenVINO does the same: fp32 inference precision on such CPUs)."""
+    dtype = resolve_dtype(name, device, model_dir)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not detect().native_bf16:
+        logger.info("--dtype bfloat16: weights and KV cache in bf16, arithmetic in fp32, because this CPU has "
+                    "no native bf16 (%s)", detect().describe())
+        return Precision(torch.float32, torch.bfloat16)
+    return Precision(dtype, dtype)
 
 
 def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from tokenmill.engine.config import EngineConfig, parse_memory
 from tokenmill.engine.kv_cache import bytes_per_block
+from tokenmill.engine.precision import Precision
 from tokenmill.models.fused_layer import fuse_decoder_layers
 from tokenmill.models.loader import load_model, load_spec, resolve_architecture
 from tokenmill.models.packed_linear import pack_linears
@@ -49,13 +50,32 @@ def check_tensor_parallel(config: EngineConfig, model_dir: Path, device: torch.d
     check_shardable(load_spec(model_dir), world)
 
 
-def load_prepared_model(config: EngineConfig, model_dir: Path, dtype: torch.dtype, device: torch.device,
+def load_prepared_model(config: EngineConfig, model_dir: Path, precision: Precision, device: torch.device,
                         rank: int = 0, progress: bool = False) -> tuple[torch.nn.Module, ModelSpec]:
-    """This rank's share of the model, quantized, packed or compiled as the config asks."""
-    model, spec = load_model(model_dir, dtype, device, progress=progress, tp=TPInfo(rank, config.tensor_parallel_size),
-                             max_model_len=config.max_model_len, model_impl=config.model_impl)
+    """This rank's share of the model in `precision`, quantized, packed or compiled as the config asks."""
+    model, spec = load_model(model_dir, precision.compute, device, progress=progress,
+                             tp=TPInfo(rank, config.tensor_parallel_size), max_model_len=config.max_model_len,
+                             model_impl=config.model_impl)
+    if precision.weights != precision.compute:
+        round_weights(model, precision.weights)
     prepare_model(model, config, device)
     return model, spec
+
+
+@torch.no_grad()
+def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating-point parameter rounded to `dtype`'s values. In place (the storage keeps the
+    compute dtype: packing then holds the linear weights in `dtype`, see packed_linear.panel_dtype),
+    except in modules that compute in their weights' dtype (MoE expert stacks): held in `dtype`."""
+    for module in model.modules():
+        narrow = getattr(module, "computes_in_weight_dtype", False)
+        for parameter in module.parameters(recurse=False):
+            if not parameter.is_floating_point():
+                continue
+            if narrow:
+                parameter.data = parameter.data.to(dtype)
+            else:
+                parameter.copy_(parameter.to(dtype))
 
 
 def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:

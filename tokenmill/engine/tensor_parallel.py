@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kv_cache import KVCache
-from tokenmill.engine.precision import resolve_dtype, resolve_kv_cache_dtype
+from tokenmill.engine.precision import resolve_kv_cache_dtype, resolve_precision
 from tokenmill.engine.setup import load_prepared_model, resolve_device
 from tokenmill.engine.tensors import to_device
 from tokenmill.models.hub import resolve_model
@@ -112,15 +112,15 @@ def worker_main(rank: int, config: EngineConfig, init_method: str) -> None:
     else:
         torch.set_num_threads(threads_per_rank(world))
     model_dir = resolve_model(config.model)
-    dtype = resolve_dtype(config.dtype, device, model_dir)
+    precision = resolve_precision(config.dtype, device, model_dir)
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world,
                             timeout=_INIT_TIMEOUT)
-    model, spec = load_prepared_model(config, model_dir, dtype, device, rank=rank)
+    model, spec = load_prepared_model(config, model_dir, precision, device, rank=rank)
     box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)
     num_blocks = box[0]
     kv = KVCache(spec.num_layers, num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim,
-                 resolve_kv_cache_dtype(config.kv_cache_dtype, dtype), device)
+                 resolve_kv_cache_dtype(config.kv_cache_dtype, precision.weights), device)
     with torch.inference_mode():
         while True:
             box = [None]

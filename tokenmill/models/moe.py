@@ -99,7 +99,12 @@ def grouped_mm_supported(weight: torch.Tensor) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """All experts' weights stacked; forward takes rows grouped by expert and each group's size."""
+    """All experts' weights stacked; forward takes rows grouped by expert and each group's size.
+    The experts compute in their weights' dtype: under bf16 weights with fp32 arithmetic (`--dtype
+    bfloat16` on a CPU without native bf16) the stacks stay bf16 (the bulk of an MoE's bytes) and
+    the rows go through them in bf16, as grouped_mm takes one dtype."""
+
+    computes_in_weight_dtype = True  # (engine.setup.round_weights narrows these weights' storage)
 
     def __init__(self, hidden_size: int, config: MoEConfig) -> None:
         super().__init__()
@@ -110,6 +115,9 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i))
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self._forward(rows.to(self.gate_up_proj.dtype), counts).to(rows.dtype)
+
+    def _forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if not grouped_mm_supported(self.gate_up_proj):
             return _loop_over_experts(rows, counts, self._expert)
         offsets = counts.cumsum(0).to(torch.int32)

@@ -24,6 +24,7 @@ import torch
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.kv_cache import KVCache, bytes_per_block
 from tokenmill.engine.model_runner import Chunk, build_forward
+from tokenmill.engine.precision import Precision
 from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.engine.setup import load_prepared_model, load_tokenizer
 from tokenmill.engine.tensors import to_device
@@ -48,11 +49,12 @@ def check_draft_model(draft_dir: Path, target: ModelSpec, target_tokenizer: Any)
     return spec
 
 
-def load_draft_model(config: EngineConfig, draft_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_draft_model(config: EngineConfig, draft_dir: Path, precision: Precision,
+                     device: torch.device) -> torch.nn.Module:
     """The draft model (checked by `check_draft_model`), prepared like the model (quantization,
     oneDNN, compile), unsharded."""
     draft_config = dataclasses.replace(config, model=str(draft_dir), tensor_parallel_size=1, model_impl="auto")
-    model, _ = load_prepared_model(draft_config, draft_dir, dtype, device)
+    model, _ = load_prepared_model(draft_config, draft_dir, precision, device)
     return model
 
 
