@@ -110,9 +110,11 @@ inline void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k, c
 
 // panel_tile over P consecutive int8 panels and their scales [groups, kPanel] each: each weight
 // widened and scaled (w = q * scale, as the dequantized weight) in registers, then the same FMA
-// chain over k in order. P > 1 (one row of x over two panels at once) gives the chains of the
+// chain over k in order. P > 1 (one row of x over several panels at once) gives the chains of the
 // other panels to overlap: at one byte per weight, one row's two chains per panel were latency-
-// bound, not memory-bound. `cols`: of the last panel.
+// bound, not memory-bound. The scales are read (from L1) at every k rather than held in registers:
+// six panels' accumulators leave none for them on AVX2 (one row over SmolLM2's layers: six panels
+// reading scales 5.75 ms, two panels holding them 6.33). `cols`: of the last panel.
 template <int R, int P>
 inline void int8_panel_tile(const float* x, int64_t ldx, const int8_t* panel, const float* scales, int64_t k,
                             int64_t group, const float* bias, float* out, int64_t ldo, int64_t cols) {
@@ -123,18 +125,13 @@ inline void int8_panel_tile(const float* x, int64_t ldx, const int8_t* panel, co
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[p][r][0] = acc[p][r][1] = Vec(0.f);
   for (int64_t g0 = 0; g0 < k; g0 += group) {
-    Vec s[P][2];
-    #pragma GCC unroll 16
-    for (int p = 0; p < P; ++p) {
-      const float* sp = scales + p * panel_scales + g0 / group * kPanel;
-      s[p][0] = Vec::loadu(sp);
-      s[p][1] = Vec::loadu(sp + kVec);
-    }
+    const float* group_scales = scales + g0 / group * kPanel;  // (panel p's: + p * panel_scales)
     for (int64_t d = g0; d < g0 + group; ++d) {
       #pragma GCC unroll 16
       for (int p = 0; p < P; ++p) {
         const int8_t* w = panel + p * k * kPanel + d * kPanel;
-        const Vec w0 = load_int8(w) * s[p][0], w1 = load_int8(w + kVec) * s[p][1];
+        const float* s = group_scales + p * panel_scales;
+        const Vec w0 = load_int8(w) * Vec::loadu(s), w1 = load_int8(w + kVec) * Vec::loadu(s + kVec);
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const Vec a(x[r * ldx + d]);
@@ -225,6 +222,16 @@ inline void one_row_panel_groups(const float* x, const W* wp, const float* bias,
   if constexpr (P > 1) one_row_panel_groups<P - 1>(x, wp, bias, out, k, n, p, end);
 }
 
+// The same over int8 panels and their scales ([panels, groups, kPanel]).
+template <int P>
+inline void one_row_int8_groups(const float* x, const int8_t* qp, const float* sp, int64_t groups, const float* bias,
+                                float* out, int64_t k, int64_t n, int64_t& p, int64_t end) {
+  for (; p + P <= end && (p + P) * kPanel <= n; p += P)
+    int8_panel_tile<1, P>(x, k, qp + p * k * kPanel, sp + p * groups * kPanel, k, k / groups,
+                          bias != nullptr ? bias + p * kPanel : nullptr, out + p * kPanel, n, kPanel);
+  if constexpr (P > 1) one_row_int8_groups<P - 1>(x, qp, sp, groups, bias, out, k, n, p, end);
+}
+
 template <typename W>
 void panel_gemm(const float* xp, const W* wp, const float* bias_ptr, float* op, int64_t m, int64_t k, int64_t n,
                 int64_t panels) {
@@ -299,11 +306,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
     for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
       auto bias_at = [&](int64_t col) { return bias_ptr != nullptr ? bias_ptr + col : nullptr; };
       int64_t p = begin;
-      if (m == 1) {  // pairs of full panels (see int8_panel_tile)
-        for (; p + 2 <= end && (p + 2) * kPanel <= n; p += 2)
-          int8_panel_tile<1, 2>(xp, k, qp + p * k * kPanel, sp + p * groups * kPanel, k, group, bias_at(p * kPanel),
-                                op + p * kPanel, n, kPanel);
-      }
+      if (m == 1) one_row_int8_groups<kOneRowPanels>(xp, qp, sp, groups, bias_ptr, op, k, n, p, end);
       std::vector<float>& widened = widened_panel();
       for (; p < end; ++p) {
         const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
