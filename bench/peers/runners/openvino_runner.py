@@ -3,7 +3,10 @@
 The HF model is exported once with optimum-intel (`optimum-cli export openvino`, fp16 weights for
 bf16 compute, fp32 for fp32) into --export-dir; compute precision is the CPU plugin's
 INFERENCE_PRECISION_HINT. The KV cache precision is set explicitly (KV_CACHE_PRECISION): the compute
-precision, or u8 (the plugin's own default on recent releases) for --kv-cache int8.
+precision, or u8 (the plugin's own default on recent releases) for --kv-cache int8. On a CPU
+without native bf16 (no BF16 in the plugin's OPTIMIZATION_CAPABILITIES: AVX2-only CPUs) the plugin
+computes in f32 whatever the hint, and its paged attention takes only an f32 cache ("expect kvcache
+type f32"), so bf16 runs there keep fp16 weights with an f32 cache.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def main() -> None:
     scheduler.max_num_seqs = len(workload)
     scheduler.enable_prefix_caching = False
     compute = "bf16" if args.precision == "bf16" else "f32"
-    kv_cache = "u8" if args.kv_cache == "int8" else compute
+    native_bf16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    kv_cache = "u8" if args.kv_cache == "int8" else compute if native_bf16 else "f32"
     properties = {"INFERENCE_PRECISION_HINT": compute, "KV_CACHE_PRECISION": kv_cache,
                   "INFERENCE_NUM_THREADS": args.threads}
     pipe = ov_genai.ContinuousBatchingPipeline(args.export_dir, scheduler, "CPU", properties)
