@@ -78,11 +78,8 @@ inline void store_tile(Vec (&acc)[R][2], const float* bias, float* out, int64_t 
 // and two chains per row already run one row at the memory's speed (two chains per row over
 // interleaved k steps measured 0.8x at one row: 23 vs 29 GB/s).
 // bf16 panels (bf16 weights on a CPU without native bf16, or fp32 weights that are all bf16 values)
-// are widened to fp32 in registers as they stream, exactly: half the bytes of fp32 per weight, the
-// same arithmetic as on their fp32 values.
-inline Vec weights_at(const float* w) { return Vec::loadu(w); }
-inline Vec weights_at(const at::BFloat16* w) { return load_bf16(w); }
-
+// are widened to fp32 in registers as they stream (load_as_float), exactly: half the bytes of fp32
+// per weight, the same arithmetic as on their fp32 values.
 template <int R, int P = 1, typename W>
 inline void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k, const float* bias, float* out,
                        int64_t ldo, int64_t cols) {
@@ -95,7 +92,7 @@ inline void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k, c
     #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
       const W* w = panel + p * k * kPanel + d * kPanel;
-      const Vec w0 = weights_at(w), w1 = weights_at(w + kVec);
+      const Vec w0 = load_as_float(w), w1 = load_as_float(w + kVec);
       #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const Vec a(x[r * ldx + d]);

@@ -48,6 +48,11 @@ inline Vec load_bf16(const at::BFloat16* src) {
 #endif
 }
 
+// kVec values from memory as fp32: fp32 as they are, bf16 widened exactly (for kernels templated on
+// the dtype of a row they stream: weight panels, K/V rows).
+inline Vec load_as_float(const float* src) { return Vec::loadu(src); }
+inline Vec load_as_float(const at::BFloat16* src) { return load_bf16(src); }
+
 // Rows of K/V as fp32: fp32 caches are read in place, others converted into `scratch`. An int8 row
 // is followed by its fp32 scale (tokenmill/models/kv_quant.py).
 template <typename T>
@@ -137,10 +142,10 @@ inline void for_tile_rows(int64_t n, Group&& group) {
   for_row_groups<kTileRows>(n, group);
 }
 
-// out[r * ld + j] = q_rows[r] . k_rows[j] for N rows and KT columns (keys, weight rows), fp32
-// accumulation: each chunk of a row is loaded once for the KT columns.
-template <int N, int KT>
-inline void dot_tile(const float* const* q_rows, const float* const* k_rows, int64_t dim, float* out, int64_t ld) {
+// out[r * ld + j] = q_rows[r] . k_rows[j] for N rows and KT columns (keys, weight rows; fp32, or
+// bf16 read as fp32), fp32 accumulation: each chunk of a row is loaded once for the KT columns.
+template <int N, int KT, typename K = float>
+inline void dot_tile(const float* const* q_rows, const K* const* k_rows, int64_t dim, float* out, int64_t ld) {
   Vec acc[N][KT];
   #pragma GCC unroll 16
   for (int r = 0; r < N; ++r)
@@ -153,7 +158,7 @@ inline void dot_tile(const float* const* q_rows, const float* const* k_rows, int
     for (int r = 0; r < N; ++r) qv[r] = Vec::loadu(q_rows[r] + d);
     #pragma GCC unroll 16
     for (int j = 0; j < KT; ++j) {
-      const Vec kv = Vec::loadu(k_rows[j] + d);
+      const Vec kv = load_as_float(k_rows[j] + d);
       #pragma GCC unroll 16
       for (int r = 0; r < N; ++r) acc[r][j] = at::vec::fmadd(qv[r], kv, acc[r][j]);
     }
@@ -169,7 +174,7 @@ inline void dot_tile(const float* const* q_rows, const float* const* k_rows, int
     }
     #pragma GCC unroll 16
     for (int j = 0; j < KT; ++j) {
-      for (int64_t t = d; t < dim; ++t) sums[j] += q_rows[r][t] * k_rows[j][t];
+      for (int64_t t = d; t < dim; ++t) sums[j] += q_rows[r][t] * static_cast<float>(k_rows[j][t]);
       out[r * ld + j] = sums[j];
     }
   }
