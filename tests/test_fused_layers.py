@@ -105,7 +105,8 @@ def test_bf16_valued_weights_run_from_bf16_panels_bit_identically(bf16_sharp_tin
     assert all(layer.fused is not None for layer in narrow.engine.model.layers)
     monkeypatch.setattr(packed_linear, "panel_dtype", lambda weight: weight.dtype)
     wide = _engine(bf16_sharp_tiny_model_dir, dtype="float32")
-    assert all(m.packed_weight.dtype == torch.float32 for m in wide.engine.model.modules() if isinstance(m, PanelLinear))
+    wide_panels = [m for m in wide.engine.model.modules() if isinstance(m, PanelLinear)]
+    assert all(m.packed_weight.dtype == torch.float32 for m in wide_panels)
     outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
             for llm in (narrow, wide)]
     assert outs[0] == outs[1]

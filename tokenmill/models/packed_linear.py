@@ -199,7 +199,7 @@ def pack_linears(model: nn.Module) -> int:
                for name, child in list(module.named_children()) if type(child) is nn.Linear]
     targets = [t for t in targets if t[3] is not None]
     numels = [PanelLinear.panel_numel(child) if kind is PanelLinear else 0 for _, _, child, kind in targets]
-    dtypes = [panel_dtype(child.weight) for _, _, child, _ in targets]
+    dtypes = [panel_dtype(child.weight) if kind is PanelLinear else child.weight.dtype for _, _, child, kind in targets]
     starts = _aligned_starts([n * dtype.itemsize for n, dtype in zip(numels, dtypes)])
     buffer = huge_page_buffer(starts[-1]) if starts[-1] else None
     counts: dict[str, int] = {}
@@ -210,7 +210,8 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(packed, PanelLinear) and packed.bias is None:
             panel_of_weight[id(child.weight)] = packed
         setattr(module, name, packed)
-        label = kind.__name__ + (" (bf16-valued fp32 weights, in bf16)" if dtype != child.weight.dtype else "")
+        narrowed = dtype != child.weight.dtype
+        label = kind.__name__ + (" (bf16-valued fp32 weights, in bf16)" if narrowed else "")
         counts[label] = counts.get(label, 0) + 1
     _read_tied_embeddings_from(panel_of_weight, model, counts)
     logger.info("packed layers: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
