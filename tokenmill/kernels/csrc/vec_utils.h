@@ -53,30 +53,19 @@ inline Vec load_bf16(const at::BFloat16* src) {
 inline Vec load_as_float(const float* src) { return Vec::loadu(src); }
 inline Vec load_as_float(const at::BFloat16* src) { return load_bf16(src); }
 
-// Rows of K/V as fp32: fp32 caches are read in place, others converted into `scratch`. An int8 row
-// is followed by its fp32 scale (tokenmill/models/kv_quant.py).
+// Rows of K/V the kernels cannot read in place (fp16, int8; fp32 and bf16 rows are read where they
+// are, see load_as_float) as fp32 in `scratch`. An int8 row is followed by its fp32 scale
+// (tokenmill/models/kv_quant.py).
 template <typename T>
 inline const float* as_float(const T* src, float* scratch, int64_t n) {
   for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
   return scratch;
 }
 template <>
-inline const float* as_float<float>(const float* src, float*, int64_t) {
-  return src;
-}
-template <>
 inline const float* as_float<int8_t>(const int8_t* src, float* scratch, int64_t n) {
   float scale;
   std::memcpy(&scale, src + n, sizeof(float));
   for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]) * scale;
-  return scratch;
-}
-template <>
-inline const float* as_float<at::BFloat16>(const at::BFloat16* src, float* scratch, int64_t n) {
-  // bf16 is the top half of an fp32: a shift, which compilers vectorise.
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(scratch);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
   return scratch;
 }
 
