@@ -80,10 +80,11 @@ class PanelLinear(PackedLinear):
     """fp32 (or bf16 where the CPU has no native bf16: widened to fp32 as the weight streams, half
     the bytes), on tokenmill's panel GEMM: any row count, and a row's result does not depend on the
     other rows of its step. `storage`: where to keep the packed weight (panel_numel(linear) values of
-    panel_dtype(linear.weight); default: its own tensor)."""
+    its dtype, panel_dtype(linear.weight); default: its own tensor of that dtype)."""
 
     def __init__(self, linear: nn.Linear, storage: torch.Tensor | None = None) -> None:
-        packed = torch.ops.tokenmill.pack_linear_weight(linear.weight.detach().to(panel_dtype(linear.weight)))
+        dtype = storage.dtype if storage is not None else panel_dtype(linear.weight)
+        packed = torch.ops.tokenmill.pack_linear_weight(linear.weight.detach().to(dtype))
         if storage is not None:
             packed = storage.view(packed.shape).copy_(packed)
         super().__init__(linear, packed)
