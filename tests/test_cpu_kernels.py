@@ -448,9 +448,9 @@ def test_tied_embedding_reads_the_packed_head():
 
 
 def test_int8_head_in_bf16_keeps_one_copy_for_a_tied_embedding():
-    """--quantization int8's lm_head held in bf16 (no native bf16 here): the head's panels become
-    bf16 in place of fp32, the tied embedding reads the same bf16 panels and returns fp32 rows (the
-    table's values rounded to bf16), and the head computes on the bf16 values."""
+    """--quantization int8's lm_head held in bf16 (no native bf16 here): the head is packed in bf16
+    panels, the tied embedding reads the same bf16 panels and returns fp32 rows (the table's values
+    rounded to bf16), and the head computes on the bf16 values."""
     from tokenmill.models.packed_linear import PanelEmbedding, pack_linears, packing_for
     from tokenmill.models.quant import head_to_bf16
 
@@ -462,9 +462,9 @@ def test_int8_head_in_bf16_keeps_one_copy_for_a_tied_embedding():
     model.lm_head.weight = model.embed_tokens.weight
     table = model.embed_tokens.weight.detach().clone()
     with torch.inference_mode():
-        pack_linears(model)
         if head_to_bf16(model) == 0:
             pytest.skip("this CPU has native bf16: the head stays fp32")
+        pack_linears(model)
         assert model.lm_head.packed_weight.dtype == torch.bfloat16
         assert isinstance(model.embed_tokens, PanelEmbedding)
         assert model.embed_tokens.panels is model.lm_head.packed_weight

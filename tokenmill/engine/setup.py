@@ -85,9 +85,9 @@ def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.de
     if config.packed_linear and device.type == "cpu" and not config.compile:
         # After quantization: the layers it keeps in float (the lm_head). (Not under --compile:
         # inductor cannot lower ops on weights it did not pack itself.)
-        pack_linears(model)
         if config.quantization:
             head_to_bf16(model)
+        pack_linears(model)
         if config.fused_layers:  # (layers on the panel GEMM only: nothing without tokenmill's kernels)
             fuse_decoder_layers(model)
     if config.compile:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.moe import split_experts
-from tokenmill.models.packed_linear import PanelEmbedding, PanelLinear, into_huge_pages, packing_for
+from tokenmill.models.packed_linear import PanelLinear, into_huge_pages, packing_for
 
 logger = logging.getLogger(__name__)
 
@@ -103,29 +103,24 @@ def quantize_model(model: nn.Module, method: str) -> None:
                 GROUP_SIZE, before / 2**20, after / 2**20)
 
 
+@torch.no_grad()
 def head_to_bf16(model: nn.Module) -> int:
-    """After pack_linears: the fp32 layers int8 keeps (the lm_head) held in bf16, where the panel GEMM
-    takes bf16 weights under fp32 activations (CPUs without native bf16); returns how many. Half the
-    bytes of the largest matrix a decode step streams (SmolLM2: 113 -> 57 MB, batch-1 int8 11.0-11.9
-    -> 9.4 ms/step). A tied embedding keeps reading the head's panels (one copy, now bf16: its rows are
-    returned in fp32). Agreement: `tokenmill bench agreement --quantization int8 --references
+    """Before pack_linears: the fp32 layers int8 keeps (the lm_head) rounded to bf16 values, where the
+    panel GEMM takes bf16 weights under fp32 activations (CPUs without native bf16), so that packing
+    holds them in bf16 panels (packed_linear.panel_dtype); returns how many. Half the bytes of the
+    largest matrix a decode step streams (SmolLM2: 113 -> 57 MB, batch-1 int8 11.0-11.9 -> 9.4
+    ms/step). A tied embedding shares the rounded matrix and reads the head's panels (one copy, its
+    rows returned in fp32). Agreement: `tokenmill bench agreement --quantization int8 --references
     float32 bfloat16` (bench/README.md)."""
     if packing_for(torch.empty(0, dtype=torch.bfloat16)) is not PanelLinear:
         return 0
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if name not in _KEPT or type(child) is not PanelLinear or child.packed_weight.dtype != torch.float32:
-                continue
-            fp32_panels, (bf16_panels,) = child.packed_weight, into_huge_pages([child.packed_weight.bfloat16()])
-            for embedding in model.modules():
-                if isinstance(embedding, PanelEmbedding) and embedding.panels is fp32_panels:
-                    embedding.panels = bf16_panels
-            child.packed_weight = bf16_panels
-            count += 1
-    if count:
+    heads = [child for module in model.modules() for name, child in module.named_children()
+             if name in _KEPT and type(child) is nn.Linear and packing_for(child.weight) is PanelLinear]
+    for head in heads:
+        head.weight.copy_(head.weight.to(torch.bfloat16))
+    if heads:
         logger.info("int8: the lm_head held in bf16 (widened to fp32 as it streams)")
-    return count
+    return len(heads)
 
 
 def _into_huge_pages(layers: list[WeightOnlyInt8Linear]) -> None:
