@@ -221,10 +221,30 @@ def test_every_isa_variant_compiles(isa):
         assert check.returncode == 0, f"{name}: {stderr[-3000:]}"
 
 
+def _int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """What packed_int8_linear computes, in float64 from exact integer sums: x rounded to int16 per
+    row and group (x * (32767 / the group's largest magnitude), in fp32, rounded half to even), int32
+    sums of x_int16 * q per group, then the sum over groups of float(sum) * x_scale * w_scale."""
+    x = x.float().reshape(-1, x.shape[-1])
+    rows, k = x.shape
+    groups = x.view(rows, k // group, group)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros(()))
+    xq = torch.round(groups * inv).to(torch.int64)
+    sums = torch.einsum("rgk,ngk->rgn", xq, qweight.to(torch.int64).view(-1, k // group, group))
+    assert sums.abs().max() < 2**31  # the kernel's int32 sums cannot overflow
+    x_scale = (amax / 32767.0).double()  # [rows, groups, 1]
+    return (sums.double() * x_scale * scales.double().t()[None]).sum(dim=1)
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 40, 700])  # direct up to 4 rows, widened panels, 2 blocks
-@pytest.mark.parametrize(("in_features", "out_features"), [(64, 40), (96, 7), (100, 33)])  # 100: one group per row
-def test_int8_linear_matches_its_dequantized_weight(rows, in_features, out_features):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 40, 700])  # row by row up to 4, register tiles, 2 blocks
+@pytest.mark.parametrize(("in_features", "out_features"), [(64, 40), (96, 7), (100, 33), (99, 20), (576, 200)])
+def test_int8_linear_is_its_dequantized_weight_times_int16_activations(rows, in_features, out_features):
+    """int8 weights times activations rounded to int16 per group (100, 99: one group per row, 99 an
+    odd K padded with a zero): the kernel's result is that product to fp32 rounding, within the
+    activations' rounding of the exact product with the dequantized weight, and the fallback
+    (dequantized weight, no kernel) is the exact product."""
     from tokenmill.models.quant import WeightOnlyInt8Linear
 
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
@@ -233,18 +253,39 @@ def test_int8_linear_matches_its_dequantized_weight(rows, in_features, out_featu
         linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
     kernel, fallback = WeightOnlyInt8Linear(linear, use_cpu_kernel=True), WeightOnlyInt8Linear(linear, False)
     assert torch.equal(kernel.dequantized(torch.float32), fallback.dequantized(torch.float32))  # packing is lossless
+    assert all(torch.equal(a, b) for a, b in zip(kernel.quantized(), fallback.quantized()))
     x = torch.randn(2, rows, in_features, generator=gen)
-    expected = x.double() @ kernel.dequantized(torch.float64).t() + linear.bias.double()
-    torch.testing.assert_close(kernel(x).double(), expected, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(fallback(x).double(), expected, atol=1e-4, rtol=1e-5)
-    # Bit for bit the fp32 panel GEMM's result on the dequantized weight (w = q * scale, same FMA chain).
-    panels = torch.ops.tokenmill.pack_linear_weight(kernel.dequantized(torch.float32))
-    assert torch.equal(kernel(x[0]), torch.ops.tokenmill.packed_linear(x[0], panels, linear.bias.detach(), out_features))
+    x[0, 0, : in_features // 2] *= 1000  # one row with a far larger first half (its own groups' scales)
+    got = kernel(x).double().reshape(-1, out_features)
+    q, scales = kernel.quantized()
+    weight = kernel.dequantized(torch.float64)
+    fp32_rounding = 1e-6 * (x.double().abs().reshape(-1, in_features) @ weight.abs().t()) + 1e-5  # of the sums' terms
+    reference = _int8_reference(x, q, scales, kernel.group_size) + linear.bias.double()
+    assert bool(((got - reference).abs() <= fp32_rounding).all())
+    exact = x.double().reshape(-1, in_features) @ weight.t() + linear.bias.double()
+    assert bool(((fallback(x).double().reshape(-1, out_features) - exact).abs() <= fp32_rounding).all())
+    # Each input is off by at most half a step of its group's int16 scale; each weight is exact.
+    groups = x.double().reshape(-1, in_features // kernel.group_size, kernel.group_size)
+    step = (groups.abs().amax(dim=-1, keepdim=True) / 32767).expand_as(groups).reshape(-1, in_features)
+    bound = (step / 2) @ weight.abs().t()
+    assert bool(((got - exact).abs() <= bound + fp32_rounding).all())
     # Quantization error itself: under half a step of each group's scale per weight.
     err = (kernel.dequantized(torch.float32) - linear.weight).abs()
     step = kernel.quantized()[1].repeat_interleave(kernel.group_size, dim=1)
     assert bool((err <= step / 2 + 1e-6).all())
     assert WeightOnlyInt8Linear(linear.bfloat16(), True)(x.bfloat16()).dtype == torch.bfloat16  # a bf16 model
+
+
+@needs_kernels
+def test_int8_linear_passes_non_finite_activations_on():
+    """An inf or NaN activation is not rounded away: its rows come out non-finite, as in fp32."""
+    from tokenmill.models.quant import WeightOnlyInt8Linear
+
+    layer = WeightOnlyInt8Linear(torch.nn.Linear(64, 20), use_cpu_kernel=True)
+    x = torch.randn(3, 64)
+    x[0, 5], x[1, 40] = float("inf"), float("nan")
+    out = layer(x)
+    assert not out[0].isfinite().any() and not out[1].isfinite().any() and out[2].isfinite().all()
 
 
 @needs_kernels
@@ -280,7 +321,7 @@ def test_int8_weights_share_one_buffer():
 
 @needs_kernels
 def test_int8_linear_rejects_bad_shapes():
-    q = torch.ops.tokenmill.pack_linear_weight(torch.zeros(8, 64, dtype=torch.int8))
+    q = torch.ops.tokenmill.pack_int8_weight(torch.zeros(8, 64, dtype=torch.int8))
     scales = torch.ops.tokenmill.pack_linear_weight(torch.ones(8, 2))
     with pytest.raises(RuntimeError, match="K, N"):
         torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 32), q, scales, None, 8)
@@ -291,6 +332,11 @@ def test_int8_linear_rejects_bad_shapes():
         torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 64), q, scales, torch.zeros(7), 8)
     with pytest.raises(RuntimeError, match="int8 weight"):
         torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 64), scales, scales, None, 8)
+    with pytest.raises(RuntimeError, match="groups dividing K"):  # odd groups: pairs of inputs would span two
+        torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 66), torch.ops.tokenmill.pack_int8_weight(
+            torch.zeros(8, 66, dtype=torch.int8)), torch.ops.tokenmill.pack_linear_weight(torch.ones(8, 2)), None, 8)
+    with pytest.raises(RuntimeError, match="pack_int8_weight"):
+        torch.ops.tokenmill.pack_linear_weight(torch.zeros(8, 64, dtype=torch.int8))
 
 
 @needs_kernels
@@ -367,7 +413,7 @@ def test_packed_linear_rejects_bad_inputs():
         torch.ops.tokenmill.packed_linear(torch.zeros(1, 64).bfloat16(), packed, None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.tokenmill.packed_linear(torch.zeros(1, 64), packed, torch.zeros(39), 40)
-    with pytest.raises(RuntimeError, match="fp32, bf16 or int8"):
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
         torch.ops.tokenmill.pack_linear_weight(torch.zeros(40, 64).half())
 
 

@@ -11,9 +11,9 @@ tokens depend on its batch): teacher-forced top-1 agreement with fp32 on SmolLM2
 98% for this scheme (`tokenmill bench agreement`).
 
 On CPU the product runs on tokenmill's panel GEMM (`tokenmill.kernels`, packed_linear.cpp: 1 byte per
-weight streamed at decode, each weight widened and scaled in registers; blocks of many rows widen a
-panel once and multiply it in fp32); without it (no compiler, a GPU) the weight is widened to the
-activation dtype per call.
+weight streamed, multiplied with the activations rounded to int16 per group (under 1/65534 of the
+group's largest value: far finer than bf16) in exact int32 sums, fp32 across groups); without it (no
+compiler, a GPU) the weight is widened to the activation dtype per call.
 MoE expert weights are split into one linear per expert first and quantized the same way; MoE
 routers are not linear layers and stay in the model dtype (int8 routing would pick other experts).
 """
@@ -50,8 +50,8 @@ def quantize_weight(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
 
 class WeightOnlyInt8Linear(nn.Module):
     """On CPU with tokenmill's kernels the int8 weight and its scales are packed into the panels of
-    the panel GEMM (kernels/csrc/packed_linear.cpp: widened and scaled in registers as they stream);
-    elsewhere they stay [N, K] and [N, K / group_size] and are widened per call."""
+    the panel GEMM (kernels/csrc/packed_linear.cpp: the weight by pairs of inputs, for int16 pair
+    products); elsewhere they stay [N, K] and [N, K / group_size] and are widened per call."""
 
     def __init__(self, linear: nn.Linear, use_cpu_kernel: bool) -> None:
         super().__init__()
@@ -60,7 +60,8 @@ class WeightOnlyInt8Linear(nn.Module):
         qweight, scales = quantize_weight(linear.weight, self.group_size)
         self.use_cpu_kernel = use_cpu_kernel and qweight.device.type == "cpu"
         if self.use_cpu_kernel:
-            qweight, scales = (torch.ops.tokenmill.pack_linear_weight(t) for t in (qweight, scales))
+            qweight = torch.ops.tokenmill.pack_int8_weight(qweight)
+            scales = torch.ops.tokenmill.pack_linear_weight(scales)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.bias = linear.bias
@@ -69,7 +70,10 @@ class WeightOnlyInt8Linear(nn.Module):
         """(int8 [N, K], fp32 scales [N, K / group_size]), unpacked from the panels if packed."""
         if not self.use_cpu_kernel:
             return self.qweight, self.scales
-        return tuple(t.transpose(1, 2).reshape(-1, t.shape[1])[: self.out_features] for t in (self.qweight, self.scales))
+        n, k = self.out_features, self.in_features
+        panels, pairs, width = self.qweight.shape  # [panels, pairs of k, 2 * panel]: a pair's columns side by side
+        qweight = self.qweight.view(panels, pairs, width // 2, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:n, :k]
+        return qweight, self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[:n]
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         qweight, scales = self.quantized()

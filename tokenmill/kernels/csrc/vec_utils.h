@@ -20,19 +20,6 @@ inline float hsum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
-// 8 (AVX2) or 16 (AVX-512) int8 weights widened to one vector of fp32.
-inline Vec load_int8(const int8_t* src) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)))));
-#else
-  float widened[kVec];
-  for (int64_t i = 0; i < kVec; ++i) widened[i] = static_cast<float>(src[i]);
-  return Vec::loadu(widened);
-#endif
-}
-
 // kVec bf16 values as fp32 (bf16 is the top half of an fp32: widen and shift, exact).
 inline Vec load_bf16(const at::BFloat16* src) {
 #if defined(CPU_CAPABILITY_AVX512)
