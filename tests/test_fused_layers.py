@@ -46,7 +46,9 @@ def test_fused_layers_are_bit_identical_to_the_python_layers(model, quantization
     plain = _engine(model_dir, quantization=quantization, fused_layers=False)
     layers = fused.engine.model.layers
     assert all(layer.fused is not None for layer in layers)
+    assert fused.engine.model.fused_stack is not None  # every layer fused: one loop of C++ calls per step
     assert all(layer.fused is None for layer in plain.engine.model.layers)
+    assert plain.engine.model.fused_stack is None
     outs = {}
     for name, llm in (("fused", fused), ("plain", plain)):
         outs[name] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
@@ -66,6 +68,7 @@ def test_fused_layers_stand_aside_where_they_do_not_apply(sharp_tiny_model_dir, 
     _engine(sharp_tiny_model_dir, fused_layers=False).generate(prompt, params)
     lora = _engine(sharp_tiny_model_dir, enable_lora=True, max_loras=1)
     assert type(lora.engine.model.layers[0].self_attn.qkv_proj).__name__ == "LoRALinear"
+    assert lora.engine.model.fused_stack is not None  # fused before the wrapping: it must stand aside itself
     lora.generate(prompt, params)
     assert fused_calls == []
     llm = _engine(sharp_tiny_model_dir)

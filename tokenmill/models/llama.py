@@ -152,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(spec, i, tp) for i in range(spec.num_layers))
         self.norm = self.norm_class(spec.hidden_size, spec.norm_eps)
+        self.fused_stack = None  # every layer fused (tokenmill.models.fused_layer.FusedStack), where it applies
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -183,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)  # HF rounds the scale to the dtype first
         rope = self._rope_at(positions, x.dtype)
+        if self.fused_stack is not None and self.fused_stack.applies(kv_caches, meta):
+            return self.norm(self.fused_stack(x, rope, self.layer_rope, kv_caches, meta))
         for layer, kv, table in zip(self.layers, kv_caches, self.layer_rope):
             x = layer(x, *rope[table], kv, meta)
         return self.norm(x)
