@@ -9,7 +9,7 @@ import torch
 from tests.conftest import mixed_prompts, run_staggered
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import build
-from tokenmill.models.fused_layer import FusedLayer
+from tokenmill.models.fused_layer import FusedLayer, FusedStack
 
 pytestmark = pytest.mark.skipif(not build.load(), reason="tokenmill's CPU kernels are not built here")
 
@@ -18,13 +18,18 @@ pytestmark = pytest.mark.skipif(not build.load(), reason="tokenmill's CPU kernel
 def fused_calls(monkeypatch) -> list[int]:
     """Counts the fused layer calls (one entry per call, the step's token count)."""
     calls: list[int] = []
-    original = FusedLayer.__call__
+    original, original_stack = FusedLayer.__call__, FusedStack.__call__
 
     def counting(self, x, *args):
         calls.append(x.shape[0])
         return original(self, x, *args)
 
+    def counting_stack(self, x, *args):
+        calls.extend([x.shape[0]] * len(self.layers))
+        return original_stack(self, x, *args)
+
     monkeypatch.setattr(FusedLayer, "__call__", counting)
+    monkeypatch.setattr(FusedStack, "__call__", counting_stack)
     return calls
 
 
@@ -57,6 +62,28 @@ def test_fused_layers_are_bit_identical_to_the_python_layers(model, quantization
     assert max(fused_calls) > 1  # batched steps too
     staggered = SamplingParams(temperature=0.0, max_tokens=8)
     assert run_staggered(fused, prompts, staggered) == run_staggered(plain, prompts, staggered)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_fully_fused_model_runs_its_layers_as_one_native_loop(sharp_tiny_model_dir, quantization, monkeypatch):
+    """FusedStack: every decode step's layers in one C++ call (no per-layer Python), the same tokens
+    and logprobs to the last bit as the per-layer fused calls."""
+    counts = {"layer": 0, "stack": 0}
+    for cls, key in ((FusedLayer, "layer"), (FusedStack, "stack")):
+        def counting(self, *args, _original=cls.__call__, _key=key):
+            counts[_key] += 1
+            return _original(self, *args)
+        monkeypatch.setattr(cls, "__call__", counting)
+    prompts = mixed_prompts(4, 1, 40, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    stacked, per_layer = _engine(sharp_tiny_model_dir, quantization=quantization), _engine(sharp_tiny_model_dir,
+                                                                                         quantization=quantization)
+    per_layer.engine.model.fused_stack = None
+    outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+            for llm in (stacked, per_layer)]
+    assert outs[0] == outs[1]
+    layers = len(per_layer.engine.model.layers)
+    assert counts["stack"] > 0 and counts["layer"] == counts["stack"] * layers  # the stack's steps, per layer
 
 
 def test_fused_layers_stand_aside_where_they_do_not_apply(sharp_tiny_model_dir, fused_calls):

@@ -185,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)  # HF rounds the scale to the dtype first
         rope = self._rope_at(positions, x.dtype)
         if self.fused_stack is not None and self.fused_stack.applies(kv_caches, meta):
-            return self.norm(self.fused_stack(x, rope, self.layer_rope, kv_caches, meta))
+            return self.norm(self.fused_stack(x, *rope[0], kv_caches, meta))
         for layer, kv, table in zip(self.layers, kv_caches, self.layer_rope):
             x = layer(x, *rope[table], kv, meta)
         return self.norm(x)
