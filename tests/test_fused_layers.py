@@ -64,6 +64,18 @@ def test_fused_layers_are_bit_identical_to_the_python_layers(model, quantization
     assert run_staggered(fused, prompts, staggered) == run_staggered(plain, prompts, staggered)
 
 
+def test_fused_layers_write_a_bf16_cache_as_the_python_layers_do(sharp_tiny_model_dir, fused_calls):
+    """K/V rows rounded into a bf16 cache by the fused layers' own copy, bit for bit as index_copy_
+    of Tensor.to(bfloat16) in the Python layers."""
+    prompts = mixed_prompts(4, 1, 50, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    fused = _engine(sharp_tiny_model_dir, kv_cache_dtype="bfloat16")
+    plain = _engine(sharp_tiny_model_dir, kv_cache_dtype="bfloat16", fused_layers=False)
+    outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+            for llm in (fused, plain)]
+    assert outs[0] == outs[1] and fused_calls
+
+
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_a_fully_fused_model_runs_its_layers_as_one_native_loop(sharp_tiny_model_dir, quantization, monkeypatch):
     """FusedStack: every decode step's layers in one C++ call (no per-layer Python), the same tokens

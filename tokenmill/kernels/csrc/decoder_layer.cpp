@@ -15,6 +15,7 @@
 #include "kernels.h"
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -66,6 +67,34 @@ struct StepInputs {
   int64_t block_size;
 };
 
+// rows [tokens, kv_heads, head_dim] (fp32, each token's heads side by side) into their slots of a
+// cache [slots, kv_heads, head_dim]: copied, or rounded to bf16 as Tensor.to rounds. index_copy_
+// (and the .to) did the same through TensorIterator at ~4 us a call, twice per layer.
+void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
+  const int64_t tokens = rows.size(0), width = rows.size(1) * rows.size(2);
+  const bool direct = (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16) &&
+                      rows.scalar_type() == at::kFloat && rows.stride(2) == 1 && rows.stride(1) == rows.size(2) &&
+                      slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens &&
+                      cache.is_contiguous() && cache.size(1) * cache.size(2) == width;
+  if (!direct) {
+    cache.index_copy_(0, slots, rows.to(cache.scalar_type()));
+    return;
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* src = rows.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < cache.size(0), "slot ", slot[t], " is outside the cache's ", cache.size(0));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = src + t * rows.stride(0);
+    if (cache.scalar_type() == at::kFloat) {
+      std::memcpy(cache.data_ptr<float>() + slot[t] * width, row, width * sizeof(float));
+    } else {
+      at::BFloat16* dst = cache.data_ptr<at::BFloat16>() + slot[t] * width;
+      for (int64_t i = 0; i < width; ++i) dst[i] = at::BFloat16(row[i]);
+    }
+  }
+}
+
 at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& w, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& k_cache, at::Tensor& v_cache, const StepInputs& step) {
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 3, "llama_decoder_layer: x [tokens, hidden], caches [slots, kv_heads, dim]");
@@ -87,8 +116,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& w, const at::T
   at::Tensor attended = at::empty({tokens, w.heads, head_dim}, x.options());
   {
     RECORD_FUNCTION("tokenmill::attention", std::vector<c10::IValue>());  // (the cache writes too, as in Python)
-    k_cache.index_copy_(0, step.slot_mapping, k.to(k_cache.scalar_type()));
-    v_cache.index_copy_(0, step.slot_mapping, v.to(v_cache.scalar_type()));
+    write_cache(k_cache, step.slot_mapping, k);
+    write_cache(v_cache, step.slot_mapping, v);
     const at::Tensor queries = q.contiguous();
     {
       RECORD_FUNCTION("tokenmill::paged_attention", std::vector<c10::IValue>());
