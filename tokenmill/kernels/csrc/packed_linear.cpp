@@ -136,7 +136,13 @@ struct ActivationBlocks {
 
 // Registers of int16 pairs and int32 sums, and what they do: `load_pairs` widens kVec columns' pairs
 // of int8 weights to int16, `broadcast_pair` repeats a pair of inputs in every lane, `madd` adds the
-// lanes' two products to their int32 sums.
+// lanes' two products to their int32 sums. (One set per instruction set: the same few lines over
+// 512- or 256-bit intrinsics, or plain arrays.)
+inline int32_t pair_bits(const int16_t* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof(pair));
+  return pair;
+}
 #if defined(CPU_CAPABILITY_AVX512)
 using Int16Pairs = __m512i;
 using Int32Sums = __m512i;
@@ -144,11 +150,7 @@ inline Int32Sums zero_sums() { return _mm512_setzero_si512(); }
 inline Int16Pairs load_pairs(const int8_t* w) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
 }
-inline Int16Pairs broadcast_pair(const int16_t* x) {
-  int32_t pair;
-  std::memcpy(&pair, x, sizeof(pair));
-  return _mm512_set1_epi32(pair);
-}
+inline Int16Pairs broadcast_pair(const int16_t* x) { return _mm512_set1_epi32(pair_bits(x)); }
 inline Int32Sums madd(Int32Sums sums, Int16Pairs w, Int16Pairs x) {
   return _mm512_add_epi32(sums, _mm512_madd_epi16(w, x));
 }
@@ -160,11 +162,7 @@ inline Int32Sums zero_sums() { return _mm256_setzero_si256(); }
 inline Int16Pairs load_pairs(const int8_t* w) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
 }
-inline Int16Pairs broadcast_pair(const int16_t* x) {
-  int32_t pair;
-  std::memcpy(&pair, x, sizeof(pair));
-  return _mm256_set1_epi32(pair);
-}
+inline Int16Pairs broadcast_pair(const int16_t* x) { return _mm256_set1_epi32(pair_bits(x)); }
 inline Int32Sums madd(Int32Sums sums, Int16Pairs w, Int16Pairs x) {
   return _mm256_add_epi32(sums, _mm256_madd_epi16(w, x));
 }
