@@ -66,11 +66,11 @@ class FusedStack:
         self.layers = layers
         # (modules dict, name, the module fused) for every module a layer must still hold: one flat
         # pass of dict lookups per step (a method call per layer was ~3 us a layer).
-        self._held = [(owner._modules, name, owner._modules[name])
-                      for layer in layers for owner in (layer, layer.self_attn, layer.mlp)
-                      for name in (("self_attn", "mlp") if owner is layer else
-                                   ("qkv_proj", "o_proj") if owner is layer.self_attn else ("gate_up_proj", "down_proj"))]
-        assert all(layer.fused.intact(layer) for layer in layers)
+        self._held = []
+        for layer in layers:
+            for owner, names in ((layer, ("self_attn", "mlp")), (layer.self_attn, ("qkv_proj", "o_proj")),
+                                 (layer.mlp, ("gate_up_proj", "down_proj"))):
+                self._held += [(owner._modules, name, owner._modules[name]) for name in names]
         tensors, ints, floats = [], [], []
         for layer in layers:
             norm, post_norm, eps, *projections, heads, kv_heads, intermediate = layer.fused.weights
