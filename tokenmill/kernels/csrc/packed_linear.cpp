@@ -128,6 +128,10 @@ struct ActivationBlocks {
         block_pairs((group_pairs + blocks_per_group - 1) / blocks_per_group) {}
   int64_t blocks() const { return groups * blocks_per_group; }
   int64_t pairs() const { return groups * group_pairs; }
+  int64_t inputs() const { return 2 * pairs(); }  // K, or K + 1 for an odd K: a row of x as int16 pairs
+  int64_t panel_bytes() const { return inputs() * kPanel; }  // one int8 panel
+  int64_t panel_scales() const { return groups * kPanel; }  // one panel's scales
+  int64_t block_index(int64_t group, int64_t block) const { return group * blocks_per_group + block; }
   int64_t first_pair(int64_t group, int64_t block) const { return group * group_pairs + block * block_pairs; }
   int64_t end_pair(int64_t group, int64_t block) const {
     return std::min(first_pair(group, block) + block_pairs, (group + 1) * group_pairs);
@@ -219,13 +223,13 @@ inline void round_to_int16(const float* x, float inv, int64_t n, int16_t* out) {
 // result); an all-zero block has scale 0 and zero inputs.
 void quantize_activations(const float* x, int64_t k, const ActivationBlocks& cut, int64_t r0, int64_t r1, int16_t* xq,
                           float* sx) {
-  const int64_t kp = 2 * cut.pairs(), blocks = cut.blocks();
+  const int64_t kp = cut.inputs(), blocks = cut.blocks();
   for (int64_t r = r0; r < r1; ++r) {
+    const float* row = x + r * k;
     for (int64_t g = 0; g < cut.groups; ++g) {
       for (int64_t b = 0; b < cut.blocks_per_group; ++b) {
         const int64_t begin = 2 * cut.first_pair(g, b), padded_end = 2 * cut.end_pair(g, b);
         const int64_t end = std::min(padded_end, k);
-        const float* row = x + r * k;
         Vec largest(0.f);
         for (int64_t i = begin; i < end; i += kVec)
           largest = at::vec::maximum(largest, Vec::loadu(row + i, std::min<int64_t>(kVec, end - i)).abs());
@@ -233,7 +237,7 @@ void quantize_activations(const float* x, int64_t k, const ActivationBlocks& cut
         const float inv = amax > 0.f && std::isfinite(amax) ? 32767.f / amax : 0.f;
         round_to_int16(row + begin, inv, end - begin, xq + r * kp + begin);
         for (int64_t i = end; i < padded_end; ++i) xq[r * kp + i] = 0;
-        sx[r * blocks + g * cut.blocks_per_group + b] = amax / 32767.f;
+        sx[r * blocks + cut.block_index(g, b)] = amax / 32767.f;
       }
     }
   }
@@ -248,7 +252,7 @@ template <int R, int P>
 inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int64_t ldsx, const int8_t* panel,
                             const float* scales, const ActivationBlocks& cut, const float* bias, float* out,
                             int64_t ldo, int64_t cols) {
-  const int64_t panel_bytes = cut.pairs() * 2 * kPanel, panel_scales = cut.groups * kPanel;
+  const int64_t panel_bytes = cut.panel_bytes(), panel_scales = cut.panel_scales();
   Vec acc[P][R][2];
   #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
@@ -274,7 +278,7 @@ inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int
           }
         }
       }
-      const int64_t block = g * cut.blocks_per_group + b;
+      const int64_t block = cut.block_index(g, b);
       #pragma GCC unroll 16
       for (int p = 0; p < P; ++p) {
         const float* s = scales + p * panel_scales + g * kPanel;
@@ -363,11 +367,10 @@ template <int P>
 inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, const int8_t* qp, const float* sp,
                               const ActivationBlocks& cut, const float* bias, float* out, int64_t n, int64_t& p,
                               int64_t end) {
-  const int64_t panel_bytes = cut.pairs() * 2 * kPanel, kp = 2 * cut.pairs();
   for (; p + P <= end && (p + P) * kPanel <= n; p += P)
     for (int64_t r = 0; r < rows; ++r)
-      int8_panel_tile<1, P>(xq + r * kp, 0, sx + r * cut.blocks(), 0, qp + p * panel_bytes,
-                            sp + p * cut.groups * kPanel, cut, bias != nullptr ? bias + p * kPanel : nullptr,
+      int8_panel_tile<1, P>(xq + r * cut.inputs(), 0, sx + r * cut.blocks(), 0, qp + p * cut.panel_bytes(),
+                            sp + p * cut.panel_scales(), cut, bias != nullptr ? bias + p * kPanel : nullptr,
                             out + r * n + p * kPanel, n, kPanel);
   if constexpr (P > 1) int8_panel_groups<P - 1>(xq, sx, rows, qp, sp, cut, bias, out, n, p, end);
 }
@@ -447,7 +450,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
   at::Tensor bias_holder;
   const float* bias_ptr = bias_data(bias, n, bias_holder, "packed_int8_linear");
   const at::Tensor xc = x.reshape({-1, k}).to(at::kFloat).contiguous();  // (a bf16 model's activations too)
-  const int64_t m = xc.size(0), kp = 2 * cut.pairs();
+  const int64_t m = xc.size(0), kp = cut.inputs();
   at::Tensor out = at::empty({m, n}, xc.options());
   if (m > 0 && n > 0) {
     at::Tensor xq = at::empty({m, kp}, xc.options().dtype(at::kShort));
@@ -459,7 +462,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
     const int8_t* qp = packed.data_ptr<int8_t>();
     const float* sp = packed_scales.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const int64_t panel_bytes = cut.pairs() * 2 * kPanel, blocks = cut.blocks();
+    const int64_t blocks = cut.blocks();
     for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
       int64_t p = begin;
       if (m <= kInt8RowByRow) int8_panel_groups<kOneRowPanels>(xqp, sxp, m, qp, sp, cut, bias_ptr, op, n, p, end);
@@ -468,7 +471,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
         for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
           const int64_t row = m0 + r;
           int8_panel_tile<decltype(count)::value, 1>(xqp + row * kp, kp, sxp + row * blocks, blocks,
-                                                     qp + p * panel_bytes, sp + p * cut.groups * kPanel, cut,
+                                                     qp + p * cut.panel_bytes(), sp + p * cut.panel_scales(), cut,
                                                      bias_ptr != nullptr ? bias_ptr + col : nullptr,
                                                      op + row * n + col, n, cols);
         });
