@@ -34,20 +34,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, eq=False)
 class FusedLayer:
-    projections: tuple[nn.Module, ...]  # qkv, o, gate_up, down: the modules the weights came from
+    held: tuple  # (modules dict, name, module) for the attention, the MLP and the four projections fused
     weights: tuple  # the op's arguments from the input norm to the intermediate size
     attention: tuple  # scale, window, softcap
 
-    def applies(self, layer: LlamaLayer, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> bool:
-        return meta.paged_only and kv[0].dtype != torch.int8 and self.intact(layer)
-
-    def intact(self, layer: LlamaLayer) -> bool:
-        """Whether the layer still holds the projections the weights came from (LoRA wraps them
-        after loading). Read from the modules' dicts: nn.Module attribute lookups made this check
-        ~7 us a layer, a fifth of the Python around a batch-1 step's layers."""
-        attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
-        qkv, o, gate_up, down = self.projections
-        return attn["qkv_proj"] is qkv and attn["o_proj"] is o and mlp["gate_up_proj"] is gate_up and mlp["down_proj"] is down
+    def applies(self, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> bool:
+        return meta.paged_only and kv[0].dtype != torch.int8 and intact(self.held)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -57,6 +49,21 @@ class FusedLayer:
             p.block_tables, p.context_lens, meta.block_size, *self.attention)
 
 
+def intact(held) -> bool:
+    """Whether every module the weights came from is still where it was (LoRA wraps projections after
+    loading). Read from the modules' dicts: nn.Module attribute lookups made this check ~7 us a layer,
+    a fifth of the Python around a batch-1 step's layers."""
+    return all(modules[name] is module for modules, name, module in held)
+
+
+def _held_modules(layer: LlamaLayer) -> tuple:
+    """FusedLayer.held of a layer as it is now."""
+    return tuple((owner._modules, name, owner._modules[name])
+                 for owner, names in ((layer, ("self_attn", "mlp")), (layer.self_attn, ("qkv_proj", "o_proj")),
+                                      (layer.mlp, ("gate_up_proj", "down_proj")))
+                 for name in names)
+
+
 class FusedStack:
     """Every decoder layer of a model fused: a step's layers run as one C++ loop
     (`torch.classes.tokenmill.DecoderStack`, holding each layer's weights), with one check per step
@@ -64,13 +71,8 @@ class FusedStack:
 
     def __init__(self, layers: tuple[LlamaLayer, ...]) -> None:
         self.layers = layers
-        # (modules dict, name, the module fused) for every module a layer must still hold: one flat
-        # pass of dict lookups per step (a method call per layer was ~3 us a layer).
-        self._held = []
-        for layer in layers:
-            for owner, names in ((layer, ("self_attn", "mlp")), (layer.self_attn, ("qkv_proj", "o_proj")),
-                                 (layer.mlp, ("gate_up_proj", "down_proj"))):
-                self._held += [(owner._modules, name, owner._modules[name]) for name in names]
+        # Every layer's held modules in one flat tuple: one pass per step (a call per layer was ~3 us a layer).
+        self._held = tuple(entry for layer in layers for entry in layer.fused.held)
         tensors, ints, floats = [], [], []
         for layer in layers:
             norm, post_norm, eps, *projections, heads, kv_heads, intermediate = layer.fused.weights
@@ -82,7 +84,7 @@ class FusedStack:
 
     def applies(self, kv_caches, meta: AttentionMetadata) -> bool:
         return (meta.paged_only and kv_caches[0][0].dtype != torch.int8
-                and all(modules[name] is module for modules, name, module in self._held))
+                and intact(self._held))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -130,7 +132,7 @@ def fuse_decoder_layers(model: nn.Module) -> int:
         norm = layer.input_layernorm
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         layer.fused = FusedLayer(
-            linears,
+            _held_modules(layer),
             (norm.weight.detach(), layer.post_attention_layernorm.weight.detach(), norm.eps,
              *(t for m in linears for t in _panel_arguments(m)), attn.num_heads, attn.num_kv_heads,
              mlp.intermediate),

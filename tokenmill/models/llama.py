@@ -133,7 +133,7 @@ class LlamaLayer(nn.Module):
         self.fused = None  # the layer as one C++ call (tokenmill.models.fused_layer), where it applies
 
     def forward(self, x, cos, sin, kv, meta):
-        if self.fused is not None and self.fused.applies(self, kv, meta):
+        if self.fused is not None and self.fused.applies(kv, meta):
             return self.fused(x, cos, sin, kv, meta)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
