@@ -493,33 +493,35 @@ def test_tied_embedding_reads_the_packed_head():
         assert model.embed.panels.data_ptr() == model.head.packed_weight.data_ptr()  # one copy
 
 
-def test_int8_head_in_bf16_keeps_one_copy_for_a_tied_embedding():
-    """--quantization int8's lm_head held in bf16 (no native bf16 here): the head is packed in bf16
-    panels, the tied embedding reads the same bf16 panels and returns fp32 rows (the table's values
-    rounded to bf16), and the head computes on the bf16 values."""
-    from tokenmill.models.packed_linear import PanelEmbedding, pack_linears, packing_for
-    from tokenmill.models.quant import head_to_bf16
+@pytest.mark.parametrize("vocab,dim", [(300, 64), (1000, 99)])
+def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim):
+    """--quantization int8 quantizes the lm_head too (tokenmill's kernels), and the embedding tied to
+    it reads its rows from the packed int8 head: one copy of the table, rows equal to the head's
+    dequantized rows (dim 99: one group per row, odd inputs padded in the packed pairs)."""
+    from tokenmill.models.quant import Int8Embedding, WeightOnlyInt8Linear, quantize_model
 
-    if packing_for(torch.empty(0, dtype=torch.bfloat16)) is None or not build.load():
-        pytest.skip("no bf16 panels here")
+    if not build.load():
+        pytest.skip("tokenmill's CPU kernels are not available")
     model = torch.nn.Module()
-    model.embed_tokens = torch.nn.Embedding(300, 64)
-    model.lm_head = torch.nn.Linear(64, 300, bias=False)
+    model.embed_tokens = torch.nn.Embedding(vocab, dim)
+    model.lm_head = torch.nn.Linear(dim, vocab, bias=False)
     model.lm_head.weight = model.embed_tokens.weight
     table = model.embed_tokens.weight.detach().clone()
     with torch.inference_mode():
-        if head_to_bf16(model) == 0:
-            pytest.skip("this CPU has native bf16: the head stays fp32")
-        pack_linears(model)
-        assert model.lm_head.packed_weight.dtype == torch.bfloat16
-        assert isinstance(model.embed_tokens, PanelEmbedding)
-        assert model.embed_tokens.panels is model.lm_head.packed_weight
-        ids = torch.tensor([0, 15, 16, 299])
-        rows = model.embed_tokens(ids)
-        assert rows.dtype == torch.float32 and torch.equal(rows, table[ids].bfloat16().float())
-        x = torch.randn(3, 64)
-        assert torch.equal(model.lm_head(x), torch.ops.tokenmill.packed_linear(
-            x, torch.ops.tokenmill.pack_linear_weight(table.bfloat16().float()), None, 300))
+        quantize_model(model, "int8")
+        head, embedding = model.lm_head, model.embed_tokens
+        assert isinstance(head, WeightOnlyInt8Linear) and isinstance(embedding, Int8Embedding)
+        assert [name for name, _ in model.named_parameters()] == []
+        assert [name for name, _ in model.named_buffers()] == ["lm_head.qweight", "lm_head.scales"]
+        dequantized = head.dequantized(torch.float32)
+        ids = torch.tensor([[0, 15], [16, vocab - 1]])
+        rows = embedding(ids)
+        assert rows.shape == (2, 2, dim) and rows.dtype == torch.float32
+        assert torch.equal(rows, dequantized[ids])
+        # (the int8 rows are the table's to within half a step of each group's scale)
+        step = table.abs().amax(dim=1, keepdim=True) / 127 if dim % 32 else \
+            table.view(vocab, -1, 32).abs().amax(dim=-1).repeat_interleave(32, dim=1) / 127
+        assert ((dequantized - table).abs() <= step / 2 + 1e-6).all()
 
 
 def test_vocab_projection_paths_agree(monkeypatch):

@@ -29,28 +29,22 @@ def test_int8_weights_agree_with_fp32_mostly(tiny_model_dir):
     fp32 = _tokens(LLM(str(tiny_model_dir), progress=False, kv_cache_memory="32MiB"), prompts)
     q = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="32MiB", quantization="int8")
     int8 = _tokens(q, prompts)
-    # Every linear layer is int8 but the lm_head (and the embeddings), kept in the model dtype and
-    # packed like the layers of an unquantized model (--packed-linear).
-    from tokenmill.models.packed_linear import PackedLinear
-    from tokenmill.models.quant import WeightOnlyInt8Linear
+    # Every linear layer is int8, the lm_head too (tokenmill's CPU kernels), and the embedding tied to
+    # it reads its rows from the int8 head: one copy, the head's dequantized rows, in fp32.
+    from tokenmill.kernels.ops import cpu_kernels_available
+    from tokenmill.models.quant import Int8Embedding, WeightOnlyInt8Linear
 
     modules = dict(q.engine.model.named_modules())
     assert not any(type(m) is torch.nn.Linear for m in modules.values())
-    assert isinstance(modules["lm_head"], PackedLinear)
-    assert all(isinstance(m, (WeightOnlyInt8Linear, PackedLinear)) for n, m in modules.items() if n.endswith("_proj"))
-    # Where the panel GEMM takes bf16 weights (tokenmill's kernels, no native bf16), the lm_head is
-    # held in bf16 (half the bytes; agreement measured by `tokenmill bench agreement`), and the tied
-    # embedding reads it: one copy, rows returned in fp32.
-    from tokenmill.models.packed_linear import PanelEmbedding, PanelLinear, packing_for
-
-    head_bf16 = packing_for(torch.zeros(1, 1).bfloat16()) is PanelLinear
-    head = modules["lm_head"]
-    assert head.packed_weight.dtype == (torch.bfloat16 if head_bf16 else torch.float32)
-    embedding = modules["embed_tokens"]
-    if isinstance(embedding, PanelEmbedding):
-        assert embedding.panels is head.packed_weight
-    ids = torch.tensor([0, 1, 5])
-    assert embedding(ids).dtype == torch.float32
+    assert all(isinstance(m, WeightOnlyInt8Linear) for n, m in modules.items() if n.endswith("_proj"))
+    head, embedding = modules["lm_head"], modules["embed_tokens"]
+    if cpu_kernels_available(torch.device("cpu")):
+        assert isinstance(head, WeightOnlyInt8Linear) and isinstance(embedding, Int8Embedding)
+        assert not any(isinstance(m, torch.nn.Embedding) for m in modules.values())
+        ids = torch.tensor([0, 1, 5])
+        assert torch.equal(embedding(ids), head.dequantized(torch.float32)[ids])
+    else:  # (the head stays in the model dtype: int8 weights would be widened on every call)
+        assert not isinstance(head, WeightOnlyInt8Linear)
     first_token_agreement = sum(a[0] == b[0] for a, b in zip(fp32, int8)) / len(prompts)
     assert first_token_agreement >= 0.75, first_token_agreement
 

@@ -18,7 +18,7 @@ from tokenmill.models.fused_layer import fuse_decoder_layers
 from tokenmill.models.loader import load_model, load_spec, resolve_architecture
 from tokenmill.models.packed_linear import pack_linears
 from tokenmill.models.parallel import TPInfo, check_shardable
-from tokenmill.models.quant import head_to_bf16, quantize_model
+from tokenmill.models.quant import quantize_model
 from tokenmill.models.registry import NATIVE
 from tokenmill.models.spec import ModelSpec
 
@@ -83,10 +83,8 @@ def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.de
     if config.quantization:
         quantize_model(model, config.quantization)
     if config.packed_linear and device.type == "cpu" and not config.compile:
-        # After quantization: the layers it keeps in float (the lm_head). (Not under --compile:
-        # inductor cannot lower ops on weights it did not pack itself.)
-        if config.quantization:
-            head_to_bf16(model)
+        # After quantization: the layers it keeps in float. (Not under --compile: inductor cannot
+        # lower ops on weights it did not pack itself.)
         pack_linears(model)
         if config.fused_layers:  # (layers on the panel GEMM only: nothing without tokenmill's kernels)
             fuse_decoder_layers(model)

@@ -1,9 +1,13 @@
 """Weight-only int8 quantization of the linear layers (group-wise scales).
 
-Every linear layer of the decoder stack keeps its weight as int8 with one fp32 scale per group of
-32 input channels of each output row (per output channel when the width is not a multiple of 32);
-activations stay in the model dtype. The lm_head and the embeddings are not quantized: they decide
-the next token directly, and their error is what flips near-tied top-1 choices.
+Every linear layer keeps its weight as int8 with one fp32 scale per group of 32 input channels of
+each output row (per output channel when the width is not a multiple of 32); activations stay in the
+model dtype. On tokenmill's CPU kernels that includes the lm_head, the largest matrix a decode step
+streams (SmolLM2: 57 MB in bf16, 32 MB in int8 with its scales), and an embedding tied to it reads
+its rows from the int8 head (Int8Embedding: one copy). Its groups of 32 keep the head as close as
+bf16 did: teacher-forced top-1 agreement on SmolLM2 98.19% with fp32 either way (`tokenmill bench
+agreement`, bench/README.md). Without the kernels (a GPU) the head stays in the model dtype: there
+int8 weights are widened on every call, which would cost a vocabulary-sized matrix per step.
 
 Why not w8a8 (torch.ao dynamic quantization, the previous CPU path): its activations are quantized
 per tensor, over the whole batch, so one outlier token costs every row its precision (and a request's
@@ -26,12 +30,12 @@ import torch
 from torch import nn
 
 from tokenmill.models.moe import split_experts
-from tokenmill.models.packed_linear import PanelLinear, into_huge_pages, packing_for
+from tokenmill.models.packed_linear import into_huge_pages
 
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
-_KEPT = ("lm_head",)  # linear layers (by attribute name) kept in the model dtype
+_KEPT_WITHOUT_KERNELS = ("lm_head",)  # linear layers (by attribute name) kept in the model dtype there
 
 
 def group_size_for(in_features: int) -> int:
@@ -99,32 +103,43 @@ def quantize_model(model: nn.Module, method: str) -> None:
     if device.type == "cpu" and not use_kernel:
         logger.warning("int8 without tokenmill's CPU kernels: weights are widened on every call (slow)")
     before = _linear_bytes(model)
-    _replace_linears(model, use_kernel)
+    quantized = _replace_linears(model, use_kernel, () if use_kernel else _KEPT_WITHOUT_KERNELS)
     if use_kernel:
         _into_huge_pages([m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear)])
+        tied = _read_tied_embeddings_from(quantized, model)
     after = _linear_bytes(model)
-    logger.info("int8 weights (groups of %d, lm_head and embeddings kept): linear layers %.1f MiB -> %.1f MiB",
-                GROUP_SIZE, before / 2**20, after / 2**20)
+    logger.info("int8 weights (groups of %d%s): linear layers %.1f MiB -> %.1f MiB", GROUP_SIZE,
+                ", the tied embedding read from the int8 lm_head" if use_kernel and tied else
+                "" if use_kernel else ", lm_head and embeddings kept", before / 2**20, after / 2**20)
 
 
-@torch.no_grad()
-def head_to_bf16(model: nn.Module) -> int:
-    """Before pack_linears: the fp32 layers int8 keeps (the lm_head) rounded to bf16 values, where the
-    panel GEMM takes bf16 weights under fp32 activations (CPUs without native bf16), so that packing
-    holds them in bf16 panels (packed_linear.panel_dtype); returns how many. Half the bytes of the
-    largest matrix a decode step streams (SmolLM2: 113 -> 57 MB, batch-1 int8 11.0-11.9 -> 9.4
-    ms/step). A tied embedding shares the rounded matrix and reads the head's panels (one copy, its
-    rows returned in fp32). Agreement: `tokenmill bench agreement --quantization int8 --references
-    float32 bfloat16` (bench/README.md)."""
-    if packing_for(torch.empty(0, dtype=torch.bfloat16)) is not PanelLinear:
-        return 0
-    heads = [child for module in model.modules() for name, child in module.named_children()
-             if name in _KEPT and type(child) is nn.Linear and packing_for(child.weight) is PanelLinear]
-    for head in heads:
-        head.weight.copy_(head.weight.to(torch.bfloat16))
-    if heads:
-        logger.info("int8: the lm_head held in bf16 (widened to fp32 as it streams)")
-    return len(heads)
+class Int8Embedding(nn.Module):
+    """The token embedding of a model whose lm_head shares (ties) its matrix, read from the head's
+    packed int8 weight and scales: row v is column v % width of panel v // width (its int8 values by
+    pairs of inputs, see WeightOnlyInt8Linear), times its scales, in the embedding's dtype. Equal to
+    the head's dequantized() rows; one copy of the vocabulary matrix instead of two."""
+
+    def __init__(self, embedding: nn.Embedding, head: WeightOnlyInt8Linear) -> None:
+        super().__init__()
+        assert head.use_cpu_kernel, "reads the packed layout of tokenmill's CPU kernels"
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.dtype = embedding.weight.dtype
+        self.group_size = head.group_size
+        self.head = [head]  # (a list: not a submodule, so the head's tensors are counted once, at the head)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        panels, pairs, width = head.qweight.shape  # [panels, pairs of k, 2 * panel width]
+        flat = ids.reshape(-1)
+        panel, column = flat // (width // 2), flat % (width // 2)
+        values = head.qweight.view(panels, pairs, width // 2, 2)[panel, :, column]  # [tokens, pairs, 2]
+        values = values.reshape(len(flat), 2 * pairs)[:, : self.embedding_dim]
+        scales = head.scales[panel, :, column]  # [tokens, groups]
+        groups = values.reshape(len(flat), -1, self.group_size).to(self.dtype) * scales[..., None].to(self.dtype)
+        return groups.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, read from the int8 lm_head"
 
 
 def _into_huge_pages(layers: list[WeightOnlyInt8Linear]) -> None:
@@ -135,12 +150,29 @@ def _into_huge_pages(layers: list[WeightOnlyInt8Linear]) -> None:
         layer.qweight, layer.scales = qweight, scales
 
 
-def _replace_linears(module: nn.Module, use_kernel: bool) -> None:
+def _replace_linears(module: nn.Module, use_kernel: bool, kept: tuple[str, ...]) -> dict[int, WeightOnlyInt8Linear]:
+    """Every nn.Linear not named in `kept` replaced by its int8 layer; {id(float weight): int8 layer}."""
+    quantized: dict[int, WeightOnlyInt8Linear] = {}
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear) and name not in _KEPT:
-            setattr(module, name, WeightOnlyInt8Linear(child, use_kernel))
+        if isinstance(child, nn.Linear) and name not in kept:
+            quantized[id(child.weight)] = WeightOnlyInt8Linear(child, use_kernel)
+            setattr(module, name, quantized[id(child.weight)])
         else:
-            _replace_linears(child, use_kernel)
+            quantized.update(_replace_linears(child, use_kernel, kept))
+    return quantized
+
+
+def _read_tied_embeddings_from(quantized: dict[int, WeightOnlyInt8Linear], model: nn.Module) -> int:
+    """Point every nn.Embedding whose weight an int8 layer was quantized from at that layer (the
+    float table is then dropped with the embedding); returns how many."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            head = quantized.get(id(child.weight)) if type(child) is nn.Embedding else None
+            if head is not None and child.max_norm is None and head.bias is None:
+                setattr(module, name, Int8Embedding(child, head))
+                count += 1
+    return count
 
 
 def _linear_bytes(model: nn.Module) -> int:
