@@ -129,14 +129,14 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
-        panels, pairs, width = head.qweight.shape  # [panels, pairs of k, 2 * panel width]
+        # [panels, pairs of k, panel width] int16: a column's two inputs of a pair read as one element
+        pairs = head.qweight.view(torch.int16)
         flat = ids.reshape(-1)
-        panel, column = flat // (width // 2), flat % (width // 2)
-        values = head.qweight.view(panels, pairs, width // 2, 2)[panel, :, column]  # [tokens, pairs, 2]
-        values = values.reshape(len(flat), 2 * pairs)[:, : self.embedding_dim]
-        scales = head.scales[panel, :, column]  # [tokens, groups]
-        groups = values.reshape(len(flat), -1, self.group_size).to(self.dtype) * scales[..., None].to(self.dtype)
-        return groups.view(*ids.shape, self.embedding_dim)
+        panel, column = flat // pairs.shape[-1], flat % pairs.shape[-1]
+        values = pairs[panel, :, column].view(torch.int8)[:, : self.embedding_dim]  # [tokens, k]
+        scales = head.scales[panel, :, column].to(self.dtype)  # [tokens, groups]
+        rows = values.reshape(len(flat), -1, self.group_size).to(self.dtype).mul_(scales.unsqueeze(-1))
+        return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, read from the int8 lm_head"
