@@ -64,16 +64,20 @@ def test_fused_layers_are_bit_identical_to_the_python_layers(model, quantization
     assert run_staggered(fused, prompts, staggered) == run_staggered(plain, prompts, staggered)
 
 
-def test_fused_layers_write_a_bf16_cache_as_the_python_layers_do(sharp_tiny_model_dir, fused_calls):
-    """K/V rows rounded into a bf16 cache by the fused layers' own copy, bit for bit as index_copy_
-    of Tensor.to(bfloat16) in the Python layers."""
+@pytest.mark.parametrize(("cache_dtype", "quantization"), [("bfloat16", None), ("int8", None), ("int8", "int8")])
+def test_fused_layers_write_a_narrow_cache_as_the_python_layers_do(sharp_tiny_model_dir, cache_dtype, quantization,
+                                                                 fused_calls):
+    """K/V rows rounded into a bf16 cache, or quantized into an int8 one (values and their scale), by
+    the fused layers' own code, bit for bit as the Python layers' index_copy_ of kv_quant.to_cache:
+    the same tokens and logprobs, and the same cache bytes."""
     prompts = mixed_prompts(4, 1, 50, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
-    fused = _engine(sharp_tiny_model_dir, kv_cache_dtype="bfloat16")
-    plain = _engine(sharp_tiny_model_dir, kv_cache_dtype="bfloat16", fused_layers=False)
+    fused = _engine(sharp_tiny_model_dir, kv_cache_dtype=cache_dtype, quantization=quantization)
+    plain = _engine(sharp_tiny_model_dir, kv_cache_dtype=cache_dtype, quantization=quantization, fused_layers=False)
     outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
             for llm in (fused, plain)]
     assert outs[0] == outs[1] and fused_calls
+    assert torch.equal(fused.engine.kv_cache.data, plain.engine.kv_cache.data)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
@@ -99,11 +103,10 @@ def test_a_fully_fused_model_runs_its_layers_as_one_native_loop(sharp_tiny_model
 
 
 def test_fused_layers_stand_aside_where_they_do_not_apply(sharp_tiny_model_dir, fused_calls):
-    """An int8 KV cache (quantized in Python), --fused-layers off and projections LoRA wrapped after
-    loading take the Python layer; so does a first prefill chunk (SDPA)."""
+    """--fused-layers off and projections LoRA wrapped after loading take the Python layer; so does a
+    first prefill chunk (SDPA)."""
     prompt = mixed_prompts(1, 20, 20, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    _engine(sharp_tiny_model_dir, kv_cache_dtype="int8").generate(prompt, params)
     _engine(sharp_tiny_model_dir, fused_layers=False).generate(prompt, params)
     lora = _engine(sharp_tiny_model_dir, enable_lora=True, max_loras=1)
     assert type(lora.engine.model.layers[0].self_attn.qkv_proj).__name__ == "LoRALinear"

@@ -6,7 +6,8 @@ out brought a batch-1 step from ~23 to ~18.5 ms (bench/README.md). `tokenmill::l
 (kernels/csrc/decoder_layer.cpp) runs the same kernels in the same order from C++, so its output is
 bit-identical to the Python layer's; the layer takes it whenever the step's attention all runs on
 the paged kernel (decodes and chunks with cached context; first prefill chunks go through SDPA in
-Python) and the cache is not int8. Fused: layers of exactly the Llama structure (RMSNorm, fused qkv
+Python), over fp32, bf16 or int8 caches (the layer writes K/V rows into their slots itself,
+quantizing int8 rows as kv_quant.to_cache does). Fused: layers of exactly the Llama structure (RMSNorm, fused qkv
 with optional bias, no q/k norm, SiLU-gated MLP, no tensor parallelism) in fp32 whose four
 projections are on the panel GEMM: fp32 or bf16 panels (`--packed-linear`; bf16 holds the bf16-valued
 weights of a model published in bf16: the kernel widens them back to fp32) or int8 (`--quantization int8`).
@@ -38,8 +39,8 @@ class FusedLayer:
     weights: tuple  # the op's arguments from the input norm to the intermediate size
     attention: tuple  # scale, window, softcap
 
-    def applies(self, kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> bool:
-        return meta.paged_only and kv[0].dtype != torch.int8 and intact(self.held)
+    def applies(self, meta: AttentionMetadata) -> bool:
+        return meta.paged_only and intact(self.held)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -82,9 +83,8 @@ class FusedStack:
             floats += [eps, scale, softcap]
         self.native = torch.classes.tokenmill.DecoderStack(tensors, ints, floats)
 
-    def applies(self, kv_caches, meta: AttentionMetadata) -> bool:
-        return (meta.paged_only and kv_caches[0][0].dtype != torch.int8
-                and intact(self._held))
+    def applies(self, meta: AttentionMetadata) -> bool:
+        return meta.paged_only and intact(self._held)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches,
                  meta: AttentionMetadata) -> torch.Tensor:

@@ -133,7 +133,7 @@ class LlamaLayer(nn.Module):
         self.fused = None  # the layer as one C++ call (tokenmill.models.fused_layer), where it applies
 
     def forward(self, x, cos, sin, kv, meta):
-        if self.fused is not None and self.fused.applies(kv, meta):
+        if self.fused is not None and self.fused.applies(meta):
             return self.fused(x, cos, sin, kv, meta)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)  # HF rounds the scale to the dtype first
         rope = self._rope_at(positions, x.dtype)
-        if self.fused_stack is not None and self.fused_stack.applies(kv_caches, meta):
+        if self.fused_stack is not None and self.fused_stack.applies(meta):
             return self.norm(self.fused_stack(x, *rope[0], kv_caches, meta))
         for layer, kv, table in zip(self.layers, kv_caches, self.layer_rope):
             x = layer(x, *rope[table], kv, meta)

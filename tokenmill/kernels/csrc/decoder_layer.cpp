@@ -14,8 +14,11 @@
 
 #include "kernels.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -67,17 +70,34 @@ struct StepInputs {
   int64_t block_size;
 };
 
+// One kv head's row of fp32 K/V as an int8 cache row: head_dim values and their fp32 scale (absmax /
+// 127, symmetric), as tokenmill/models/kv_quant.py to_cache computes it, operation for operation
+// (fp32 division, round half to even), so the fused and the Python layers write the same bytes.
+void quantize_row(const float* row, int64_t head_dim, int8_t* dst) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < head_dim; ++i) amax = std::max(amax, std::fabs(row[i]));
+  const float scale = std::max(amax / 127.f, std::numeric_limits<float>::min());
+  for (int64_t i = 0; i < head_dim; ++i)
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(row[i] / scale))));
+  std::memcpy(dst + head_dim, &scale, sizeof(float));
+}
+
 // rows [tokens, kv_heads, head_dim] (fp32, each token's heads side by side) into their slots of a
-// cache [slots, kv_heads, head_dim]: copied, or rounded to bf16 as Tensor.to rounds. index_copy_
-// (and the .to) did the same through TensorIterator at ~4 us a call, twice per layer.
+// cache [slots, kv_heads, head_dim] (int8: head_dim + 4, see quantize_row): copied, rounded to bf16
+// as Tensor.to rounds, or quantized. index_copy_ (and the .to) did the same through TensorIterator
+// at ~4 us a call, twice per layer.
 void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
-  const int64_t tokens = rows.size(0), width = rows.size(1) * rows.size(2);
-  const bool direct = (cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16) &&
-                      rows.scalar_type() == at::kFloat && rows.stride(2) == 1 && rows.stride(1) == rows.size(2) &&
+  const int64_t tokens = rows.size(0), heads = rows.size(1), head_dim = rows.size(2), width = heads * head_dim;
+  const auto dtype = cache.scalar_type();
+  const int64_t cache_row = dtype == at::kChar ? head_dim + static_cast<int64_t>(sizeof(float)) : head_dim;
+  const bool direct = (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar) &&
+                      rows.scalar_type() == at::kFloat && rows.stride(2) == 1 && rows.stride(1) == head_dim &&
                       slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens &&
-                      cache.is_contiguous() && cache.size(1) * cache.size(2) == width;
+                      cache.is_contiguous() && cache.size(1) == heads && cache.size(2) == cache_row;
   if (!direct) {
-    cache.index_copy_(0, slots, rows.to(cache.scalar_type()));
+    TORCH_CHECK(dtype != at::kChar, "llama_decoder_layer: fp32 K/V rows [tokens, kv_heads, head_dim] into an int8 cache "
+                "[slots, kv_heads, head_dim + 4]");
+    cache.index_copy_(0, slots, rows.to(dtype));  // (fp16 caches)
     return;
   }
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -86,11 +106,14 @@ void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& r
     TORCH_CHECK(slot[t] >= 0 && slot[t] < cache.size(0), "slot ", slot[t], " is outside the cache's ", cache.size(0));
   for (int64_t t = 0; t < tokens; ++t) {
     const float* row = src + t * rows.stride(0);
-    if (cache.scalar_type() == at::kFloat) {
+    if (dtype == at::kFloat) {
       std::memcpy(cache.data_ptr<float>() + slot[t] * width, row, width * sizeof(float));
-    } else {
+    } else if (dtype == at::kBFloat16) {
       at::BFloat16* dst = cache.data_ptr<at::BFloat16>() + slot[t] * width;
       for (int64_t i = 0; i < width; ++i) dst[i] = at::BFloat16(row[i]);
+    } else {
+      int8_t* dst = cache.data_ptr<int8_t>() + slot[t] * heads * cache_row;
+      for (int64_t h = 0; h < heads; ++h) quantize_row(row + h * head_dim, head_dim, dst + h * cache_row);
     }
   }
 }
@@ -98,8 +121,8 @@ void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& r
 at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& w, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& k_cache, at::Tensor& v_cache, const StepInputs& step) {
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 3, "llama_decoder_layer: x [tokens, hidden], caches [slots, kv_heads, dim]");
-  TORCH_CHECK(k_cache.scalar_type() != at::kChar, "llama_decoder_layer: int8 caches take the Python path");
-  const int64_t tokens = x.size(0), hidden = x.size(1), head_dim = k_cache.size(2);
+  const int64_t scale_bytes = k_cache.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0;
+  const int64_t tokens = x.size(0), hidden = x.size(1), head_dim = k_cache.size(2) - scale_bytes;
   const int64_t q_size = w.heads * head_dim, kv_size = w.kv_heads * head_dim;
   auto project = [](const at::Tensor& in, const Projection& p, int64_t n) {
     return linear(in, p.weight, p.scales, p.bias, n);
