@@ -104,13 +104,14 @@ def quantize_model(model: nn.Module, method: str) -> None:
         logger.warning("int8 without tokenmill's CPU kernels: weights are widened on every call (slow)")
     before = _linear_bytes(model)
     quantized = _replace_linears(model, use_kernel, () if use_kernel else _KEPT_WITHOUT_KERNELS)
+    tied = 0
     if use_kernel:
         _into_huge_pages([m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear)])
         tied = _read_tied_embeddings_from(quantized, model)
     after = _linear_bytes(model)
-    logger.info("int8 weights (groups of %d%s): linear layers %.1f MiB -> %.1f MiB", GROUP_SIZE,
-                ", the tied embedding read from the int8 lm_head" if use_kernel and tied else
-                "" if use_kernel else ", lm_head and embeddings kept", before / 2**20, after / 2**20)
+    kept = ", a tied embedding read from the int8 lm_head" if tied else "" if use_kernel else ", lm_head kept"
+    logger.info("int8 weights (groups of %d%s): linear layers %.1f MiB -> %.1f MiB", GROUP_SIZE, kept,
+                before / 2**20, after / 2**20)
 
 
 class Int8Embedding(nn.Module):
@@ -150,25 +151,30 @@ def _into_huge_pages(layers: list[WeightOnlyInt8Linear]) -> None:
         layer.qweight, layer.scales = qweight, scales
 
 
-def _replace_linears(module: nn.Module, use_kernel: bool, kept: tuple[str, ...]) -> dict[int, WeightOnlyInt8Linear]:
-    """Every nn.Linear not named in `kept` replaced by its int8 layer; {id(float weight): int8 layer}."""
-    quantized: dict[int, WeightOnlyInt8Linear] = {}
+# {id(float weight): (the weight, its int8 layer)}: the weight is held so that its id stays its own.
+Quantized = dict[int, tuple[torch.Tensor, WeightOnlyInt8Linear]]
+
+
+def _replace_linears(module: nn.Module, use_kernel: bool, kept: tuple[str, ...]) -> Quantized:
+    """Every nn.Linear not named in `kept` replaced by its int8 layer."""
+    quantized: Quantized = {}
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and name not in kept:
-            quantized[id(child.weight)] = WeightOnlyInt8Linear(child, use_kernel)
-            setattr(module, name, quantized[id(child.weight)])
+            layer = WeightOnlyInt8Linear(child, use_kernel)
+            quantized[id(child.weight)] = (child.weight, layer)
+            setattr(module, name, layer)
         else:
             quantized.update(_replace_linears(child, use_kernel, kept))
     return quantized
 
 
-def _read_tied_embeddings_from(quantized: dict[int, WeightOnlyInt8Linear], model: nn.Module) -> int:
+def _read_tied_embeddings_from(quantized: Quantized, model: nn.Module) -> int:
     """Point every nn.Embedding whose weight an int8 layer was quantized from at that layer (the
     float table is then dropped with the embedding); returns how many."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            head = quantized.get(id(child.weight)) if type(child) is nn.Embedding else None
+            head = quantized.get(id(child.weight), (None, None))[1] if type(child) is nn.Embedding else None
             if head is not None and child.max_norm is None and head.bias is None:
                 setattr(module, name, Int8Embedding(child, head))
                 count += 1
