@@ -229,12 +229,11 @@ def test_int8_engine_quantizes_experts_and_mostly_agrees(moe_model_dirs):
     int8 = [o.outputs[0].token_ids for o in q.generate(prompts, params)]
     # Experts and shared expert too, and the lm_head (tokenmill's CPU kernels); the routers are not
     # linear layers and stay in the model dtype.
+    from tokenmill.kernels.ops import cpu_kernels_available
     from tokenmill.models.packed_linear import PackedLinear
     from tokenmill.models.quant import WeightOnlyInt8Linear
 
     assert not any(type(m) is torch.nn.Linear for m in q.engine.model.modules())
-    from tokenmill.kernels.ops import cpu_kernels_available
-
     if cpu_kernels_available(torch.device("cpu")):
         assert not any(isinstance(m, PackedLinear) for m in q.engine.model.modules())
         assert isinstance(q.engine.model.lm_head, WeightOnlyInt8Linear)
