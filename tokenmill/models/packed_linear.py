@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import mmap
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -191,6 +192,11 @@ def into_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [_view(buffer, start, t.numel(), t.dtype).view(t.shape).copy_(t) for t, start in zip(tensors, starts)]
 
 
+# {id(a layer's float weight): (that weight, the layer now computing with it)}: the weight is held
+# so that its id stays its own while the map lives.
+TiedHeads = dict[int, tuple[torch.Tensor, nn.Module]]
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace every plain nn.Linear of a CPU fp32/bf16 model by its packed layer (see the module
     docstring; other dtypes and CPUs keep the default GEMMs); returns how many. The panel-packed
@@ -204,27 +210,32 @@ def pack_linears(model: nn.Module) -> int:
     starts = _aligned_starts([n * dtype.itemsize for n, dtype in zip(numels, dtypes)])
     buffer = huge_page_buffer(starts[-1]) if starts[-1] else None
     counts: dict[str, int] = {}
-    panel_of_weight: dict[int, PanelLinear] = {}
+    panel_of_weight: TiedHeads = {}
     for (module, name, child, kind), numel, dtype, start in zip(targets, numels, dtypes, starts):
         storage = _view(buffer, start, numel, dtype) if kind is PanelLinear else None
         packed = PanelLinear(child, storage) if kind is PanelLinear else kind(child)
         if isinstance(packed, PanelLinear) and packed.bias is None:
-            panel_of_weight[id(child.weight)] = packed
+            panel_of_weight[id(child.weight)] = (child.weight, packed)
         setattr(module, name, packed)
         narrowed = dtype != child.weight.dtype
         label = kind.__name__ + (" (bf16-valued fp32 weights, in bf16)" if narrowed else "")
         counts[label] = counts.get(label, 0) + 1
-    _read_tied_embeddings_from(panel_of_weight, model, counts)
+    if tied := read_tied_embeddings_from(panel_of_weight, model, PanelEmbedding):
+        counts["PanelEmbedding"] = tied
     logger.info("packed layers: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
     return len(targets)
 
 
-def _read_tied_embeddings_from(panel_of_weight: dict[int, PanelLinear], model: nn.Module, counts: dict[str, int]) -> None:
-    """Point every nn.Embedding whose weight a panel-packed layer shares at that layer's panels (the
-    weight itself is then dropped with the embedding)."""
+def read_tied_embeddings_from(heads: TiedHeads, model: nn.Module,
+                              reader: Callable[[nn.Embedding, nn.Module], nn.Module]) -> int:
+    """Replace every nn.Embedding whose weight one of `heads` was built from by reader(embedding,
+    head), an embedding reading its rows from the head's copy (the float table is then dropped with
+    the embedding: one copy of a tied vocabulary matrix); returns how many."""
+    count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            head = panel_of_weight.get(id(child.weight)) if type(child) is nn.Embedding else None
-            if head is not None and child.max_norm is None:
-                setattr(module, name, PanelEmbedding(child, head))
-                counts["PanelEmbedding"] = counts.get("PanelEmbedding", 0) + 1
+            entry = heads.get(id(child.weight)) if type(child) is nn.Embedding else None
+            if entry is not None and child.max_norm is None:
+                setattr(module, name, reader(child, entry[1]))
+                count += 1
+    return count

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.moe import split_experts
-from tokenmill.models.packed_linear import into_huge_pages
+from tokenmill.models.packed_linear import TiedHeads, into_huge_pages, read_tied_embeddings_from
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ def quantize_model(model: nn.Module, method: str) -> None:
     tied = 0
     if use_kernel:
         _into_huge_pages([m for m in model.modules() if isinstance(m, WeightOnlyInt8Linear)])
-        tied = _read_tied_embeddings_from(quantized, model)
+        tied = read_tied_embeddings_from({k: v for k, v in quantized.items() if v[1].bias is None}, model,
+                                         Int8Embedding)
     after = _linear_bytes(model)
     kept = ", a tied embedding read from the int8 lm_head" if tied else "" if use_kernel else ", lm_head kept"
     logger.info("int8 weights (groups of %d%s): linear layers %.1f MiB -> %.1f MiB", GROUP_SIZE, kept,
@@ -151,13 +152,9 @@ def _into_huge_pages(layers: list[WeightOnlyInt8Linear]) -> None:
         layer.qweight, layer.scales = qweight, scales
 
 
-# {id(float weight): (the weight, its int8 layer)}: the weight is held so that its id stays its own.
-Quantized = dict[int, tuple[torch.Tensor, WeightOnlyInt8Linear]]
-
-
-def _replace_linears(module: nn.Module, use_kernel: bool, kept: tuple[str, ...]) -> Quantized:
-    """Every nn.Linear not named in `kept` replaced by its int8 layer."""
-    quantized: Quantized = {}
+def _replace_linears(module: nn.Module, use_kernel: bool, kept: tuple[str, ...]) -> TiedHeads:
+    """Every nn.Linear not named in `kept` replaced by its int8 layer; returns them by float weight."""
+    quantized: TiedHeads = {}
     for name, child in module.named_children():
         if isinstance(child, nn.Linear) and name not in kept:
             layer = WeightOnlyInt8Linear(child, use_kernel)
@@ -166,19 +163,6 @@ def _replace_linears(module: nn.Module, use_kernel: bool, kept: tuple[str, ...])
         else:
             quantized.update(_replace_linears(child, use_kernel, kept))
     return quantized
-
-
-def _read_tied_embeddings_from(quantized: Quantized, model: nn.Module) -> int:
-    """Point every nn.Embedding whose weight an int8 layer was quantized from at that layer (the
-    float table is then dropped with the embedding); returns how many."""
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            head = quantized.get(id(child.weight), (None, None))[1] if type(child) is nn.Embedding else None
-            if head is not None and child.max_norm is None and head.bias is None:
-                setattr(module, name, Int8Embedding(child, head))
-                count += 1
-    return count
 
 
 def _linear_bytes(model: nn.Module) -> int:
