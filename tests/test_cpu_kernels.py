@@ -119,6 +119,40 @@ def test_decode_batches_small_and_large_match_sdpa(seed, decodes):
 
 
 @needs_kernels
+@pytest.mark.parametrize("seed", range(8))
+def test_long_contexts_cut_into_key_chunks_match_sdpa(seed):
+    """Keys are cut at fixed multiples (128) into items whose partial softmaxes are merged: decodes
+    and prefill tiles over many chunks (rows that see none of a chunk, windows, softcaps) equal the
+    reference."""
+    rng = random.Random(3000 + seed)
+    c = _case(rng, torch.float32, seqs=[(rng.randint(129, 1100), rng.choice([1, 1, 9, 40])) for _ in range(rng.randint(1, 3))])
+    out = _kernel(c)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), _reference(c), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_a_decode_is_bit_identical_alone_and_in_a_batch():
+    """Alone, a decode over a long context is split over the threads by key chunks and kv heads; in
+    a batch of 40 its item holds every kv head. Its row is the same bits either way, on any
+    number of threads (a request's tokens never depend on who else is being served)."""
+    rng = random.Random(11)
+    while True:
+        c = _case(rng, torch.float32, seqs=[(rng.randint(300, 900), 1) for _ in range(40)])
+        if c["window"] is None and c["k_cache"].shape[1] > 1:  # (every key seen; two groupings of kv heads)
+            break
+    batched = _kernel(c)
+    alone = dict(c, seqs=c["seqs"][:1], tables=c["tables"][:1], q=c["q"][:1])
+    threads = torch.get_num_threads()
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            assert torch.equal(_kernel(alone)[0], batched[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(8))
 def test_half_precision_kv_matches_fp64_reference(seed, dtype):
