@@ -527,11 +527,13 @@ def test_tied_embedding_reads_the_packed_head():
         assert model.embed.panels.data_ptr() == model.head.packed_weight.data_ptr()  # one copy
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab,dim", [(300, 64), (1000, 99)])
-def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim):
+def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim, dtype):
     """--quantization int8 quantizes the lm_head too (tokenmill's kernels), and the embedding tied to
     it reads its rows from the packed int8 head: one copy of the table, rows equal to the head's
-    dequantized rows (dim 99: one group per row, odd inputs padded in the packed pairs)."""
+    dequantized rows in the model's dtype (dim 99: one group per row, odd inputs padded in the
+    packed pairs); an id outside the table is refused, never read."""
     from tokenmill.models.quant import Int8Embedding, WeightOnlyInt8Linear, quantize_model
 
     if not build.load():
@@ -540,18 +542,23 @@ def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim):
     model.embed_tokens = torch.nn.Embedding(vocab, dim)
     model.lm_head = torch.nn.Linear(dim, vocab, bias=False)
     model.lm_head.weight = model.embed_tokens.weight
-    table = model.embed_tokens.weight.detach().clone()
+    model.to(dtype)
+    table = model.embed_tokens.weight.detach().float().clone()
     with torch.inference_mode():
         quantize_model(model, "int8")
         head, embedding = model.lm_head, model.embed_tokens
         assert isinstance(head, WeightOnlyInt8Linear) and isinstance(embedding, Int8Embedding)
         assert [name for name, _ in model.named_parameters()] == []
         assert [name for name, _ in model.named_buffers()] == ["lm_head.qweight", "lm_head.scales"]
-        dequantized = head.dequantized(torch.float32)
+        dequantized = head.dequantized(dtype)
         ids = torch.tensor([[0, 15], [16, vocab - 1]])
         rows = embedding(ids)
-        assert rows.shape == (2, 2, dim) and rows.dtype == torch.float32
+        assert rows.shape == (2, 2, dim) and rows.dtype == dtype
         assert torch.equal(rows, dequantized[ids])
+        assert torch.equal(embedding(torch.arange(vocab)), dequantized)
+        with pytest.raises(RuntimeError, match="outside"):
+            embedding(torch.tensor([vocab + 40]))
+        dequantized = head.dequantized(torch.float32)
         # (the int8 rows are the table's to within half a step of each group's scale)
         step = table.abs().amax(dim=1, keepdim=True) / 127 if dim % 32 else \
             table.view(vocab, -1, 32).abs().amax(dim=-1).repeat_interleave(32, dim=1) / 127

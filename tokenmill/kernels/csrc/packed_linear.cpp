@@ -453,11 +453,15 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
   const int64_t m = xc.size(0), kp = cut.inputs();
   at::Tensor out = at::empty({m, n}, xc.options());
   if (m > 0 && n > 0) {
-    at::Tensor xq = at::empty({m, kp}, xc.options().dtype(at::kShort));
-    at::Tensor sx = at::empty({m, cut.blocks()}, xc.options());
+    // x as int16 and its block scales: per-thread buffers kept across calls (two tensors per call
+    // were ~1 us of a batch-1 layer's ~150).
+    thread_local std::vector<int16_t> xq;
+    thread_local std::vector<float> sx;
+    xq.resize(static_cast<size_t>(m * kp));
+    sx.resize(static_cast<size_t>(m * cut.blocks()));
     const float* xp = xc.data_ptr<float>();
-    int16_t* xqp = xq.data_ptr<int16_t>();
-    float* sxp = sx.data_ptr<float>();
+    int16_t* xqp = xq.data();
+    float* sxp = sx.data();
     at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) { quantize_activations(xp, k, cut, r0, r1, xqp, sxp); });
     const int8_t* qp = packed.data_ptr<int8_t>();
     const float* sp = packed_scales.data_ptr<float>();
@@ -483,6 +487,52 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
   return out.view(shape).to(x.scalar_type());
 }
 
+// Rows `ids` of the int8 matrix [N, k] packed by pack_int8_weight (row v: column v % kPanel of
+// panel v / kPanel, by pairs of inputs), times their group scales, as `dtype` rows [..., k]: the
+// token embedding tied to an int8 lm_head (models/quant.py Int8Embedding). The product is rounded
+// once to dtype from fp32, as torch's int8.to(dtype) * scale.to(dtype) rounds it.
+at::Tensor packed_int8_rows(const at::Tensor& ids, const at::Tensor& packed, const at::Tensor& packed_scales,
+                            int64_t k, at::ScalarType dtype) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "packed_int8_rows: int64 ids");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == 2 * kPanel &&
+                  packed.is_contiguous() && packed.size(1) == (k + 1) / 2,
+              "packed_int8_rows: an int8 weight from pack_int8_weight for this K and CPU");
+  TORCH_CHECK(packed_scales.scalar_type() == at::kFloat && packed_scales.dim() == 3 && packed_scales.is_contiguous() &&
+                  packed_scales.size(0) == packed.size(0) && packed_scales.size(2) == kPanel &&
+                  packed_scales.size(1) > 0 && k % packed_scales.size(1) == 0,
+              "packed_int8_rows: scales from pack_linear_weight([N, groups]) with groups dividing K");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "packed_int8_rows: fp32 or bf16 rows");
+  const at::Tensor flat = ids.reshape({-1}).contiguous();
+  const int64_t count = flat.numel(), rows = packed.size(0) * kPanel, groups = packed_scales.size(1);
+  const int64_t group_size = k / groups, pairs = packed.size(1);
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < rows, "packed_int8_rows: id ", id[t], " is outside the ", rows, " rows");
+  at::Tensor out = at::empty({count, k}, flat.options().dtype(dtype));
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  const float* sp = packed_scales.data_ptr<float>();
+  auto fill = [&](auto* dst, auto round) {
+    at::parallel_for(0, count, 256, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t panel = id[t] / kPanel, column = id[t] % kPanel;
+        const int8_t* values = qp + panel * pairs * 2 * kPanel + 2 * column;  // pair j at values[j * 2 * kPanel]
+        const float* scales = sp + panel * groups * kPanel + column;  // group g at scales[g * kPanel]
+        for (int64_t i = 0; i < k; ++i)
+          dst[t * k + i] = round(static_cast<float>(values[(i / 2) * 2 * kPanel + i % 2]) *
+                                 round(scales[(i / group_size) * kPanel]));
+      }
+    });
+  };
+  if (dtype == at::kFloat) {
+    fill(out.data_ptr<float>(), [](float v) { return v; });
+  } else {
+    fill(out.data_ptr<at::BFloat16>(), [](float v) { return static_cast<float>(at::BFloat16(v)); });
+  }
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  return out.view(shape);
+}
+
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
@@ -491,6 +541,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("pack_int8_weight(Tensor weight) -> Tensor");
   m.def("packed_int8_linear(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int n) -> Tensor");
+  m.def("packed_int8_rows(Tensor ids, Tensor packed, Tensor packed_scales, int k, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -498,4 +549,5 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("packed_linear", &tokenmill::packed_linear);
   m.impl("pack_int8_weight", &tokenmill::pack_int8_weight);
   m.impl("packed_int8_linear", &tokenmill::packed_int8_linear);
+  m.impl("packed_int8_rows", &tokenmill::packed_int8_rows);
 }
