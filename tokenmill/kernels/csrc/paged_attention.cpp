@@ -80,6 +80,18 @@ struct WorkItem {
 // A partial result: rows x dim unnormalised accumulators, then each row's max and sum of exp(s - max).
 inline int64_t partial_floats(int64_t rows, int64_t dim) { return rows * (dim + 2); }
 
+// An item's rows: row r is kv head kv_head + r / head_rows, query (r % head_rows) / group, query
+// head (that kv head) * group + r % group.
+struct ItemRows {
+  int64_t group, kv_head, head_rows, rows;
+
+  ItemRows(const WorkItem& item, const Params& p)
+      : group(p.heads / p.kv_heads), kv_head(item.kv_head), head_rows(group * item.num_queries),
+        rows(item.num_kv_heads * head_rows) {}
+  int64_t query_of(int64_t r) const { return (r % head_rows) / group; }
+  int64_t head_of(int64_t r) const { return (kv_head + r / head_rows) * group + r % group; }
+};
+
 // Keys per tile: their dot products accumulate side by side (one load of each q chunk for 4 keys).
 constexpr int kKeyTile = 4;
 // Keys whose weighted V rows accumulate in registers before the output rows are loaded and stored.
@@ -207,19 +219,17 @@ template <typename T, typename C>
 void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_cache, T* out, float* partials,
                  const int32_t* query_start, const int32_t* query_lens, const int32_t* block_tables,
                  const int32_t* context_lens, const Params& p, Scratch& scratch) {
-  const int64_t group = p.heads / p.kv_heads;
-  // Row r: kv head kv_head + r / head_rows, query (r % head_rows) / group, query head (that kv
-  // head) * group + r % group. An item of all kv heads reads each slot row of K/V as one stretch.
-  const int64_t head_rows = group * item.num_queries;
-  const int64_t rows = item.num_kv_heads * head_rows;
+  // (An item of all kv heads reads each slot row of K/V as one stretch.)
+  const ItemRows map(item, p);
+  const int64_t head_rows = map.head_rows, rows = map.rows;
   const int64_t ctx = context_lens[item.seq];
   const int64_t first_pos = ctx - query_lens[item.seq] + item.first_query;
   const int64_t first_row = query_start[item.seq] + item.first_query;
   const int64_t key_lo = item.key_lo, key_hi = item.key_hi, keys = key_hi - key_lo;
   const int64_t dim = p.dim;
   const int64_t row_stride = p.kv_heads * p.head_stride;  // between slots of one head
-  auto query_of = [&](int64_t r) { return (r % head_rows) / group; };
-  auto head_of = [&](int64_t r) { return (item.kv_head + r / head_rows) * group + r % group; };
+  auto query_of = [&](int64_t r) { return map.query_of(r); };
+  auto head_of = [&](int64_t r) { return map.head_of(r); };
 
   // Each key's offset, walking the block table once (no division per key).
   scratch.offsets.resize(static_cast<size_t>(keys));
@@ -342,8 +352,8 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
 template <typename T>
 void merge_chunks(const WorkItem& first, int64_t chunks, const float* partials, T* out, const int32_t* query_start,
                   const Params& p) {
-  const int64_t group = p.heads / p.kv_heads, dim = p.dim;
-  const int64_t head_rows = group * first.num_queries, rows = first.num_kv_heads * head_rows;
+  const ItemRows map(first, p);
+  const int64_t dim = p.dim, rows = map.rows;
   const int64_t stride = partial_floats(rows, dim);
   const float* base = partials + first.partial;
   std::vector<float> row(static_cast<size_t>(dim));
@@ -359,8 +369,7 @@ void merge_chunks(const WorkItem& first, int64_t chunks, const float* partials, 
       sum += w * part[rows * dim + rows + r];
       for (int64_t d = 0; d < dim; ++d) row[d] += w * part[r * dim + d];
     }
-    const int64_t query = (r % head_rows) / group, head = (first.kv_head + r / head_rows) * group + r % group;
-    T* dst = out + ((query_start[first.seq] + first.first_query + query) * p.heads + head) * dim;
+    T* dst = out + ((query_start[first.seq] + first.first_query + map.query_of(r)) * p.heads + map.head_of(r)) * dim;
     const float inv = 1.f / sum;
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(row[d] * inv);
   }
