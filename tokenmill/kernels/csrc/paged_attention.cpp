@@ -72,8 +72,8 @@ constexpr int64_t kKeyChunk = 128;
 struct WorkItem {
   int64_t seq, kv_head, num_kv_heads, first_query, num_queries;  // kv heads [kv_head, +num_kv_heads);
                                                                  // first_query: offset in the sequence's queries
-  int64_t key_lo, key_hi;  // the keys this item reads: one chunk's, or all the tile's when it has one chunk
-  int64_t partial;         // -1: the result goes to out; else where its partial softmax goes (in floats)
+  int64_t key_lo, key_hi;  // the keys this item reads: one chunk's, or the whole tile's (one or more chunks)
+  int64_t partial;         // a chunk of a split tile: where its partial softmax goes (in floats); else -1
   int64_t cost;
 };
 
@@ -152,6 +152,7 @@ struct Scratch {
   std::vector<const float*> q_rows;
   std::vector<float*> acc_rows;
   std::vector<float> row_sum, row_max;
+  std::vector<float> partials;  // a tile's chunks done in one item (attend_item)
 };
 
 // The rows the tiles read from a cache of C: fp32 and bf16 rows in place (bf16 widened as it is
@@ -215,10 +216,12 @@ inline void for_row_groups_of_tile(int64_t head_rows, int64_t h, int64_t n, Fn&&
 }
 
 // T: the dtype of q and out (the model's); C: the cache's (the same, or a narrower --kv-cache-dtype).
+// Keys [item.key_lo, item.key_hi), within one chunk, for the item's rows: normalised into out, or,
+// with `partial`, that chunk's partial softmax (see partial_floats).
 template <typename T, typename C>
-void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_cache, T* out, float* partials,
-                 const int32_t* query_start, const int32_t* query_lens, const int32_t* block_tables,
-                 const int32_t* context_lens, const Params& p, Scratch& scratch) {
+void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v_cache, T* out, float* partial,
+                  const int32_t* query_start, const int32_t* query_lens, const int32_t* block_tables,
+                  const int32_t* context_lens, const Params& p, Scratch& scratch) {
   // (An item of all kv heads reads each slot row of K/V as one stretch.)
   const ItemRows map(item, p);
   const int64_t head_rows = map.head_rows, rows = map.rows;
@@ -333,11 +336,10 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
                                                                         dim, acc_rows.data() + r);
     });
   });
-  if (item.partial >= 0) {  // one chunk of several: merged by merge_chunks
-    float* part = partials + item.partial;
-    std::copy(acc, acc + rows * dim, part);
-    std::copy(row_max.begin(), row_max.begin() + rows, part + rows * dim);
-    std::copy(row_sum.begin(), row_sum.begin() + rows, part + rows * dim + rows);
+  if (partial != nullptr) {  // one chunk of several: merged by merge_chunks
+    std::copy(acc, acc + rows * dim, partial);
+    std::copy(row_max.begin(), row_max.begin() + rows, partial + rows * dim);
+    std::copy(row_sum.begin(), row_sum.begin() + rows, partial + rows * dim + rows);
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -347,15 +349,14 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
   }
 }
 
-// The chunks of one tile (its first chunk's item; the others' partials follow it in chunk order)
-// merged into out: each chunk's accumulators and sum rescaled by exp(its max - the rows' max).
+// The partials of a tile's chunks (`base`, one after another in chunk order) merged into out: each
+// chunk's accumulators and sum rescaled by exp(its max - the rows' max). `first`: the tile's item.
 template <typename T>
-void merge_chunks(const WorkItem& first, int64_t chunks, const float* partials, T* out, const int32_t* query_start,
+void merge_chunks(const WorkItem& first, int64_t chunks, const float* base, T* out, const int32_t* query_start,
                   const Params& p) {
   const ItemRows map(first, p);
   const int64_t dim = p.dim, rows = map.rows;
   const int64_t stride = partial_floats(rows, dim);
-  const float* base = partials + first.partial;
   std::vector<float> row(static_cast<size_t>(dim));
   for (int64_t r = 0; r < rows; ++r) {
     float max = -std::numeric_limits<float>::infinity();
@@ -373,6 +374,38 @@ void merge_chunks(const WorkItem& first, int64_t chunks, const float* partials, 
     const float inv = 1.f / sum;
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(row[d] * inv);
   }
+}
+
+inline int64_t chunks_in(int64_t key_lo, int64_t key_hi) {
+  return key_hi / kKeyChunk - key_lo / kKeyChunk + (key_hi % kKeyChunk != 0);
+}
+
+// One work item: a chunk of a split tile (its partial to `partials`), a tile of one chunk, or a
+// tile over several chunks done here one chunk after another, each exactly as a split tile's chunk
+// item computes it and merged the same way (so splitting or not never changes a bit).
+template <typename T, typename C>
+void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_cache, T* out, float* partials,
+                 const int32_t* query_start, const int32_t* query_lens, const int32_t* block_tables,
+                 const int32_t* context_lens, const Params& p, Scratch& scratch) {
+  auto chunk = [&](const WorkItem& part, float* partial) {
+    attend_chunk<T, C>(part, q, k_cache, v_cache, out, partial, query_start, query_lens, block_tables, context_lens,
+                       p, scratch);
+  };
+  const int64_t chunks = chunks_in(item.key_lo, item.key_hi);
+  if (item.partial >= 0 || chunks == 1) {
+    chunk(item, item.partial >= 0 ? partials + item.partial : nullptr);
+    return;
+  }
+  const int64_t stride = partial_floats(ItemRows(item, p).rows, p.dim);
+  scratch.partials.resize(static_cast<size_t>(chunks * stride));
+  WorkItem part = item;
+  int64_t c = 0;
+  for (int64_t lo = item.key_lo; lo < item.key_hi; lo = (lo / kKeyChunk + 1) * kKeyChunk, ++c) {
+    part.key_lo = lo;
+    part.key_hi = std::min(item.key_hi, (lo / kKeyChunk + 1) * kKeyChunk);
+    chunk(part, scratch.partials.data() + c * stride);
+  }
+  merge_chunks<T>(item, chunks, scratch.partials.data(), out, query_start, p);
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& out,
@@ -425,14 +458,17 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const int64_t first_pos = ctx[s] - lens[s] + first, hi = first_pos + n;
     return std::pair<int64_t, int64_t>{p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0, hi};
   };
-  auto chunks_of = [](std::pair<int64_t, int64_t> keys) {
-    return keys.second / kKeyChunk - keys.first / kKeyChunk + (keys.second % kKeyChunk != 0);
-  };
-  int64_t units = 0;
+  auto chunks_of = [](std::pair<int64_t, int64_t> keys) { return chunks_in(keys.first, keys.second); };
+  // Tiles are split into an item per chunk only when there are too few tiles to share among the
+  // threads (a batch-1 decode); else each item does its tile's chunks in turn (no partials kept
+  // between items: a long prefill's would be tens of MB a layer). Same bits either way.
+  int64_t tiles = 0, units = 0;
   for (int64_t s = 0; s < seqs; ++s)
-    for (int64_t first = 0; first < lens[s]; first += kQueryTile)
+    for (int64_t first = 0; first < lens[s]; first += kQueryTile, ++tiles)
       units += chunks_of(tile_keys(s, first, std::min<int64_t>(kQueryTile, lens[s] - first)));
-  const int64_t heads_per_item = units >= 4 * at::get_num_threads() ? p.kv_heads : 1;
+  const int64_t threads = at::get_num_threads();
+  const bool split = tiles < 4 * threads;
+  const int64_t heads_per_item = (split ? units : tiles) >= 4 * threads ? p.kv_heads : 1;
   std::vector<WorkItem> items;
   std::vector<std::pair<int64_t, int64_t>> merges;  // (first chunk's item index, chunks) per split tile
   int64_t partial_size = 0;
@@ -451,7 +487,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       const auto keys = tile_keys(s, first, n);
       const int64_t chunks = chunks_of(keys);
       for (int64_t h = 0; h < p.kv_heads; h += heads_per_item) {
-        if (chunks == 1) {
+        if (chunks == 1 || !split) {
           items.push_back({s, h, heads_per_item, first, n, keys.first, keys.second, -1,
                            heads_per_item * n * (keys.second - keys.first)});
           continue;
@@ -481,7 +517,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const C* v_ptr = v_cache.data_ptr<C>();
     T* out_ptr = out.data_ptr<T>();
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      Scratch scratch;
+      thread_local Scratch scratch;  // (kept across calls: no allocation per layer)
       for (int64_t i = next++; i < num_items; i = next++)
         attend_item<T, C>(items[order[i]], q_ptr, k_ptr, v_ptr, out_ptr, partials.data(), starts, lens, tables, ctx,
                           p, scratch);
@@ -489,7 +525,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     // (a few split tiles, batch-1: merged here; many: by the threads)
     at::parallel_for(0, static_cast<int64_t>(merges.size()), 8, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
-        merge_chunks<T>(items[merges[m].first], merges[m].second, partials.data(), out_ptr, starts, p);
+        merge_chunks<T>(items[merges[m].first], merges[m].second, partials.data() + items[merges[m].first].partial,
+                        out_ptr, starts, p);
     });
   };
   if (k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kFloat) {
