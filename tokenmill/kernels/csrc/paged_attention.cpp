@@ -6,10 +6,11 @@
 // p sees keys t <= p (causal) with p - t < window when window > 0. Decodes are q_len == 1. An int8
 // cache's rows are [head_dim int8 values, their fp32 scale] (head_dim + 4 bytes, models/kv_quant.py).
 //
-// Work items are (sequence, kv heads, tile of queries, chunk of 128 keys): all kv heads of a
+// Work items are (sequence, kv heads, tile of queries[, chunk of 128 keys]): all kv heads of a
 // sequence when there are enough items to keep the threads busy (each K/V slot row is then read as
-// one stretch), else one kv head each; a tile over several chunks has their partial softmaxes
-// merged (see kKeyChunk). The query heads that share a kv head (GQA) are computed together, so every K/V
+// one stretch), else one kv head each; a tile's keys are computed in 128-key chunks whose partial
+// softmaxes are merged, the chunks split into items of their own only when tiles are few (see
+// kKeyChunk). The query heads that share a kv head (GQA) are computed together, so every K/V
 // row is loaded once per tile. Items differ in cost by orders of magnitude (a decode vs a prefill
 // tile over a long context): the largest go first and threads pull them one at a time. Scores go to
 // a per-thread buffer: q.k for tiles of 4 keys x 3 query rows (fp32 accumulators in registers), scale,
@@ -59,9 +60,10 @@ struct Params {
   float scale, softcap;
 };
 
-// A sequence's keys are cut at multiples of kKeyChunk (absolute positions), each stretch its own
-// work item; a tile of queries whose keys span several chunks gets one partial softmax per chunk
-// (max, sum, unnormalised weighted V), merged in chunk order afterwards. Fixed boundaries: a row's
+// A sequence's keys are cut at multiples of kKeyChunk (absolute positions); a tile of queries whose
+// keys span several chunks gets one partial softmax per chunk (max, sum, unnormalised weighted V),
+// merged in chunk order afterwards, each chunk its own work item when tiles are few (a small-batch
+// decode) and one after another in its tile's item otherwise. Fixed boundaries: a row's
 // arithmetic never depends on the batch, the threads or the tiling. One decode over a long context
 // is then many items, shared by the threads, each reading whole slot rows of every kv head
 // (batch-1, 1,024 keys: 3 items of one kv head each -> 8 of all three). Per layer of SmolLM2 over
