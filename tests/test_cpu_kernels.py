@@ -95,14 +95,16 @@ def _kernel(c) -> torch.Tensor:
     return out.view_as(c["q"])
 
 
+def _assert_fp32_kernel_matches_reference(c) -> None:
+    out = _kernel(c)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out.double(), _reference(c), atol=1e-5, rtol=1e-5)
+
+
 @needs_kernels
 @pytest.mark.parametrize("seed", range(60))
 def test_fp32_kernel_matches_sdpa(seed):
-    c = _case(random.Random(seed), torch.float32)
-    out = _kernel(c)
-    ref = _reference(c)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    _assert_fp32_kernel_matches_reference(_case(random.Random(seed), torch.float32))
 
 
 @needs_kernels
@@ -113,9 +115,7 @@ def test_decode_batches_small_and_large_match_sdpa(seed, decodes):
     heads of a slot row in one item. Both equal the reference."""
     rng = random.Random(500 + seed)
     c = _case(rng, torch.float32, seqs=[(rng.randint(1, 300), 1) for _ in range(decodes)])
-    out = _kernel(c)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.double(), _reference(c), atol=1e-5, rtol=1e-5)
+    _assert_fp32_kernel_matches_reference(c)
 
 
 @needs_kernels
@@ -126,9 +126,7 @@ def test_long_contexts_cut_into_key_chunks_match_sdpa(seed):
     reference."""
     rng = random.Random(3000 + seed)
     c = _case(rng, torch.float32, seqs=[(rng.randint(129, 1100), rng.choice([1, 1, 9, 40])) for _ in range(rng.randint(1, 3))])
-    out = _kernel(c)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.double(), _reference(c), atol=1e-5, rtol=1e-5)
+    _assert_fp32_kernel_matches_reference(c)
 
 
 @needs_kernels
@@ -140,9 +138,7 @@ def test_prefill_tiles_over_many_chunks_match_sdpa(seed):
     rng = random.Random(5000 + seed)
     c = _case(rng, torch.float32, seqs=[(rng.randint(600, 1100), rng.randint(33, 120)), (rng.randint(300, 700), 40)])
     assert sum(-(-q // 8) for _, q in c["seqs"]) >= 4 * torch.get_num_threads()  # (not split into chunk items)
-    out = _kernel(c)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.double(), _reference(c), atol=1e-5, rtol=1e-5)
+    _assert_fp32_kernel_matches_reference(c)
 
 
 @needs_kernels
@@ -703,9 +699,7 @@ def test_fp32_queries_over_a_narrower_kv_cache(seed, cache_dtype):
     exactly the attention of fp32 queries over the rounded K/V."""
     c = _case(random.Random(2000 + seed), torch.float32)
     c["k_cache"], c["v_cache"] = c["k_cache"].to(cache_dtype), c["v_cache"].to(cache_dtype)
-    out = _kernel(c)
-    assert out.dtype == torch.float32 and not out.isnan().any()
-    torch.testing.assert_close(out.double(), _reference(c), atol=1e-5, rtol=1e-5)
+    _assert_fp32_kernel_matches_reference(c)
 
 
 @needs_kernels
