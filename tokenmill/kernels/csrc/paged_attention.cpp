@@ -85,14 +85,26 @@ inline int64_t partial_floats(int64_t rows, int64_t dim) { return rows * (dim + 
 // An item's rows: row r is kv head kv_head + r / head_rows, query (r % head_rows) / group, query
 // head (that kv head) * group + r % group.
 struct ItemRows {
-  int64_t group, kv_head, head_rows, rows;
+  int64_t group, kv_head, head_rows, rows, heads, dim;
 
   ItemRows(const WorkItem& item, const Params& p)
       : group(p.heads / p.kv_heads), kv_head(item.kv_head), head_rows(group * item.num_queries),
-        rows(item.num_kv_heads * head_rows) {}
+        rows(item.num_kv_heads * head_rows), heads(p.heads), dim(p.dim) {}
   int64_t query_of(int64_t r) const { return (r % head_rows) / group; }
   int64_t head_of(int64_t r) const { return (kv_head + r / head_rows) * group + r % group; }
+  // Where row r starts in q and out [tokens, heads, dim], the item's first query being token first_row.
+  int64_t offset(int64_t r, int64_t first_row) const { return ((first_row + query_of(r)) * heads + head_of(r)) * dim; }
 };
+
+// Calls fn(lo, hi) for the kKeyChunk-aligned stretches of keys [key_lo, key_hi), in order.
+template <typename Fn>
+inline void for_key_chunks(int64_t key_lo, int64_t key_hi, Fn&& fn) {
+  for (int64_t lo = key_lo; lo < key_hi;) {
+    const int64_t hi = std::min(key_hi, (lo / kKeyChunk + 1) * kKeyChunk);
+    fn(lo, hi);
+    lo = hi;
+  }
+}
 
 // Keys per tile: their dot products accumulate side by side (one load of each q chunk for 4 keys).
 constexpr int kKeyTile = 4;
@@ -233,8 +245,6 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
   const int64_t key_lo = item.key_lo, key_hi = item.key_hi, keys = key_hi - key_lo;
   const int64_t dim = p.dim;
   const int64_t row_stride = p.kv_heads * p.head_stride;  // between slots of one head
-  auto query_of = [&](int64_t r) { return map.query_of(r); };
-  auto head_of = [&](int64_t r) { return map.head_of(r); };
 
   // Each key's offset, walking the block table once (no division per key).
   scratch.offsets.resize(static_cast<size_t>(keys));
@@ -260,7 +270,7 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
   q_rows.resize(static_cast<size_t>(rows));
   acc_rows.resize(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + ((first_row + query_of(r)) * p.heads + head_of(r)) * dim;
+    const T* src = q + map.offset(r, first_row);
     for (int64_t d = 0; d < dim; ++d) q_f[r * dim + d] = static_cast<float>(src[d]);
     q_rows[r] = q_f + r * dim;
     acc_rows[r] = acc + r * dim;
@@ -285,7 +295,7 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
   row_max.resize(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r) {
     float* srow = scores + r * keys;
-    const int64_t pos = first_pos + query_of(r);
+    const int64_t pos = first_pos + map.query_of(r);
     const int64_t visible_lo = (p.window > 0 ? std::max<int64_t>(key_lo, pos - p.window + 1) : key_lo) - key_lo;
     const int64_t visible_hi = std::min(pos + 1, key_hi) - key_lo;
     if (visible_hi <= visible_lo) {  // (a chunk this row sees none of: weights 0, max -inf)
@@ -345,7 +355,7 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + ((first_row + query_of(r)) * p.heads + head_of(r)) * dim;
+    T* dst = out + map.offset(r, first_row);
     const float inv = 1.f / row_sum[r];
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc_rows[r][d] * inv);
   }
@@ -372,7 +382,7 @@ void merge_chunks(const WorkItem& first, int64_t chunks, const float* base, T* o
       sum += w * part[rows * dim + rows + r];
       for (int64_t d = 0; d < dim; ++d) row[d] += w * part[r * dim + d];
     }
-    T* dst = out + ((query_start[first.seq] + first.first_query + map.query_of(r)) * p.heads + map.head_of(r)) * dim;
+    T* dst = out + map.offset(r, query_start[first.seq] + first.first_query);
     const float inv = 1.f / sum;
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(row[d] * inv);
   }
@@ -402,11 +412,11 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
   scratch.partials.resize(static_cast<size_t>(chunks * stride));
   WorkItem part = item;
   int64_t c = 0;
-  for (int64_t lo = item.key_lo; lo < item.key_hi; lo = (lo / kKeyChunk + 1) * kKeyChunk, ++c) {
+  for_key_chunks(item.key_lo, item.key_hi, [&](int64_t lo, int64_t hi) {
     part.key_lo = lo;
-    part.key_hi = std::min(item.key_hi, (lo / kKeyChunk + 1) * kKeyChunk);
-    chunk(part, scratch.partials.data() + c * stride);
-  }
+    part.key_hi = hi;
+    chunk(part, scratch.partials.data() + c++ * stride);
+  });
   merge_chunks<T>(item, chunks, scratch.partials.data(), out, query_start, p);
 }
 
@@ -460,14 +470,15 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     const int64_t first_pos = ctx[s] - lens[s] + first, hi = first_pos + n;
     return std::pair<int64_t, int64_t>{p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0, hi};
   };
-  auto chunks_of = [](std::pair<int64_t, int64_t> keys) { return chunks_in(keys.first, keys.second); };
   // Tiles are split into an item per chunk only when there are too few tiles to share among the
   // threads (a batch-1 decode); else each item does its tile's chunks in turn (no partials kept
   // between items: a long prefill's would be tens of MB a layer). Same bits either way.
   int64_t tiles = 0, units = 0;
   for (int64_t s = 0; s < seqs; ++s)
-    for (int64_t first = 0; first < lens[s]; first += kQueryTile, ++tiles)
-      units += chunks_of(tile_keys(s, first, std::min<int64_t>(kQueryTile, lens[s] - first)));
+    for (int64_t first = 0; first < lens[s]; first += kQueryTile, ++tiles) {
+      const auto keys = tile_keys(s, first, std::min<int64_t>(kQueryTile, lens[s] - first));
+      units += chunks_in(keys.first, keys.second);
+    }
   const int64_t threads = at::get_num_threads();
   const bool split = tiles < 4 * threads;
   const int64_t heads_per_item = (split ? units : tiles) >= 4 * threads ? p.kv_heads : 1;
@@ -487,20 +498,20 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     for (int64_t first = 0; first < lens[s]; first += kQueryTile) {
       const int64_t n = std::min<int64_t>(kQueryTile, lens[s] - first);
       const auto keys = tile_keys(s, first, n);
-      const int64_t chunks = chunks_of(keys);
+      const int64_t chunks = chunks_in(keys.first, keys.second);
       for (int64_t h = 0; h < p.kv_heads; h += heads_per_item) {
+        const WorkItem tile{s, h, heads_per_item, first, n, keys.first, keys.second, -1,
+                            heads_per_item * n * (keys.second - keys.first)};
         if (chunks == 1 || !split) {
-          items.push_back({s, h, heads_per_item, first, n, keys.first, keys.second, -1,
-                           heads_per_item * n * (keys.second - keys.first)});
+          items.push_back(tile);
           continue;
         }
         merges.emplace_back(static_cast<int64_t>(items.size()), chunks);
-        const int64_t stride = partial_floats(heads_per_item * (p.heads / p.kv_heads) * n, p.dim);
-        for (int64_t lo = keys.first; lo < keys.second; lo = (lo / kKeyChunk + 1) * kKeyChunk) {
-          const int64_t hi = std::min(keys.second, (lo / kKeyChunk + 1) * kKeyChunk);
+        const int64_t stride = partial_floats(ItemRows(tile, p).rows, p.dim);
+        for_key_chunks(keys.first, keys.second, [&](int64_t lo, int64_t hi) {
           items.push_back({s, h, heads_per_item, first, n, lo, hi, partial_size, heads_per_item * n * (hi - lo)});
           partial_size += stride;
-        }
+        });
       }
     }
   }
