@@ -94,6 +94,20 @@ def test_offline_run_consistent(tiny_llm, small_workload):
     json.dumps(data)
 
 
+def test_sampled_workload_in_tokenmill_and_hf(tiny_llm, tiny_model_dir, small_workload):
+    """--temperature/--top-p/--top-k/--min-p: both sides sample (the tokens leave the greedy ones) and
+    still produce every requested token."""
+    sampling = offline.Sampling(temperature=1.5, top_p=0.95, top_k=50, min_p=0.01)
+    greedy = offline.run_tokenmill(tiny_llm, small_workload, use_tqdm=False)
+    sampled = offline.run_tokenmill(tiny_llm, small_workload, use_tqdm=False, sampling=sampling)
+    assert sampled.output_tokens == sampled.requested_tokens
+    assert sampled.token_ids != greedy.token_ids
+    model = offline.load_hf_model(tiny_model_dir)
+    hf = offline.run_hf_static(model, small_workload, batch_size=2, progress=False, sampling=sampling)
+    assert hf.output_tokens == hf.requested_tokens
+    assert offline.Sampling().greedy and offline.Sampling(temperature=0.7, top_k=1).greedy and not sampling.greedy
+
+
 def test_structured_output_workload_keeps_every_document_open(tiny_llm):
     """`--compare structured-output`'s constrained side: every request produces exactly its token
     count (STRUCTURED_SCHEMA's minItems never lets the document end), and the tokens are JSON."""
@@ -191,8 +205,14 @@ def test_cli_parsing():
     assert impls.compare == "model-impl" and impls.model_impl == "auto"
     defaults = build_parser().parse_args(["bench", "offline"])
     assert defaults.compare is None and not defaults.sweep and not defaults.roofline
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "offline", "--sweep-values", "0,4"])
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.min_p) == (0.0, 1.0, 0, 0.0)
+    sampled = build_parser().parse_args(["bench", "offline", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40",
+                                         "--min-p", "0.05"])
+    assert (sampled.temperature, sampled.top_p, sampled.top_k, sampled.min_p) == (0.8, 0.9, 40, 0.05)
+    for bad in (["--sweep-values", "0,4"], ["--temperature", "-1"], ["--top-p", "0"], ["--top-p", "1.5"],
+                ["--min-p", "nan"], ["--top-k", "-2"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "offline", *bad])
 
 
 def test_long_outputs_runs_both_modes(tiny_llm):

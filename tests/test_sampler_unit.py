@@ -1,13 +1,17 @@
 """Sampler maths on random logits, no model: each filter against transformers' logits processors,
-penalties and logit_bias against hand-computed logits, greedy against argmax.
+penalties and logit_bias against hand-computed logits, greedy against argmax; every test runs on
+both implementations of the final selection, tokenmill's CPU kernel and the torch ops.
 
-The sampler draws by exponential race: token = argmax(p / q), q ~ Exp(1) from the row's RNG. A
-seeded row's q is reproducible (a generator seeded with seed + choice index), so the test computes
-the token the reference distribution gives for the same q. Over many rows the tokens agree only
-if the sampler's filtered distribution is the reference one (same kept set, same weights).
+A sampled row draws by inverse CDF: one float64 u ~ U[0, 1) from the row's RNG, then the first
+token (in vocabulary order) whose running probability passes u. A seeded row's u is reproducible (a
+generator seeded with seed + choice index), so the test computes the token the reference
+distribution gives for the same u. Over many rows the tokens agree only if the sampler's filtered
+distribution is the reference one (same kept set, same weights).
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from tokenmill.engine.outputs import RequestMetrics
 from tokenmill.engine.sampler import Sampler, SamplingInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.sequence import Sequence, placeholder
+from tokenmill.kernels.ops import cpu_kernels_available
 
 VOCAB = 64
 ROWS = 256
@@ -33,27 +38,48 @@ def make_seq(seq_id: int, params: SamplingParams, prompt: tuple[int, ...] = (1, 
     return seq
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], prev_tokens: list[int] | None = None) -> list[int]:
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def implementation(request, monkeypatch) -> str:
+    """Every test twice: with the CPU kernel selecting tokens, and with the torch ops."""
+    if request.param == "kernel" and not cpu_kernels_available(torch.device("cpu")):
+        pytest.skip("tokenmill's CPU kernels are not built here")
+    monkeypatch.setattr(sys.modules[__name__], "KERNEL", request.param == "kernel")
+    return request.param
+
+
+KERNEL = True  # (set by the fixture above)
+
+
+def make_sampler(vocab: int = VOCAB, seed: int = 0) -> Sampler:
+    sampler = Sampler(vocab, seed=seed, device=torch.device("cpu"), kernel=KERNEL)
+    assert sampler.kernel == KERNEL
+    return sampler
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], prev_tokens: list[int] | None = None,
+           vocab: int = VOCAB) -> list[int]:
     """Drive the sampler the way the engine does: a SamplingInput built from the sequences."""
-    batch = SamplingInput.of(seqs, [len(s.output_token_ids) for s in seqs], VOCAB)
-    return Sampler(VOCAB, seed=0, device=torch.device("cpu"))(logits, batch, prev_tokens).tokens
+    batch = SamplingInput.of(seqs, [len(s.output_token_ids) for s in seqs], vocab)
+    return make_sampler(vocab)(logits, batch, prev_tokens).tokens
 
 
-def race(probs: torch.Tensor, seed: int) -> int:
-    """The token a seeded row draws from `probs` (the sampler's exponential race, reproduced)."""
+def draw(probs: torch.Tensor, seed: int) -> int:
+    """The token a seeded row draws from `probs`: inverse CDF with the row's float64 uniform."""
     generator = torch.Generator()
     generator.manual_seed(seed)
-    q = torch.empty(probs.shape[-1]).exponential_(generator=generator)
-    return int((probs / q).argmax())
+    u = torch.rand(1, dtype=torch.float64, generator=generator).item()
+    cdf = probs.double().cumsum(-1)
+    return int((cdf <= u * cdf[-1]).sum())
 
 
-def seeded_rows(logits: torch.Tensor, **params) -> list[int]:
-    return sample(logits, [make_seq(i, SamplingParams(seed=SEED0 + i, **params)) for i in range(len(logits))])
+def seeded_rows(logits: torch.Tensor, vocab: int = VOCAB, **params) -> list[int]:
+    return sample(logits, [make_seq(i, SamplingParams(seed=SEED0 + i, **params)) for i in range(len(logits))],
+                  vocab=vocab)
 
 
 def reference_tokens(processed_logits: torch.Tensor) -> list[int]:
     probs = processed_logits.softmax(dim=-1)
-    return [race(probs[i], SEED0 + i) for i in range(len(probs))]
+    return [draw(probs[i], SEED0 + i) for i in range(len(probs))]
 
 
 def hf_filter(logits: torch.Tensor, *warpers) -> torch.Tensor:
@@ -174,7 +200,7 @@ def test_greedy_is_argmax_and_mixes_with_sampled_rows(logits):
     got = sample(logits, seqs)
     argmax = logits.argmax(dim=-1).tolist()
     assert got[0::2] == argmax[0::2]
-    assert got[1::2] == [race(logits[i].softmax(-1), SEED0 + i) for i in range(1, ROWS, 2)]
+    assert got[1::2] == [draw(logits[i].softmax(-1), SEED0 + i) for i in range(1, ROWS, 2)]
     assert got[1::2] != argmax[1::2]
     # top_k=1 is greedy too, whatever the temperature.
     assert sample(logits[:4], [make_seq(i, SamplingParams(top_k=1, temperature=2.0)) for i in range(4)]) == argmax[:4]
@@ -183,9 +209,59 @@ def test_greedy_is_argmax_and_mixes_with_sampled_rows(logits):
 def test_logprobs_are_of_the_raw_distribution(logits):
     seqs = [make_seq(0, SamplingParams(temperature=0.0, logprobs=3, logit_bias={7: 100.0}))]
     batch = SamplingInput.of(seqs, [0], VOCAB)
-    out = Sampler(VOCAB, seed=0, device=torch.device("cpu"))(logits[:1], batch)
+    out = make_sampler()(logits[:1], batch)
     assert out.tokens == [7]  # the bias picks the token ...
     chosen, top = out.logprobs[0]
     raw = logits[0].log_softmax(-1)
     assert chosen == pytest.approx(float(raw[7]), abs=1e-5)  # ... but its logprob is the model's
     assert list(top) == raw.topk(3).indices.tolist()
+
+
+def test_greedy_takes_the_first_largest_and_nan_as_torch_argmax():
+    """Ties go to the first index, a NaN wins (as torch.argmax), including in a vector's tail."""
+    vocab = 37  # not a whole number of vectors
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(4))
+    logits[0, [3, 20]] = 9.0  # a tie
+    logits[1, [33, 36]] = 9.0  # a tie in the tail
+    logits[2, 30] = float("nan")
+    logits[2, 5] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, 36] = float("inf")
+    seqs = [make_seq(i, SamplingParams(temperature=0.0)) for i in range(5)]
+    assert sample(logits, seqs, vocab=vocab) == logits.argmax(dim=-1).tolist() == [3, 33, 5, 0, 36]
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed counts against expected probabilities (cells with probability > 0)."""
+    kept = probs > 0
+    expected = probs[kept] * counts.sum()
+    statistic = ((counts[kept] - expected) ** 2 / expected).sum()
+    dof = int(kept.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic.double() / 2))
+
+
+def test_unseeded_draws_follow_the_filtered_distribution(logits):
+    """20,000 unseeded rows of one distribution: the histogram is the reference filter's softmax,
+    and no token outside it is ever drawn."""
+    row = logits[0]
+    expected = hf_filter(row[None], TemperatureLogitsWarper(0.8), TopKLogitsWarper(30), TopPLogitsWarper(0.95),
+                         MinPLogitsWarper(0.01))[0].softmax(-1)
+    n = 20000
+    seqs = [make_seq(i, SamplingParams(temperature=0.8, top_k=30, top_p=0.95, min_p=0.01)) for i in range(n)]
+    counts = torch.bincount(torch.tensor(sample(row.repeat(n, 1), seqs)), minlength=VOCAB).double()
+    assert counts[expected == 0].sum() == 0
+    assert int((expected > 0).sum()) > 10 and _chi_square_p(counts, expected.double()) > 1e-3
+
+
+@pytest.mark.parametrize("scale,top_p", [(0.3, 0.5), (0.3, 0.9), (4.0, 0.9)])
+def test_top_p_over_a_large_vocabulary_matches_transformers(scale, top_p):
+    """An odd-sized vocabulary whose nucleus is hundreds of tokens (flat logits) or a few (peaked),
+    read from logits wider than the vocabulary (the columns past it must never be drawn)."""
+    vocab, rows = 1003, 64
+    logits = torch.randn(rows, vocab + 13, generator=torch.Generator().manual_seed(5)) * scale
+    logits[:, vocab:] = 50.0  # padding columns of the model's output
+    expected = hf_filter(logits[:, :vocab], TopPLogitsWarper(top_p))
+    kept = int(torch.isfinite(expected[0]).sum())
+    assert (kept > 256) if scale < 1 else (kept < 64)  # the nucleus really is large (or small)
+    got = seeded_rows(logits, vocab=vocab, top_p=top_p)
+    assert got == reference_tokens(expected) and max(got) < vocab

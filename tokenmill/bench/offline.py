@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.arg_types import non_negative_float, non_negative_int, nucleus_mass, positive_int, probability
 from tokenmill.bench.serve import LatencyStats, format_grid, json_safe, write_json
 
 TINY_MODEL = "tiny"
@@ -66,6 +66,30 @@ def make_workload(num_prompts: int, min_input: int, max_input: int, min_output: 
     out_lens = rng.integers(min_output, max_output + 1, size=num_prompts)
     return [OfflineRequest(rng.integers(low, vocab_size, size=int(n_in)).tolist(), int(n_out))
             for n_in, n_out in zip(in_lens, out_lens, strict=True)]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How every request of the workload picks its tokens: greedy by default (HF agreement needs it);
+    with a temperature, sampled (`--temperature`, `--top-p`, `--top-k`, `--min-p`), as most
+    traffic is, in tokenmill and in the HF baseline alike."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        return f"sampled: temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k or 'off'}, min_p {self.min_p}"
+
+
+GREEDY = Sampling()
 
 
 def describe_workload(workload: Sequence[OfflineRequest]) -> str:
@@ -142,28 +166,30 @@ STRUCTURED_SCHEMA = {"type": "object", "properties": {"items": {"type": "array",
                      "required": ["items"], "additionalProperties": False}
 
 
-def _params(output_lens: Sequence[int], structured: dict[str, Any] | None = None) -> list[Any]:
+def _params(output_lens: Sequence[int], structured: dict[str, Any] | None = None,
+            sampling: Sampling = GREEDY) -> list[Any]:
     from tokenmill import SamplingParams
 
-    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, structured_outputs=structured)
+    return [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                           min_p=sampling.min_p, max_tokens=n, ignore_eos=True, structured_outputs=structured)
             for n in output_lens]
 
 
 def warmup(llm: Any, workload: Sequence[OfflineRequest], max_tokens: int = 8,
-           structured: dict[str, Any] | None = None) -> None:
+           structured: dict[str, Any] | None = None, sampling: Sampling = GREEDY) -> None:
     """A short untimed generate: first-call allocations and kernel selection are not the benchmark."""
     prompts = [r.prompt_token_ids for r in workload[:2]]
-    llm.generate(prompts, _params([max_tokens] * len(prompts), structured))
+    llm.generate(prompts, _params([max_tokens] * len(prompts), structured, sampling))
 
 
 def run_tokenmill(llm: Any, workload: Sequence[OfflineRequest], use_tqdm: bool = True,
                   name: str = "tokenmill", structured: dict[str, Any] | None = None,
-                  lora_paths: Sequence[str | None] | None = None) -> RunResult:
+                  lora_paths: Sequence[str | None] | None = None, sampling: Sampling = GREEDY) -> RunResult:
     """Submit every request at once and run them to completion; time the whole generate call.
     `structured`: every request's `structured_outputs` (vLLM's dict form). `lora_paths`: each
     request's LoRA adapter directory (None: the base model)."""
     prompts = [r.prompt_token_ids for r in workload]
-    params = _params([r.output_len for r in workload], structured)
+    params = _params([r.output_len for r in workload], structured, sampling)
     loras = _lora_requests(lora_paths) if lora_paths is not None else None
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=loras)
@@ -213,8 +239,10 @@ def load_hf_model(model_dir: str | Path, device: str = "cpu", dtype: Any = None)
     return model.to(device).eval()
 
 
-def _hf_generate(model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id: int) -> list[list[int]]:
-    """Greedy `generate` on one left-padded batch that decodes exactly `new_tokens` for every row."""
+def _hf_generate(model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id: int,
+                 sampling: Sampling = GREEDY) -> list[list[int]]:
+    """`generate` (greedy, or sampled as `sampling` says) on one left-padded batch that decodes
+    exactly `new_tokens` for every row."""
     import copy
 
     import torch
@@ -231,12 +259,11 @@ def _hf_generate(model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_
     gen_config = copy.deepcopy(model.generation_config)
     gen_config.eos_token_id = None
     gen_config.pad_token_id = pad_id
-    gen_config.do_sample = False
+    gen_config.do_sample = not sampling.greedy
     gen_config.max_new_tokens = new_tokens
     gen_config.min_new_tokens = new_tokens
-    for name in ("temperature", "top_p", "top_k"):  # keep generate from warning about unused sampling flags
-        if hasattr(gen_config, name):
-            setattr(gen_config, name, None)
+    for name in ("temperature", "top_p", "top_k", "min_p"):  # greedy: no warning about unused sampling flags
+        setattr(gen_config, name, None if sampling.greedy else getattr(sampling, name))
     with torch.inference_mode():
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_config)
     gen = out[:, width:].tolist()
@@ -259,7 +286,7 @@ def hf_pad_id(model_dir: str | Path) -> int:
 
 
 def run_hf_static(model: Any, workload: Sequence[OfflineRequest], batch_size: int = 16, pad_id: int = 0,
-                  progress: bool = True) -> RunResult:
+                  progress: bool = True, sampling: Sampling = GREEDY) -> RunResult:
     """The naive baseline: consecutive static batches, each decoding to its longest output length.
 
     Useful tokens are each request's own output length (the rest of its row is waste); a request's
@@ -274,7 +301,7 @@ def run_hf_static(model: Any, workload: Sequence[OfflineRequest], batch_size: in
     t0 = time.perf_counter()
     for batch in tqdm(batches, desc="HF static batches", unit="batch", disable=not progress):
         longest = max(workload[i].output_len for i in batch)
-        gen = _hf_generate(model, [workload[i].prompt_token_ids for i in batch], longest, pad_id)
+        gen = _hf_generate(model, [workload[i].prompt_token_ids for i in batch], longest, pad_id, sampling)
         end = time.perf_counter() - t0
         for row, i in enumerate(batch):
             token_ids[i] = gen[row][: workload[i].output_len]
@@ -315,19 +342,20 @@ def in_fresh_process(fn: Any, *args: Any) -> Any:
 
 
 def hf_baseline_run(model_dir: Path, workload: Sequence[OfflineRequest], batch_size: int, dtype: str, device: str,
-                    progress: bool) -> RunResult:
+                    progress: bool, sampling: Sampling = GREEDY) -> RunResult:
     """Load the HF model, warm it up untimed and run the static-batch baseline."""
     import torch
 
     hf = load_hf_model(model_dir, device=device, dtype=getattr(torch, dtype))
     pad = hf_pad_id(model_dir)
-    _hf_generate(hf, [workload[0].prompt_token_ids], 4, pad)  # untimed warmup
-    return run_hf_static(hf, workload, batch_size, pad, progress=progress)
+    _hf_generate(hf, [workload[0].prompt_token_ids], 4, pad, sampling)  # untimed warmup
+    return run_hf_static(hf, workload, batch_size, pad, progress=progress, sampling=sampling)
 
 
 def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], name: str, progress: bool,
                   warm: Sequence[OfflineRequest] | None = None, repeat: bool = False,
-                  structured: dict[str, Any] | None = None, lora_paths: Sequence[str | None] | None = None) -> RunResult:
+                  structured: dict[str, Any] | None = None, lora_paths: Sequence[str | None] | None = None,
+                  sampling: Sampling = GREEDY) -> RunResult:
     """Build an engine from `engine_kwargs`, warm it up untimed (on `warm`, default the workload's
     first prompts) and time the workload; with `repeat`, time only a second identical round.
     `structured`: constrain every request (its grammar is compiled, and timed, before the warmup).
@@ -344,14 +372,15 @@ def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], na
             start = time.perf_counter()
             llm.engine.grammars.compile(StructuredOutputsParams.from_dict(structured)).result()
             compile_s = time.perf_counter() - start
-        warmup(llm, warm if warm is not None else workload, structured=structured)
+        warmup(llm, warm if warm is not None else workload, structured=structured, sampling=sampling)
         if lora_paths is not None:  # every adapter loaded and run once, untimed
             adapters = list(dict.fromkeys(p for p in lora_paths if p is not None))
             first = (warm or workload)[0].prompt_token_ids
             run_tokenmill(llm, [OfflineRequest(first, 4)] * len(adapters), use_tqdm=False, lora_paths=adapters)
         if repeat:
-            run_tokenmill(llm, workload, use_tqdm=False, structured=structured, lora_paths=lora_paths)
-        run = run_tokenmill(llm, workload, use_tqdm=progress, name=name, structured=structured, lora_paths=lora_paths)
+            run_tokenmill(llm, workload, use_tqdm=False, structured=structured, lora_paths=lora_paths, sampling=sampling)
+        run = run_tokenmill(llm, workload, use_tqdm=progress, name=name, structured=structured, lora_paths=lora_paths,
+                            sampling=sampling)
         run.weight_bytes = model_weight_bytes(llm.engine.model)[0]
         run.grammar_compile_s = compile_s
         return run
@@ -567,7 +596,9 @@ def main(args: argparse.Namespace) -> int:
                           "min_output": args.min_output, "max_output": args.max_output, "seed": args.seed,
                           "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
                           "requested_output_tokens": sum(r.output_len for r in workload)}
-    print(describe_workload(workload), file=sys.stderr)
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.min_p)
+    report["workload"]["sampling"] = asdict(sampling)
+    print(f"{describe_workload(workload)}; {sampling.describe()}", file=sys.stderr)
 
     # The engine of this process serves the main run, the roofline and the long outputs; sweep
     # points and the model-impl and structured-output comparisons build their own.
@@ -579,8 +610,8 @@ def main(args: argparse.Namespace) -> int:
     if args.compare == "structured-output":
         report["structured_output"] = compare_structured_output(args, model_dir, workload, progress)
     if main_here:  # first, in this process: no other heavy run has gone before it
-        warmup(llm, workload)
-        main_run = run_tokenmill(llm, workload, use_tqdm=progress)
+        warmup(llm, workload, sampling=sampling)
+        main_run = run_tokenmill(llm, workload, use_tqdm=progress, sampling=sampling)
         runs.append(main_run)
         report["tokenmill"] = main_run.to_dict()
         if main_run.output_tokens != main_run.requested_tokens:
@@ -588,12 +619,13 @@ def main(args: argparse.Namespace) -> int:
                   "were requested", file=sys.stderr)
     if args.compare == "hf":
         hf_run = in_fresh_process(hf_baseline_run, model_dir, workload, args.hf_batch_size,
-                                  str(resolve_dtype(args.dtype, device, model_dir)).removeprefix("torch."), str(device), progress)
+                                  str(resolve_dtype(args.dtype, device, model_dir)).removeprefix("torch."), str(device), progress,
+                                  sampling)
         runs.append(hf_run)
         report["hf"] = hf_run.to_dict()
         if runs[0] is not hf_run:
             ratio = runs[0].output_throughput / hf_run.output_throughput
-            agreement = greedy_agreement(runs[0].token_ids, hf_run.token_ids)
+            agreement = greedy_agreement(runs[0].token_ids, hf_run.token_ids) if sampling.greedy else None
             report["comparison"] = {"throughput_ratio_tokenmill_over_hf": ratio, "greedy_agreement": agreement}
 
     if runs:
@@ -602,7 +634,8 @@ def main(args: argparse.Namespace) -> int:
             c = report["comparison"]
             a = c["greedy_agreement"]
             print(f"tokenmill / HF useful tok/s: {c['throughput_ratio_tokenmill_over_hf']:.2f}x")
-            print(f"greedy agreement vs HF (first min(len) tokens): {a['exact_match_fraction'] * 100:.1f}% of "
+            if a is not None:
+                print(f"greedy agreement vs HF (first min(len) tokens): {a['exact_match_fraction'] * 100:.1f}% of "
                   f"{a['requests']} requests match exactly; mean matching prefix "
                   f"{a['mean_matching_prefix_fraction'] * 100:.1f}% (left padding shifts HF numerics slightly)")
 
@@ -612,7 +645,7 @@ def main(args: argparse.Namespace) -> int:
         sweep_runs = []
         for value in args.sweep_values:
             run = in_fresh_process(tokenmill_run, engine_kwargs(args, model_dir, max_num_seqs=value), sweep_workload,
-                                   f"concurrency {value}", progress)
+                                   f"concurrency {value}", progress, None, False, None, None, sampling)
             run.max_num_seqs = value
             sweep_runs.append(run)
             print(f"  concurrency {value}: {run.output_throughput:.1f} tok/s, "
@@ -650,6 +683,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                        help="shortest output (default: 16)")
     group.add_argument("--max-output", type=positive_int, default=128, metavar="TOKENS",
                        help="longest output (default: 128)")
+    group.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
+                       help="sampling temperature of every request, here and in the HF baseline (default: 0, greedy; "
+                            "the --compare model-impl and structured-output runs stay greedy)")
+    group.add_argument("--top-p", type=nucleus_mass, default=1.0, metavar="P", help="nucleus sampling mass (default: 1, off)")
+    group.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="top-k sampling (default: 0, off)")
+    group.add_argument("--min-p", type=probability, default=0.0, metavar="P",
+                       help="min-p sampling, relative to the most likely token (default: 0, off)")
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--compare", choices=["hf", "model-impl", "structured-output"], default=None,
                        help="hf: also run Hugging Face generate in static left-padded batches on the same "

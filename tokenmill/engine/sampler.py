@@ -12,6 +12,13 @@ temperature, top-k/top-p/min-p, logit_bias and penalties all act on allowed toke
 logprobs are those of the model's raw distribution, as in vLLM: the grammar changes which token
 is picked, not what the model thought of it.
 
+Draws: each sampled row takes one float64 U[0, 1) from its RNG (its own, seeded with seed + choice
+index, for a seeded request; else the engine's) and draws by inverse CDF over its filtered weights
+in vocabulary order. On CPU the temperature, top-k/top-p/min-p, the draw and greedy rows' argmax
+run as one kernel per row (tokenmill/kernels/csrc/sampling.cpp); elsewhere, and for speculative
+steps, as torch ops. Both keep the same rows and draw the same way, so a seeded row gets the same
+token from either, whatever else is in the batch.
+
 Speculative decoding: a row whose sequence runs draft tokens becomes one row per position (its
 next token, then one after each draft), each with the history up to it, so every transform above
 acts exactly as it would have if the drafts had been generated one by one. The rows are then
@@ -32,6 +39,7 @@ import torch
 from tokenmill.engine.grammar import GrammarMask, apply_mask
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.sequence import Sequence, placeholder_row
+from tokenmill.kernels.ops import cpu_kernels_available
 
 _NEG_INF = float("-inf")
 
@@ -150,9 +158,12 @@ def _resolved(tokens: tuple[int, ...], prev_tokens: list[int] | None) -> list[in
 class Sampler:
     """Lives on the model thread; holds the RNGs (the engine's, and one per seeded sequence)."""
 
-    def __init__(self, vocab_size: int, seed: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, seed: int, device: torch.device, kernel: bool = True) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        # On CPU the final selection (temperature, filters, draw, argmax; after grammar masks, bias and
+        # penalties) is tokenmill's kernel when it is built; `kernel=False` keeps the torch ops.
+        self.kernel = kernel and cpu_kernels_available(device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._seeded: dict[int, torch.Generator] = {}  # seq id -> its RNG
@@ -180,15 +191,23 @@ class Sampler:
         if batch.spans is not None:
             return self._verify(raw, logits, batch)
 
-        if all(batch.greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._race(self._probs(logits, batch), batch)
-            greedy_rows = [i for i, g in enumerate(batch.greedy) if g]
-            if greedy_rows:
-                rows = torch.tensor(greedy_rows, device=logits.device)
-                tokens[rows] = logits[rows].argmax(dim=-1)
+        tokens = self._select(logits, batch)
         return SamplerOutput(tokens.tolist(), self._logprobs(raw, batch.num_logprobs, tokens), tokens)
+
+    def _select(self, logits: torch.Tensor, batch: SamplingInput) -> torch.Tensor:
+        """A token per row: the argmax on greedy rows, a draw from the filtered distribution on the others."""
+        if self.kernel:
+            return torch.ops.tokenmill.sample_tokens(logits.float(), list(batch.greedy), list(batch.temperature),
+                                                     list(batch.top_k), list(batch.top_p), list(batch.min_p),
+                                                     self._uniforms(batch))
+        if all(batch.greedy):
+            return logits.argmax(dim=-1)
+        tokens = self._draw(self._probs(logits, batch), self._uniforms(batch))
+        greedy_rows = [i for i, g in enumerate(batch.greedy) if g]
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=logits.device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+        return tokens
 
     def _verify(self, raw: torch.Tensor, logits: torch.Tensor, batch: SamplingInput) -> SamplerOutput:
         """Rejection sampling of a speculative step's rows (see the module docstring)."""
@@ -202,10 +221,10 @@ class Sampler:
             probs = self._probs(logits, batch)
             probs = probs / probs.sum(dim=-1, keepdim=True)  # (top-p and min-p leave the kept mass unnormalised)
             accept_sampled = has_draft & (self._uniform(batch, dev) < probs.gather(1, drafts_or_0).squeeze(1))
-            # A rejected draft's row samples from p without the draft (the race needs no renormalising).
+            # A rejected draft's row samples from p without the draft (the draw needs no renormalising).
             residual = torch.where(has_draft.unsqueeze(1), probs.scatter(1, drafts_or_0, 0.0), probs)
             greedy = torch.tensor(batch.greedy, device=dev)
-            tokens = torch.where(greedy, tokens, self._race(residual, batch))
+            tokens = torch.where(greedy, tokens, self._draw(residual, self._uniforms(batch)))
             accept = torch.where(greedy, accept, accept_sampled)
         chosen = torch.where(accept, drafts, tokens)  # each row's output token, if the sequence gets that far
         row_logprobs = self._logprobs(raw, batch.num_logprobs, chosen)
@@ -251,18 +270,32 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
 
-    def _race(self, probs: torch.Tensor, batch: SamplingInput) -> torch.Tensor:
-        """A token per row drawn from `probs` (unnormalised weights will do)."""
-        dev = probs.device
-        # Exponential-race sampling (argmax p/q, q ~ Exp(1)) lets each seeded row use its own RNG.
-        q = torch.empty_like(probs)
-        unseeded = [i for i, seed in enumerate(batch.seeds) if seed is None]
+    def _uniforms(self, batch: SamplingInput) -> list[float]:
+        """One U[0, 1) per sampled row (float64), from the row's own RNG when it is seeded, else from
+        the engine's; 0 on greedy rows, which draw nothing."""
+        uniforms = [0.0] * len(batch)
+        sampled = [i for i, greedy in enumerate(batch.greedy) if not greedy]
+        unseeded = [i for i in sampled if batch.seeds[i] is None]
         if unseeded:
-            q[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_(generator=self.generator)
-        for i, (seq_id, seed) in enumerate(zip(batch.seq_ids, batch.seeds)):
-            if seed is not None:
-                q[i].exponential_(generator=self._generator(seq_id, seed))
-        return (probs / q).argmax(dim=-1)
+            draws = torch.rand(len(unseeded), dtype=torch.float64, device=self.device, generator=self.generator)
+            for i, u in zip(unseeded, draws.tolist()):
+                uniforms[i] = u
+        for i in sampled:
+            if batch.seeds[i] is not None:
+                generator = self._generator(batch.seq_ids[i], batch.seeds[i])
+                uniforms[i] = torch.rand(1, dtype=torch.float64, device=self.device, generator=generator).item()
+        return uniforms
+
+    @staticmethod
+    def _draw(weights: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+        """A token per row drawn from `weights` (unnormalised) by inverse CDF: the first token, in
+        vocabulary order, whose running sum passes u * total (the CPU kernel draws the same way)."""
+        cdf = weights.double().cumsum(dim=-1)
+        target = torch.tensor(uniforms, dtype=torch.float64, device=weights.device).unsqueeze(1) * cdf[:, -1:]
+        first = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        # (rounding can leave target at the total: the last token with weight then)
+        last = weights.shape[1] - 1 - (weights.flip(-1) > 0).int().argmax(dim=-1)
+        return torch.minimum(first, last)
 
     def _generator(self, seq_id: int, seed: int) -> torch.Generator:
         generator = self._seeded.get(seq_id)
