@@ -272,7 +272,8 @@ BOUNDED_SEARCH = {"type": "function", "function": {"name": "search", "parameters
     "$defs": {"Filter": {"type": "object", "properties": {"field": {"enum": ["date", "place"]},
                                                           "value": {"type": "integer", "minimum": 0, "maximum": 99}},
                          "required": ["field", "value"], "additionalProperties": False}}}}}
-FORCED = dict(messages=ASK, tools=[BOUNDED_WEATHER, BOUNDED_SEARCH], max_tokens=200, temperature=1.0)
+# (room for a sampled reply of several calls: at 200 tokens one seed's third call was cut off)
+FORCED = dict(messages=ASK, tools=[BOUNDED_WEATHER, BOUNDED_SEARCH], max_tokens=400, temperature=1.0)
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (BOUNDED_WEATHER, BOUNDED_SEARCH)}
 
 

@@ -197,7 +197,10 @@ class Sampler:
     def _select(self, logits: torch.Tensor, batch: SamplingInput) -> torch.Tensor:
         """A token per row: the argmax on greedy rows, a draw from the filtered distribution on the others."""
         if self.kernel:
-            return torch.ops.tokenmill.sample_tokens(logits.float(), list(batch.greedy), list(batch.temperature),
+            logits = logits.float()
+            if logits.stride(-1) != 1:  # (a compiled graph can return them column-major)
+                logits = logits.contiguous()
+            return torch.ops.tokenmill.sample_tokens(logits, list(batch.greedy), list(batch.temperature),
                                                      list(batch.top_k), list(batch.top_p), list(batch.min_p),
                                                      self._uniforms(batch))
         if all(batch.greedy):
