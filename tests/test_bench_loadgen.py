@@ -177,6 +177,21 @@ def test_timings_match_known_delays(fake: tuple[str, FakeState]) -> None:
     json.dumps(report.to_dict(), allow_nan=False)  # strict JSON: inf/NaN are converted
 
 
+def test_sampled_requests_carry_their_settings(fake: tuple[str, FakeState]) -> None:
+    """--temperature/--top-p/--top-k/--min-p go into every request (top_k and min_p as vLLM's extra
+    fields, only when set); greedy requests carry temperature 0 alone."""
+    from tokenmill.bench.sampling import Sampling
+
+    url, state = fake
+    bench(url, reqs(["a b c d", "e f g h"]), sampling=Sampling(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05))
+    for body in state.bodies:
+        assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"]) == (0.8, 0.9, 40, 0.05)
+    state.reset()
+    bench(url, reqs(["a b c d"]), sampling=Sampling(temperature=1.0))
+    (body,) = state.bodies
+    assert body["temperature"] == 1.0 and not {"top_p", "top_k", "min_p"} & set(body)
+
+
 def test_without_usage_counts_chunks_and_uses_tokenizer_prompt_len(fake: tuple[str, FakeState]) -> None:
     url, _ = fake
     requests = [BenchRequest(prompt="nousage please", output_len=OUTPUT_TOKENS, prompt_len=7)] * 2
@@ -368,6 +383,11 @@ def test_bench_commands_parse() -> None:
     assert args.request_rate == 2.5 and args.range_ratio == 0.2 and args.func is commands._cmd_compare
     with pytest.raises(SystemExit):
         _parser().parse_args(["bench", "serve", "--request-rate", "-1"])
+    args = _parser().parse_args(["bench", "serve", "--temperature", "1", "--top-p", "0.95"])
+    assert (args.temperature, args.top_p, args.top_k, args.min_p) == (1.0, 0.95, 0, 0.0)
+    assert _parser().parse_args(["bench", "compare"]).temperature == 0.0
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["bench", "compare", "--top-p", "2"])
 
 
 def test_engine_benchmarks_without_the_bench_extra(monkeypatch: pytest.MonkeyPatch) -> None:

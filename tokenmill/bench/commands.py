@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.bench.arg_types import positive_int, range_ratio, request_rate
+from tokenmill.bench.sampling import add_sampling_args
 
 BENCH_EXTRA_HINT = "the benchmarks need the bench extra: pip install 'tokenmill[bench]'"
 # Engine benchmarks: command -> one-line summary. The module tokenmill.bench.<command, "-" as "_">
@@ -62,6 +63,7 @@ def add_workload_args(
     group.add_argument("--seed", type=int, metavar="N", default=0,
                        help="seed for prompts, dataset sampling and arrival times; the same seed gives the "
                             "same trace (default: 0)")
+    add_sampling_args(group)
     parser.set_defaults(synthetic_output_len=output_len)
 
 

@@ -18,12 +18,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tokenmill.bench.sampling import sampling_from_args
 from tokenmill.bench.serve import (
     BenchReport,
     BenchRequest,
@@ -159,13 +160,14 @@ async def _bench_both(
     servers: Sequence[ServerProcess], requests: list[BenchRequest], args: argparse.Namespace
 ) -> dict[str, BenchReport]:
     reports: dict[str, BenchReport] = {}
+    sampling = sampling_from_args(args)
     for server in servers:  # one after the other: they share the machine's cores
         if args.warmup > 0:  # first requests pay lazy init / allocator warmup; keep it out of the numbers
-            await run_benchmark(server.url, requests[: args.warmup], seed=args.seed, progress=False)
+            await run_benchmark(server.url, requests[: args.warmup], seed=args.seed, progress=False, sampling=sampling)
         print(f"benchmarking {server.name} ...", file=sys.stderr)
         reports[server.name] = await run_benchmark(
             server.url, requests, request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency, seed=args.seed,
+            max_concurrency=args.max_concurrency, seed=args.seed, sampling=sampling,
         )
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.name} server died during the benchmark:\n{log_tail(server.log_path)}")
@@ -183,6 +185,7 @@ def _config(args: argparse.Namespace, model_dir: Path, requests: Sequence[BenchR
         "input_len": None if args.dataset else args.input_len,
         "output_len": args.output_len,
         "range_ratio": args.range_ratio,
+        "sampling": asdict(sampling_from_args(args)),
     }
 
 

@@ -73,12 +73,13 @@ class NaiveEngine:
             "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
         }
         if temperature > 0:
-            kwargs.update(temperature=temperature, top_p=float(body.get("top_p", 1.0)), top_k=0)
+            kwargs.update(temperature=temperature, top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0)),
+                          min_p=float(body["min_p"]) if body.get("min_p") else None)
             if body.get("seed") is not None:
                 torch.manual_seed(int(body["seed"]))
         else:
             # Greedy: clear sampling knobs the model's generation_config may carry, avoiding warnings.
-            kwargs.update(temperature=None, top_p=None, top_k=None)
+            kwargs.update(temperature=None, top_p=None, top_k=None, min_p=None)
         if body.get("ignore_eos"):
             kwargs["min_new_tokens"] = max_tokens  # EOS is suppressed until max_tokens, like vLLM
         job = GenerationJob(kwargs=kwargs, prompt_tokens=int(encoded["input_ids"].shape[1]))

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.arg_types import non_negative_float, non_negative_int, nucleus_mass, positive_int, probability
+from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.sampling import GREEDY, Sampling, add_sampling_args, sampling_from_args
 from tokenmill.bench.serve import LatencyStats, format_grid, json_safe, write_json
 
 TINY_MODEL = "tiny"
@@ -66,30 +67,6 @@ def make_workload(num_prompts: int, min_input: int, max_input: int, min_output: 
     out_lens = rng.integers(min_output, max_output + 1, size=num_prompts)
     return [OfflineRequest(rng.integers(low, vocab_size, size=int(n_in)).tolist(), int(n_out))
             for n_in, n_out in zip(in_lens, out_lens, strict=True)]
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How every request of the workload picks its tokens: greedy by default (HF agreement needs it);
-    with a temperature, sampled (`--temperature`, `--top-p`, `--top-k`, `--min-p`), as most
-    traffic is, in tokenmill and in the HF baseline alike."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    def describe(self) -> str:
-        if self.greedy:
-            return "greedy"
-        return f"sampled: temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k or 'off'}, min_p {self.min_p}"
-
-
-GREEDY = Sampling()
 
 
 def describe_workload(workload: Sequence[OfflineRequest]) -> str:
@@ -596,7 +573,7 @@ def main(args: argparse.Namespace) -> int:
                           "min_output": args.min_output, "max_output": args.max_output, "seed": args.seed,
                           "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
                           "requested_output_tokens": sum(r.output_len for r in workload)}
-    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.min_p)
+    sampling = sampling_from_args(args)
     report["workload"]["sampling"] = asdict(sampling)
     print(f"{describe_workload(workload)}; {sampling.describe()}", file=sys.stderr)
 
@@ -683,13 +660,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                        help="shortest output (default: 16)")
     group.add_argument("--max-output", type=positive_int, default=128, metavar="TOKENS",
                        help="longest output (default: 128)")
-    group.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
-                       help="sampling temperature of every request, here and in the HF baseline (default: 0, greedy; "
-                            "the --compare model-impl and structured-output runs stay greedy)")
-    group.add_argument("--top-p", type=nucleus_mass, default=1.0, metavar="P", help="nucleus sampling mass (default: 1, off)")
-    group.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="top-k sampling (default: 0, off)")
-    group.add_argument("--min-p", type=probability, default=0.0, metavar="P",
-                       help="min-p sampling, relative to the most likely token (default: 0, off)")
+    add_sampling_args(group, note=", here and in the HF baseline (the --compare model-impl and structured-output "
+                             "runs stay greedy)")
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--compare", choices=["hf", "model-impl", "structured-output"], default=None,
                        help="hf: also run Hugging Face generate in static left-padded batches on the same "

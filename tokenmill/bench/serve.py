@@ -22,6 +22,8 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
+from tokenmill.bench.sampling import GREEDY, Sampling, sampling_from_args
+
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
 # ShareGPT entries shorter than this (in tokens) are dropped: tiny turns measure overhead, not decoding.
 MIN_SHAREGPT_TOKENS = 4
@@ -320,11 +322,11 @@ async def discover_model(client: httpx.AsyncClient, url: str) -> str | None:
         return None
 
 
-def _payload(request: BenchRequest, model: str | None) -> dict[str, Any]:
+def _payload(request: BenchRequest, model: str | None, sampling: Sampling = GREEDY) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "prompt": request.prompt,
         "max_tokens": request.output_len,
-        "temperature": 0.0,
+        **sampling.request_fields(),
         "stream": True,
         "stream_options": {"include_usage": True},
         # Exact output lengths make runs comparable across servers and seeds.
@@ -336,14 +338,15 @@ def _payload(request: BenchRequest, model: str | None) -> dict[str, Any]:
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, request: BenchRequest, model: str | None, t0: float
+    client: httpx.AsyncClient, url: str, request: BenchRequest, model: str | None, t0: float,
+    sampling: Sampling = GREEDY,
 ) -> RequestResult:
     """Stream one completion and time it; errors are recorded, never raised."""
     result = RequestResult(prompt_tokens=request.prompt_len or 0)
     start = time.perf_counter()
     result.start_time = start - t0
     try:
-        await _stream_into(client, url, _payload(request, model), result, start)
+        await _stream_into(client, url, _payload(request, model, sampling), result, start)
     except Exception as exc:  # noqa: BLE001 - any failure of one request is data, not a crash
         result.success = False
         result.error = f"{type(exc).__name__}: {exc}"
@@ -438,6 +441,7 @@ async def run_benchmark(
     seed: int = 0,
     model_name: str | None = None,
     progress: bool = True,
+    sampling: Sampling = GREEDY,
 ) -> BenchReport:
     """Drive `url` with `requests` at Poisson arrivals (open loop), at most `max_concurrency` in flight.
 
@@ -462,10 +466,10 @@ async def run_benchmark(
         async def one(request: BenchRequest, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
             if slots is None:
-                result = await send_request(client, endpoint, request, model, t0)
+                result = await send_request(client, endpoint, request, model, t0, sampling)
             else:
                 async with slots:
-                    result = await send_request(client, endpoint, request, model, t0)
+                    result = await send_request(client, endpoint, request, model, t0, sampling)
             bar.update()
             return result
 
@@ -615,7 +619,8 @@ def main(args: argparse.Namespace) -> int:
     """`tokenmill bench serve`: benchmark the server at --url and print/write the report."""
     tokenizer = load_tokenizer(tokenizer_dir_from_args(args))
     requests = requests_from_args(args, tokenizer)
-    print(describe_trace(requests, args.request_rate, args.max_concurrency), file=sys.stderr)
+    print(f"{describe_trace(requests, args.request_rate, args.max_concurrency)}; {sampling_from_args(args).describe()}",
+          file=sys.stderr)
     report = asyncio.run(
         run_benchmark(
             args.url,
@@ -624,6 +629,7 @@ def main(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency,
             seed=args.seed,
             model_name=args.model if args.model and not Path(args.model).expanduser().is_dir() else None,
+            sampling=sampling_from_args(args),
         )
     )
     print(format_table({report.model or "server": report}))
