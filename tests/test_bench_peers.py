@@ -89,8 +89,9 @@ def test_serve_dry_run_and_tokenmill_under_load(tiny_model_dir, tmp_path):
     out = tmp_path / "results"
     result = _run("serve", "tokenmill", "--model", str(tiny_model_dir), "--precision", "fp32", "--concurrency", "2",
                   "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--port", str(port),
-                  "--out", str(out))
+                  "--temperature", "1", "--top-p", "0.9", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     table = (out / "serve.md").read_text()
     assert "| tokenmill | 2 |" in table and "| 4 |" in table  # all 4 requests completed
+    assert "sampled: temperature 1.0, top_p 0.9" in table and "--temperature 1.0 --top-p 0.9" in result.stderr
     assert json.loads((out / "serve-tokenmill-c2.json").read_text())["output_throughput"] > 0

@@ -175,7 +175,8 @@ def load_step(args: argparse.Namespace, model_dir: Path, port: int, concurrency:
     return Step([sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
                  "--tokenizer", str(model_dir), "--num-prompts", str(args.num_prompts), "--max-concurrency",
                  str(concurrency), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                 "--range-ratio", "0.5", "--json", str(out)])
+                 "--range-ratio", "0.5", "--temperature", str(args.temperature), "--top-p", str(args.top_p),
+                 "--json", str(out)])
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -216,7 +217,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 server.kill()
     if args.dry_run:
         return 0
-    lines = [f"CPU: {cpu_name()}", "", "| engine | streams | output tok/s | p50 TTFT ms | completed |", "|---|---|---|---|---|"]
+    sampling = "greedy" if args.temperature == 0 else f"sampled: temperature {args.temperature}, top_p {args.top_p}"
+    lines = [f"CPU: {cpu_name()}; {sampling}", "", "| engine | streams | output tok/s | p50 TTFT ms | completed |",
+             "|---|---|---|---|---|"]
     lines += [f"| {r['engine']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['completed']} |"
               for r in rows]
     (out_dir / "serve.md").write_text("\n".join(lines) + "\n")
@@ -361,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--input-len", type=int, default=256, help="mean prompt tokens, +-50%% (default: 256)")
     serve.add_argument("--output-len", type=int, default=128, help="mean output tokens, +-50%% (default: 128)")
     serve.add_argument("--port", type=int, default=8765, help="port of the server under test (default: 8765)")
+    serve.add_argument("--temperature", type=float, default=0.0,
+                       help="every request's temperature (default: 0, greedy; OpenAI clients send 1)")
+    serve.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default: 1)")
     for p in (run, serve):
         p.add_argument("--model", default=None, help="HF model directory (default: tokenmill's default model)")
         p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
