@@ -85,7 +85,10 @@ def make_fake_app(state: FakeState) -> FastAPI:
                 for i in range(OUTPUT_TOKENS):
                     if i:
                         await asyncio.sleep(GAP_S)
-                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f' t{i}'}]})}\n\n"
+                    # ("linebreaks": raw U+2028 / U+0085 in the JSON, as servers that do not escape
+                    # non-ASCII send them; the SSE line ends only at LF)
+                    text = f" t{i}\u2028\x85\r" if "linebreaks" in prompt else f" t{i}"
+                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': text}]}, ensure_ascii=False)}\n\n"
                 # A role-style empty chunk must not count as a token.
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}]})}\n\n"
                 if with_usage:
@@ -190,6 +193,15 @@ def test_sampled_requests_carry_their_settings(fake: tuple[str, FakeState]) -> N
     bench(url, reqs(["a b c d"]), sampling=Sampling(temperature=1.0))
     (body,) = state.bodies
     assert body["temperature"] == 1.0 and not {"top_p", "top_k", "min_p"} & set(body)
+
+
+def test_line_separators_inside_json_strings_do_not_split_events(fake: tuple[str, FakeState]) -> None:
+    """Text with raw U+2028, U+0085 and CR inside its JSON (allowed there) is one event, not a
+    broken line: every request succeeds with all its chunks."""
+    url, _ = fake
+    report = bench(url, reqs(["linebreaks one two", "linebreaks nousage"]))
+    assert (report.completed, report.failed) == (2, 0), report.errors
+    assert all(r.output_tokens == OUTPUT_TOKENS and len(r.itl) == OUTPUT_TOKENS - 1 for r in report.results)
 
 
 def test_without_usage_counts_chunks_and_uses_tokenizer_prompt_len(fake: tuple[str, FakeState]) -> None:

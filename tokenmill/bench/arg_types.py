@@ -17,14 +17,22 @@ def request_rate(value: str) -> float:
     return rate
 
 
-def positive_int(value: str) -> int:
+def _integer_from(value: str, low: int) -> int:
     try:
         number = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value!r}")
+    if number < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value!r}")
     return number
+
+
+def positive_int(value: str) -> int:
+    return _integer_from(value, 1)
+
+
+def non_negative_int(value: str) -> int:
+    return _integer_from(value, 0)
 
 
 def range_ratio(value: str) -> float:
@@ -46,16 +54,6 @@ def _number(value: str) -> float:
 
 def non_negative_float(value: str) -> float:
     number = _number(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value!r}")
-    return number
-
-
-def non_negative_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
     if number < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value!r}")
     return number

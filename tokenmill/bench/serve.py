@@ -14,7 +14,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -353,6 +353,19 @@ async def send_request(
     return result
 
 
+async def _sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The response's lines as an event stream ends them (LF or CR LF). Not httpx's aiter_lines: it
+    also cuts at U+2028, U+0085 and the other breaks of str.splitlines, which JSON leaves raw inside
+    strings (sampled text holds them: one of 128 sampled vLLM replies broke a run)."""
+    pending = ""
+    async for text in resp.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
+
+
 async def _stream_into(
     client: httpx.AsyncClient, url: str, payload: dict[str, Any], result: RequestResult, start: float
 ) -> None:
@@ -365,7 +378,7 @@ async def _stream_into(
             body = (await resp.aread()).decode(errors="replace")
             result.error = f"HTTP {resp.status_code}: {body[:200]}"
             return
-        async for line in resp.aiter_lines():
+        async for line in _sse_lines(resp):
             data = _sse_data(line)
             if not data:
                 continue
