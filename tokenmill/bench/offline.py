@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import os
 import platform
@@ -621,8 +622,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"sweep: {describe_workload(sweep_workload)}", file=sys.stderr)
         sweep_runs = []
         for value in args.sweep_values:
-            run = in_fresh_process(tokenmill_run, engine_kwargs(args, model_dir, max_num_seqs=value), sweep_workload,
-                                   f"concurrency {value}", progress, None, False, None, None, sampling)
+            run = in_fresh_process(functools.partial(tokenmill_run, sampling=sampling),
+                                   engine_kwargs(args, model_dir, max_num_seqs=value), sweep_workload,
+                                   f"concurrency {value}", progress)
             run.max_num_seqs = value
             sweep_runs.append(run)
             print(f"  concurrency {value}: {run.output_throughput:.1f} tok/s, "

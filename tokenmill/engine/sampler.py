@@ -247,15 +247,9 @@ class Sampler:
         """A U[0, 1) draw for each sampled row with a draft (from the row's own RNG when it is
         seeded; rows without a draft draw nothing, so their RNG streams are as without speculation);
         1 elsewhere."""
-        u = torch.ones(len(batch), device=device)
         rows = [i for i, (d, g) in enumerate(zip(batch.draft_tokens, batch.greedy)) if d >= 0 and not g]
-        unseeded = [i for i in rows if batch.seeds[i] is None]
-        if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), device=device, generator=self.generator)
-        for i in rows:
-            if batch.seeds[i] is not None:
-                u[i : i + 1].uniform_(generator=self._generator(batch.seq_ids[i], batch.seeds[i]))
-        return u
+        draws = self._row_uniforms(batch, rows, torch.float32)
+        return torch.tensor([draws.get(i, 1.0) for i in range(len(batch))], device=device)
 
     def _probs(self, logits: torch.Tensor, batch: SamplingInput) -> torch.Tensor:
         """The distribution each row samples from: temperature, then top-k, top-p, min-p."""
@@ -274,20 +268,23 @@ class Sampler:
         return probs
 
     def _uniforms(self, batch: SamplingInput) -> list[float]:
-        """One U[0, 1) per sampled row (float64), from the row's own RNG when it is seeded, else from
-        the engine's; 0 on greedy rows, which draw nothing."""
-        uniforms = [0.0] * len(batch)
-        sampled = [i for i, greedy in enumerate(batch.greedy) if not greedy]
-        unseeded = [i for i in sampled if batch.seeds[i] is None]
+        """One float64 U[0, 1) per sampled row (see _row_uniforms); 0 on greedy rows, which draw nothing."""
+        draws = self._row_uniforms(batch, [i for i, greedy in enumerate(batch.greedy) if not greedy], torch.float64)
+        return [draws.get(i, 0.0) for i in range(len(batch))]
+
+    def _row_uniforms(self, batch: SamplingInput, rows: list[int], dtype: torch.dtype) -> dict[int, float]:
+        """One U[0, 1) of `dtype` for each of `rows`: from the row's own RNG when it is seeded, else
+        from the engine's (one draw for all of those, in row order)."""
+        draws: dict[int, float] = {}
+        unseeded = [i for i in rows if batch.seeds[i] is None]
         if unseeded:
-            draws = torch.rand(len(unseeded), dtype=torch.float64, device=self.device, generator=self.generator)
-            for i, u in zip(unseeded, draws.tolist()):
-                uniforms[i] = u
-        for i in sampled:
+            values = torch.rand(len(unseeded), dtype=dtype, device=self.device, generator=self.generator)
+            draws.update(zip(unseeded, values.tolist()))
+        for i in rows:
             if batch.seeds[i] is not None:
                 generator = self._generator(batch.seq_ids[i], batch.seeds[i])
-                uniforms[i] = torch.rand(1, dtype=torch.float64, device=self.device, generator=generator).item()
-        return uniforms
+                draws[i] = torch.rand(1, dtype=dtype, device=self.device, generator=generator).item()
+        return draws
 
     @staticmethod
     def _draw(weights: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
