@@ -37,6 +37,7 @@ from tokenmill.bench.serve import (
     plot_reports,
     run_benchmark,
     synthetic_requests,
+    warmup_requests,
 )
 
 FIRST_DELAY_S = 0.2  # before the first content chunk
@@ -339,6 +340,16 @@ def test_synthetic_requests_lengths_and_determinism() -> None:
     mixed = synthetic_requests(tok, 200, input_len=20, output_len=10, range_ratio=0.5, seed=0)
     assert {r.prompt_len for r in mixed} <= set(range(10, 31)) and len({r.prompt_len for r in mixed}) > 5
     assert {r.output_len for r in mixed} <= set(range(5, 16))
+
+
+def test_warmup_requests_share_no_prefix_with_the_trace() -> None:
+    """bench compare's untimed warm-up must not hand a server's prefix cache the timed prompts."""
+    tok = WordTokenizer()
+    trace = synthetic_requests(tok, 8, input_len=12, output_len=3, seed=3)
+    warm = warmup_requests(trace, 2)
+    assert len(warm) == 2 and [w.output_len for w in warm] == [3, 3]
+    for w in warm:
+        assert all(tok.encode(w.prompt)[:4] != tok.encode(r.prompt)[:4] for r in trace)
 
 
 def _sharegpt_file(tmp_path: Path) -> Path:

@@ -79,6 +79,19 @@ def test_hf_static_baseline_counts(tiny_model_dir, small_workload):
     assert run.duration_s > 0 and run.output_throughput > 0
 
 
+def test_warmup_leaves_the_measured_prompts_uncached(tiny_llm):
+    """The untimed warm-up must not put the timed prompts in the prefix cache (HF has none)."""
+    from tokenmill import SamplingParams
+
+    workload = offline.make_workload(2, 40, 60, 2, 2, vocab_size=49152, seed=7)
+    prompts = [r.prompt_token_ids for r in workload]
+    offline.warmup(tiny_llm, workload, max_tokens=2)
+    first = tiny_llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert [o.num_cached_tokens for o in first] == [0, 0]
+    again = tiny_llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert all(o.num_cached_tokens >= 32 for o in again)  # (a hit is visible when there is one)
+
+
 def test_offline_run_consistent(tiny_llm, small_workload):
     offline.warmup(tiny_llm, small_workload, max_tokens=2)
     run = offline.run_tokenmill(tiny_llm, small_workload, use_tqdm=False)

@@ -82,6 +82,10 @@ def test_serve_dry_run_and_tokenmill_under_load(tiny_model_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "vllm.entrypoints.openai.api_server" in result.stderr and "llama-server" in result.stderr
     assert "--max-concurrency 16" in result.stderr and "--max-concurrency 64" in result.stderr
+    # each load its own prompts: the second would otherwise hit the first one's in a prefix cache
+    loads = [line for line in result.stderr.splitlines() if "bench serve" in line and "--url" in line]
+    assert any("--max-concurrency 16" in line and "--seed 0" in line for line in loads), loads
+    assert any("--max-concurrency 64" in line and "--seed 1" in line for line in loads), loads
     assert "openvino" not in result.stderr  # no OpenAI-compatible server: not in the serving table
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -171,12 +171,19 @@ def server_step(engine: str, args: argparse.Namespace, model_dir: Path, port: in
     raise ValueError(f"{engine} has no OpenAI-compatible server in this harness; one of {', '.join(SERVE_ENGINES)}")
 
 
-def load_step(args: argparse.Namespace, model_dir: Path, port: int, concurrency: int, out: Path) -> Step:
+def load_step(args: argparse.Namespace, model_dir: Path, port: int, concurrency: int, seed: int, out: Path) -> Step:
     return Step([sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
                  "--tokenizer", str(model_dir), "--num-prompts", str(args.num_prompts), "--max-concurrency",
                  str(concurrency), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                 "--range-ratio", "0.5", "--temperature", str(args.temperature), "--top-p", str(args.top_p),
-                 "--json", str(out)])
+                 "--range-ratio", "0.5", "--seed", str(seed), "--temperature", str(args.temperature),
+                 "--top-p", str(args.top_p), "--json", str(out)])
+
+
+def load_levels(args: argparse.Namespace, engine: str, out_dir: Path) -> list[tuple[int, int, Path]]:
+    """(concurrency, trace seed, report path) of each load one server takes in turn. Every load has
+    its own prompts: one server serves them all, and a later load repeating an earlier one's
+    prompts would find them in a prefix cache (tokenmill's; vLLM-CPU runs without one here)."""
+    return [(c, args.seed + i, out_dir / f"serve-{engine}-c{c}.json") for i, c in enumerate(args.concurrency)]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -194,9 +201,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         start = server_step(engine, args, model_dir, port)
         log(f"[{engine}] server")
         log(f"  $ {start.describe()}")
-        loads = [(c, out_dir / f"serve-{engine}-c{c}.json") for c in args.concurrency]
-        for c, out in loads:
-            log(f"  $ {load_step(args, model_dir, port, c, out).describe()}")
+        loads = load_levels(args, engine, out_dir)
+        for c, seed, out in loads:
+            log(f"  $ {load_step(args, model_dir, port, c, seed, out).describe()}")
         if args.dry_run:
             continue
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -204,8 +211,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         try:
             wait_until_ok(f"http://127.0.0.1:{port}/v1/models", server, timeout=900)
-            for c, out in loads:
-                subprocess.run(load_step(args, model_dir, port, c, out).argv, check=True)
+            for c, seed, out in loads:
+                subprocess.run(load_step(args, model_dir, port, c, seed, out).argv, check=True)
                 report = json.loads(out.read_text())
                 rows.append({"engine": engine, "concurrency": c, "output_tok_s": report["output_throughput"],
                              "ttft_p50_ms": report["ttft"]["p50_ms"], "completed": report["completed"]})
@@ -367,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--temperature", type=float, default=0.0,
                        help="every request's temperature (default: 0, greedy; OpenAI clients send 1)")
     serve.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default: 1)")
+    serve.add_argument("--seed", type=int, default=0,
+                       help="trace seed of the first load; each later load takes the next (default: 0)")
     for p in (run, serve):
         p.add_argument("--model", default=None, help="HF model directory (default: tokenmill's default model)")
         p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],

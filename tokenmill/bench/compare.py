@@ -35,6 +35,7 @@ from tokenmill.bench.serve import (
     plot_reports,
     requests_from_args,
     run_benchmark,
+    warmup_requests,
     write_json,
 )
 
@@ -163,7 +164,8 @@ async def _bench_both(
     sampling = sampling_from_args(args)
     for server in servers:  # one after the other: they share the machine's cores
         if args.warmup > 0:  # first requests pay lazy init / allocator warmup; keep it out of the numbers
-            await run_benchmark(server.url, requests[: args.warmup], seed=args.seed, progress=False, sampling=sampling)
+            await run_benchmark(server.url, warmup_requests(requests, args.warmup), seed=args.seed, progress=False,
+                                sampling=sampling)
         print(f"benchmarking {server.name} ...", file=sys.stderr)
         reports[server.name] = await run_benchmark(
             server.url, requests, request_rate=args.request_rate,

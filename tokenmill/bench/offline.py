@@ -155,8 +155,10 @@ def _params(output_lens: Sequence[int], structured: dict[str, Any] | None = None
 
 def warmup(llm: Any, workload: Sequence[OfflineRequest], max_tokens: int = 8,
            structured: dict[str, Any] | None = None, sampling: Sampling = GREEDY) -> None:
-    """A short untimed generate: first-call allocations and kernel selection are not the benchmark."""
-    prompts = [r.prompt_token_ids for r in workload[:2]]
+    """A short untimed generate: first-call allocations and kernel selection are not the benchmark.
+    Its prompts are the first two reversed, never the measured ones: the prefix cache would answer
+    those in the timed run (the HF baseline has none)."""
+    prompts = [list(reversed(r.prompt_token_ids)) for r in workload[:2]]
     llm.generate(prompts, _params([max_tokens] * len(prompts), structured, sampling))
 
 

@@ -608,6 +608,12 @@ def requests_from_args(args: argparse.Namespace, tokenizer: Tokenizer) -> list[B
     )
 
 
+def warmup_requests(requests: Sequence[BenchRequest], count: int) -> list[BenchRequest]:
+    """Untimed requests shaped like the trace's first `count`, with their prompts reversed: sending
+    the trace's own prompts first would let a server's prefix cache answer them in the timed run."""
+    return [BenchRequest(prompt=r.prompt[::-1], output_len=r.output_len) for r in requests[:count]]
+
+
 def tokenizer_dir_from_args(args: argparse.Namespace) -> str | None:
     """--tokenizer, else --model when it is a local directory, else None (the bundled default)."""
     if args.tokenizer:

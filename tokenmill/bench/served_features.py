@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.compare import free_port, real_server_cmd, start_server, stop_server, wait_ready
-from tokenmill.bench.serve import BenchReport, BenchRequest, run_benchmark
+from tokenmill.bench.serve import BenchReport, BenchRequest, run_benchmark, warmup_requests
 
 # Stands for the collector stub's address in a Feature's settings.
 COLLECTOR_STUB = "collector-stub"
@@ -96,7 +96,7 @@ def served_run(args: argparse.Namespace, model_dir: Path, settings: dict[str, An
         server = start_server(name, real_server_cmd(model_dir, port, flags), port, "/health/ready", log_dir, environ)
         try:
             wait_ready([server], _STARTUP_TIMEOUT_S)
-            asyncio.run(run_benchmark(server.url, requests[:2], progress=False))  # untimed warm-up
+            asyncio.run(run_benchmark(server.url, warmup_requests(requests, 2), progress=False))  # untimed
             report = asyncio.run(run_benchmark(server.url, requests, seed=args.seed, progress=not args.no_progress))
         finally:
             stop_server(server)
