@@ -7,6 +7,8 @@ import importlib
 import os
 import sys
 
+from tokenmill.server.omp import server_omp_settings
+
 # Modules that expose `register(subparsers)`; each adds its subcommands with their own --help.
 COMMAND_MODULES = [
     "tokenmill.engine.commands",
@@ -32,12 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "passive_omp", False):
-        # Server processes share their cores between the engine thread and the HTTP threads:
-        # OpenMP workers that spin while waiting starve the event loop (measured 10x slower steps
-        # on a busy 2-core machine). Offline work keeps libgomp's default short spin, which is
-        # ~15% faster there. Must be set before torch is imported; an explicit setting wins.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if getattr(args, "server_omp", False):
+        # Server processes share their cores between the engine thread and the HTTP threads: OpenMP
+        # workers sleep while they wait (tokenmill/server/omp.py). Must be set before torch is
+        # imported (building the parser does not import it; tests/test_server_omp.py); an explicit
+        # OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+        os.environ.update(server_omp_settings(os.environ))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.offline import add_bench_engine_args, make_llm, print_report, resolve_bench_model
 from tokenmill.bench.serve import format_grid
+
+if TYPE_CHECKING:  # (imported where used: the CLI registers this module's flags without loading torch)
+    import torch
 
 TEXT_SOURCE = "pydoc_data.topics (CPython reference documentation), topics in sorted order"
 
@@ -50,11 +51,19 @@ def text_chunks(tokenizer: Any, num_tokens: int, chunk: int) -> list[list[int]]:
     return [ids[i : min(i + chunk, num_tokens)] for i in range(0, num_tokens, chunk)]
 
 
-@torch.inference_mode()
 def next_token_argmax(llm: Any, ids: list[int], step: int | None = None) -> torch.Tensor:
     """Top-1 next token at every position of `ids`: one prefill through the engine's model, or
     with `step`, passes of `step` positions after the first whose keys (their own included) are read
     back from the KV cache, as decoding reads them (what a narrower --kv-cache-dtype changes)."""
+    import torch
+
+    with torch.inference_mode():
+        return _next_token_argmax(llm, ids, step)
+
+
+def _next_token_argmax(llm: Any, ids: list[int], step: int | None) -> torch.Tensor:
+    import torch
+
     from tokenmill.models.attention import AttentionMetadata, PrefillSegment
 
     engine = llm.engine
@@ -80,6 +89,7 @@ def next_token_argmax(llm: Any, ids: list[int], step: int | None = None) -> torc
 
 
 def predictions(llm: Any, chunks: list[list[int]], step: int | None = None) -> torch.Tensor:
+    import torch
     return torch.cat([next_token_argmax(llm, chunk, step) for chunk in chunks])
 
 

@@ -38,6 +38,7 @@ from tokenmill.bench.serve import (
     warmup_requests,
     write_json,
 )
+from tokenmill.server.omp import server_omp_settings
 
 REAL_NAME = "tokenmill"
 NAIVE_NAME = "naive-hf"
@@ -76,9 +77,9 @@ def start_server(name: str, cmd: list[str], port: int, ready_path: str, log_dir:
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
         # A new session makes the server a process-group leader, so stopping it reaches its children.
-        # Both servers get the same OpenMP wait policy as `tokenmill serve` sets for itself.
+        # Both servers get the same OpenMP wait settings as `tokenmill serve` sets for itself.
         base = os.environ if environ is None else environ
-        env = {**base, "OMP_WAIT_POLICY": base.get("OMP_WAIT_POLICY", "PASSIVE")}
+        env = {**base, **server_omp_settings(base)}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
     return ServerProcess(name, proc, f"http://127.0.0.1:{port}", ready_path, log_path)

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (imported where used: the CLI registers this module's flags without loading torch)
+    import torch
+
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -25,6 +28,7 @@ def projection_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
 
 def write_random_adapter(model_dir: Path, target: Path, rank: int, seed: int) -> Path:
     """A rank-`rank` adapter of every projection of every layer (alpha = 2 * rank, PEFT's layout)."""
+    import torch
     from safetensors.torch import save_file
 
     from tokenmill.models.loader import load_spec

@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.arg_types import positive_int
 from tokenmill.bench.offline import print_report
 from tokenmill.bench.serve import format_grid
+
+if TYPE_CHECKING:  # (imported where used: the CLI registers this module's flags without loading torch)
+    import torch
 
 
 @dataclass
@@ -31,6 +32,7 @@ class DispatchRow:
 
 
 def _layer(hidden: int, intermediate: int, experts: int, top_k: int, seed: int):
+    import torch
     from tokenmill.models.moe import MoEConfig, SparseMoE
 
     torch.manual_seed(seed)
@@ -77,6 +79,7 @@ def _best_ms(layer, x: torch.Tensor, reps: int) -> float:
 
 
 def run(args: argparse.Namespace) -> list[DispatchRow]:
+    import torch
     rows = []
     variants = _variants(args)
     with torch.inference_mode():
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> list[DispatchRow]:
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     print(f"MoE layer: hidden {args.hidden_size}, expert intermediate {args.intermediate_size}, "

@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--ray-address", default=None,
                    help="existing cluster (`auto` or ray://host:10001); default: start a local Ray instance")
     r.add_argument("--ray-num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default: all)")
-    parser.set_defaults(func=run_serve_ray, passive_omp=True)
+    parser.set_defaults(func=run_serve_ray, server_omp=True)
 
 
 def run_serve_ray(args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.export.formats import MANIFEST, StepRunner, load_runner
+from tokenmill.export.formats import StepRunner, load_runner
+from tokenmill.export.layout import MANIFEST
 
 DEFAULT_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a mill by the river,")
 TOP_LOGPROBS = 20

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenmill.export.formats import FILES, FORMATS
+from tokenmill.export.layout import FILES, FORMATS
 
 DTYPES = ("float32", "float16")
 

@@ -12,10 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from tokenmill.export.decoder import INPUTS, ExportDecoder, past_names, present_names
-
-FORMATS = ("onnx", "torchscript")
-FILES = {"onnx": "model.onnx", "torchscript": "model.pt"}
-MANIFEST = "tokenmill_export.json"
+from tokenmill.export.layout import FILES, MANIFEST
 # What a runtime needs beside the graph: the tokenizer, the config (eos ids), the generation config.
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")

@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     EngineConfig.add_cli_args(parser)
     add_server_args(parser)
-    parser.set_defaults(func=run_serve, passive_omp=True)
+    parser.set_defaults(func=run_serve, server_omp=True)
 
 
 def add_server_args(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
