@@ -94,6 +94,8 @@ def make_fake_app(state: FakeState) -> FastAPI:
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}]})}\n\n"
                 if with_usage:
                     usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": OUTPUT_TOKENS}
+                    if "cached" in prompt:  # a server reporting prefix-cache hits (OpenAI's usage field)
+                        usage["prompt_tokens_details"] = {"cached_tokens": 2}
                     yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
@@ -212,6 +214,15 @@ def test_without_usage_counts_chunks_and_uses_tokenizer_prompt_len(fake: tuple[s
     assert report.completed == 2 and report.model == "explicit"
     assert [r.output_tokens for r in report.results] == [OUTPUT_TOKENS] * 2
     assert report.total_input_tokens == 14
+
+
+def test_prefix_cache_hits_reported_by_the_server_are_summed(fake: tuple[str, FakeState]) -> None:
+    url, _ = fake
+    report = bench(url, reqs(["cached a b c", "plain d e f", "cached g h i"]))
+    assert report.completed == 3 and report.cached_input_tokens == 4
+    assert [r.cached_prompt_tokens for r in report.results] == [2, None, 2]
+    assert "Input tokens from the server's cache" in format_table({"x": report})
+    assert bench(url, reqs(["plain a b c"])).cached_input_tokens is None  # not reported: unknown, not 0
 
 
 def test_failures_are_counted_not_raised(fake: tuple[str, FakeState]) -> None:

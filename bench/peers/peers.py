@@ -215,7 +215,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 subprocess.run(load_step(args, model_dir, port, c, seed, out).argv, check=True)
                 report = json.loads(out.read_text())
                 rows.append({"engine": engine, "concurrency": c, "output_tok_s": report["output_throughput"],
-                             "ttft_p50_ms": report["ttft"]["p50_ms"], "completed": report["completed"]})
+                             "ttft_p50_ms": report["ttft"]["p50_ms"], "completed": report["completed"],
+                             "cached": report.get("cached_input_tokens"), "input": report["total_input_tokens"]})
         finally:
             server.terminate()
             try:
@@ -225,13 +226,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     sampling = "greedy" if args.temperature == 0 else f"sampled: temperature {args.temperature}, top_p {args.top_p}"
-    lines = [f"CPU: {cpu_name()}; {sampling}", "", "| engine | streams | output tok/s | p50 TTFT ms | completed |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['engine']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['completed']} |"
-              for r in rows]
+    lines = [f"CPU: {cpu_name()}; {sampling}", "",
+             "| engine | streams | output tok/s | p50 TTFT ms | completed | prompt tokens from a cache |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['engine']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['completed']} "
+              f"| {_cached_share(r['cached'], r['input'])} |" for r in rows]
     (out_dir / "serve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def _cached_share(cached: int | None, total: int) -> str:
+    """How much of a load's prompts the server answered from a cache ("not reported" when it did
+    not say: vLLM and llama-server leave it out): anything above 0 means a load's prompts were
+    seen before, and its figures are not comparable."""
+    return "not reported" if cached is None else f"{cached} ({cached / max(total, 1):.0%})"
 
 
 def execute(step: Step, dry_run: bool, log) -> None:

@@ -69,6 +69,7 @@ class RequestResult:
     latency: float = 0.0
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_prompt_tokens: int | None = None  # from the server's prefix cache, as its usage says (None: not said)
     error: str = ""
 
     @property
@@ -114,6 +115,9 @@ class BenchReport:
     request_rate: float
     max_concurrency: int | None
     model: str | None
+    # Prompt tokens the server answered from its prefix cache (usage.prompt_tokens_details), summed
+    # over the requests that reported it; None when none did.
+    cached_input_tokens: int | None = None
     errors: list[str] = field(default_factory=list)  # a few distinct messages, for diagnosis
     results: list[RequestResult] = field(default_factory=list, repr=False)
 
@@ -129,6 +133,7 @@ class BenchReport:
                 "e2e_ms": [r.latency * 1000 for r in self.results],
                 "output_tokens": [r.output_tokens for r in self.results],
                 "prompt_tokens": [r.prompt_tokens for r in self.results],
+                "cached_prompt_tokens": [r.cached_prompt_tokens for r in self.results],
             }
         return json_safe(data)
 
@@ -395,6 +400,9 @@ async def _stream_into(
                 usage_tokens = int(usage["completion_tokens"])
             if usage.get("prompt_tokens") is not None:
                 result.prompt_tokens = int(usage["prompt_tokens"])
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is not None:
+                result.cached_prompt_tokens = int(cached)
             choices = chunk.get("choices") or []
             if choices and choices[0].get("text"):
                 if chunks == 0:
@@ -425,6 +433,7 @@ def build_report(
     in_tokens = sum(r.prompt_tokens for r in ok)
     per_s = 1.0 / duration if duration > 0 else math.nan
     errors = list(dict.fromkeys(r.error for r in results if not r.success))[:5]
+    cached = [r.cached_prompt_tokens for r in ok if r.cached_prompt_tokens is not None]
     return BenchReport(
         completed=len(ok),
         failed=len(results) - len(ok),
@@ -441,6 +450,7 @@ def build_report(
         request_rate=request_rate,
         max_concurrency=max_concurrency,
         model=model,
+        cached_input_tokens=sum(cached) if cached else None,
         errors=errors,
         results=list(results),
     )
@@ -503,6 +513,8 @@ METRIC_ROWS: list[tuple[str, Callable[[BenchReport], float], str]] = [
     ("Failed requests", lambda r: r.failed, "{:.0f}"),
     ("Benchmark duration (s)", lambda r: r.duration_s, "{:.2f}"),
     ("Total input tokens", lambda r: r.total_input_tokens, "{:.0f}"),
+    ("Input tokens from the server's cache", lambda r: "-" if r.cached_input_tokens is None else r.cached_input_tokens,
+     "{}"),
     ("Total output tokens", lambda r: r.total_output_tokens, "{:.0f}"),
     ("Request throughput (req/s)", lambda r: r.request_throughput, "{:.2f}"),
     ("Output token throughput (tok/s)", lambda r: r.output_throughput, "{:.2f}"),
@@ -652,6 +664,11 @@ def main(args: argparse.Namespace) -> int:
         )
     )
     print(format_table({report.model or "server": report}))
+    if report.cached_input_tokens:
+        share = report.cached_input_tokens / max(report.total_input_tokens, 1)
+        print(f"note: the server answered {report.cached_input_tokens} of the {report.total_input_tokens} prompt tokens "
+              f"({share:.1%}) from its prefix cache: it had seen these prompts, or their beginnings, before this run "
+              "(a server that served the same trace earlier skips their prefill)", file=sys.stderr)
     for err in report.errors:
         print(f"error: {err}", file=sys.stderr)
     if args.json:
