@@ -99,3 +99,4 @@ def test_serve_dry_run_and_tokenmill_under_load(tiny_model_dir, tmp_path):
     assert "| tokenmill | 2 |" in table and "| 4 | 0 (0%) |" in table  # all 4 requests completed, none from a cache
     assert "sampled: temperature 1.0, top_p 0.9" in table and "--temperature 1.0 --top-p 0.9" in result.stderr
     assert json.loads((out / "serve-tokenmill-c2.json").read_text())["output_throughput"] > 0
+    assert (out / "serve.png").stat().st_size > 0

@@ -232,6 +232,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lines += [f"| {r['engine']} | {r['concurrency']} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} | {r['completed']} "
               f"| {_cached_share(r['cached'], r['input'])} |" for r in rows]
     (out_dir / "serve.md").write_text("\n".join(lines) + "\n")
+    if rows:
+        plot_serve(rows, out_dir / "serve.png", f"{model_dir.name}, {args.num_prompts} streamed requests a load, "
+                                                f"{cpu_name()}; {sampling}")
     print("\n".join(lines))
     return 0
 
@@ -290,6 +293,30 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     ax.bar(labels, [r["output_tok_s"] for r in results], color="tab:blue")
     ax.set_ylabel("output tok/s")
     ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_serve(rows: list[dict], path: Path, title: str) -> None:
+    """Output tok/s and p50 TTFT of each engine at each load, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    loads = sorted({r["concurrency"] for r in rows})
+    width = 0.8 / len(engines)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, key, label in ((axes[0], "output_tok_s", "output tok/s"), (axes[1], "ttft_p50_ms", "p50 TTFT (ms)")):
+        for i, engine in enumerate(engines):
+            values = {r["concurrency"]: r[key] for r in rows if r["engine"] == engine}
+            ax.bar([j + i * width for j in range(len(loads))], [values.get(c, 0) for c in loads], width, label=engine)
+        ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(loads))], [f"{c} streams" for c in loads])
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
