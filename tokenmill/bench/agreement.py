@@ -90,6 +90,7 @@ def _next_token_argmax(llm: Any, ids: list[int], step: int | None) -> torch.Tens
 
 def predictions(llm: Any, chunks: list[list[int]], step: int | None = None) -> torch.Tensor:
     import torch
+
     return torch.cat([next_token_argmax(llm, chunk, step) for chunk in chunks])
 
 

@@ -53,6 +53,7 @@ def best_seconds(fn: Callable[[], Any], calls: int, repeats: int = 7) -> float:
 def read_bandwidth() -> float:
     """Bytes/s of `x.sum()` over a 1 GiB fp32 tensor: the streaming read rate of this machine."""
     import torch
+
     x = torch.ones(2**28)
     return x.numel() * 4 / best_seconds(lambda: x.sum(), calls=3)
 
@@ -61,7 +62,9 @@ def attention_case(name: str, heads: int, kv_heads: int, dim: int, contexts: np.
                    layers: int, cache_dtype: torch.dtype, calls: int) -> dict[str, Any]:
     """ms per kernel call and the K/V bytes read per second, over `layers` caches in turn."""
     import torch
+
     from tokenmill.models.kv_quant import to_cache
+
     gen = torch.Generator().manual_seed(0)
     blocks = [-(-int(c) // BLOCK_SIZE) for c in contexts]
     num_blocks = sum(blocks) + 1
@@ -97,6 +100,7 @@ def gemm_paths(weights: list[torch.Tensor], vocab_major: bool = False,
     """(x, index) -> x @ weights[index]^T by each path, weights packed once up front; `int8`: also
     the weights as `--quantization int8` holds them (int8 panels and scales) on the panel GEMM."""
     import torch
+
     from tokenmill.models.quant import WeightOnlyInt8Linear
 
     panels = [torch.ops.tokenmill.pack_linear_weight(w) for w in weights]
@@ -114,6 +118,7 @@ def gemm_paths(weights: list[torch.Tensor], vocab_major: bool = False,
 
 def _linear_of(weight: torch.Tensor) -> torch.nn.Linear:
     import torch
+
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight.data = weight
     return linear
@@ -122,6 +127,7 @@ def _linear_of(weight: torch.Tensor) -> torch.nn.Linear:
 def projection_cases(vocab: int, hidden: int) -> list[dict[str, Any]]:
     """ms per vocabulary projection of 1-64 rows by each path, 4 weights in turn (from DRAM)."""
     import torch
+
     gen = torch.Generator().manual_seed(1)
     paths = gemm_paths([torch.randn(vocab, hidden, generator=gen) for _ in range(4)], vocab_major=True)
     weight_bytes = vocab * hidden * 4
@@ -147,6 +153,7 @@ def layer_gemm_cases(hidden: int, intermediate: int, qkv_out: int, attn_out: int
     LAYER_GEMM_ROWS rows by each path. One layer's weights stay in the last-level cache: the
     compute rate, not DRAM's."""
     import torch
+
     gen = torch.Generator().manual_seed(3)
     shapes = [(hidden, qkv_out), (attn_out, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
     paths = gemm_paths([torch.randn(out, inp, generator=gen) for inp, out in shapes], int8=True)

@@ -33,6 +33,7 @@ class DispatchRow:
 
 def _layer(hidden: int, intermediate: int, experts: int, top_k: int, seed: int):
     import torch
+
     from tokenmill.models.moe import MoEConfig, SparseMoE
 
     torch.manual_seed(seed)
@@ -80,6 +81,7 @@ def _best_ms(layer, x: torch.Tensor, reps: int) -> float:
 
 def run(args: argparse.Namespace) -> list[DispatchRow]:
     import torch
+
     rows = []
     variants = _variants(args)
     with torch.inference_mode():
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> list[DispatchRow]:
 
 def main(args: argparse.Namespace) -> int:
     import torch
+
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     print(f"MoE layer: hidden {args.hidden_size}, expert intermediate {args.intermediate_size}, "
