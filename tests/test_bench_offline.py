@@ -86,10 +86,12 @@ def test_warmup_leaves_the_measured_prompts_uncached(tiny_llm):
     workload = offline.make_workload(2, 40, 60, 2, 2, vocab_size=49152, seed=7)
     prompts = [r.prompt_token_ids for r in workload]
     offline.warmup(tiny_llm, workload, max_tokens=2)
-    first = tiny_llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
-    assert [o.num_cached_tokens for o in first] == [0, 0]
+    first = offline.run_tokenmill(tiny_llm, workload, use_tqdm=False)
+    assert first.cached_prompt_tokens == 0  # the report says so too
     again = tiny_llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
     assert all(o.num_cached_tokens >= 32 for o in again)  # (a hit is visible when there is one)
+    repeated = offline.run_tokenmill(tiny_llm, workload, use_tqdm=False)
+    assert repeated.cached_prompt_tokens >= 64 and "Prompt tokens from the prefix cache" in offline.format_runs([repeated])
 
 
 def test_offline_run_consistent(tiny_llm, small_workload):

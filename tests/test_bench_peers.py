@@ -71,6 +71,7 @@ def test_tokenmill_runs_the_workload_and_results_are_written(tiny_model_dir, tmp
     table = (out / "peers.md").read_text()
     assert "| tokenmill | fp32 | float32 |" in table and "1.00x" in table and table.startswith("CPU: ")
     assert row["kv_cache"] == "float32"  # what the engine ran with, not what was asked
+    assert row["cached_prompt_tokens"] == 0  # reported (that the warm-up leaves none: test_bench_offline)
     assert (out / "peers.png").stat().st_size > 0
 
 

@@ -98,6 +98,7 @@ class RunResult:
     padding_waste: float | None = None  # HF: fraction of generated tokens nobody asked for
     weight_bytes: int | None = None  # the engine's model weights, when measured
     grammar_compile_s: float | None = None  # structured output: compiling the schema (untimed in the run)
+    cached_prompt_tokens: int | None = None  # tokenmill: prompt tokens its prefix cache answered (0 for a fair run)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,7 +184,8 @@ def run_tokenmill(llm: Any, workload: Sequence[OfflineRequest], use_tqdm: bool =
         if m.first_token_time is not None:
             ttfts.append(m.first_token_time - m.arrival_time)
     return _result(name, workload, token_ids, duration, latencies, ttfts,
-                   max_num_seqs=getattr(getattr(llm.engine, "config", None), "max_num_seqs", None))
+                   max_num_seqs=getattr(getattr(llm.engine, "config", None), "max_num_seqs", None),
+                   cached_prompt_tokens=sum(o.num_cached_tokens for o in outs))
 
 
 def _lora_requests(paths: Sequence[str | None]) -> list[Any]:
@@ -421,6 +423,7 @@ def format_runs(runs: Sequence[RunResult]) -> str:
     rows: list[tuple[str, str, Any]] = [
         ("Requests", "d", lambda r: r.num_requests),
         ("Prompt tokens", "d", lambda r: r.prompt_tokens),
+        ("Prompt tokens from the prefix cache", "d", lambda r: r.cached_prompt_tokens),
         ("Useful output tokens", "d", lambda r: r.output_tokens),
         ("Generated tokens (incl. padding)", "d", lambda r: r.generated_tokens if r.generated_tokens is not None else r.output_tokens),
         ("Padding waste (%)", ".1f", lambda r: None if r.padding_waste is None else r.padding_waste * 100),

@@ -29,7 +29,8 @@ def main() -> None:
         outputs = llm.generate(prompts, params)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     write_result(args.out, "tokenmill", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload),
-                 kv_cache=str(llm.engine.kv_cache.data.dtype).removeprefix("torch."))
+                 kv_cache=str(llm.engine.kv_cache.data.dtype).removeprefix("torch."),
+                 cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs))  # (0: no prompt seen before)
 
 
 if __name__ == "__main__":
