@@ -54,14 +54,8 @@ def text_chunks(tokenizer: Any, num_tokens: int, chunk: int) -> list[list[int]]:
 def next_token_argmax(llm: Any, ids: list[int], step: int | None = None) -> torch.Tensor:
     """Top-1 next token at every position of `ids`: one prefill through the engine's model, or
     with `step`, passes of `step` positions after the first whose keys (their own included) are read
-    back from the KV cache, as decoding reads them (what a narrower --kv-cache-dtype changes)."""
-    import torch
-
-    with torch.inference_mode():
-        return _next_token_argmax(llm, ids, step)
-
-
-def _next_token_argmax(llm: Any, ids: list[int], step: int | None) -> torch.Tensor:
+    back from the KV cache, as decoding reads them (what a narrower --kv-cache-dtype changes). Runs
+    under `predictions`' inference mode."""
     import torch
 
     from tokenmill.models.attention import AttentionMetadata, PrefillSegment
@@ -91,7 +85,8 @@ def _next_token_argmax(llm: Any, ids: list[int], step: int | None) -> torch.Tens
 def predictions(llm: Any, chunks: list[list[int]], step: int | None = None) -> torch.Tensor:
     import torch
 
-    return torch.cat([next_token_argmax(llm, chunk, step) for chunk in chunks])
+    with torch.inference_mode():
+        return torch.cat([next_token_argmax(llm, chunk, step) for chunk in chunks])
 
 
 def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
