@@ -12,7 +12,8 @@
 //   rows sit in L1. int8 weights are widened in registers as they stream (1 byte per weight read);
 // - many rows (batched decode, prefill): a register tile of kTileM rows x one panel's columns
 //   (2 vectors) accumulates over K with one broadcast of x and two panel loads per k: the panel
-//   (K x 64-128 bytes) stays in L1/L2 while every row group of a block of x passes over it.
+//   (K x 64-128 bytes) stays in L1/L2 while every row group of a block of x passes over it, and
+//   each row group requests the next panel meanwhile (see panel_gemm).
 // Every fp32/bf16 output is one FMA chain over k in order, every int8 one the same blocks in the same
 // order: a row's result does not depend on the other rows of its step.
 // oneDNN's packed fp32 GEMMs ran decode-sized shapes here at ~2/3 of the memory bandwidth (1 row)
@@ -70,22 +71,34 @@ inline void store_tile(Vec (&acc)[R][2], const float* bias, float* out, int64_t 
   }
 }
 
+// Requests step `step` of a panel that streams `Bytes` a step (a k of fp32/bf16 panels, a pair of
+// inputs of int8 ones), a cache line at a time: see panel_gemm. Steps of under a line request their
+// line more than once: skipping every other step (a modulo and a branch per k) made the bf16 tiles
+// slower than no prefetch at all (16 rows: 36 ms against 31; 24 without the branch).
+template <int64_t Bytes>
+inline void prefetch_step(const void* panel, int64_t step) {
+  const char* bytes = static_cast<const char*>(panel) + step * Bytes;
+  for (int64_t offset = 0; offset < Bytes; offset += 64) __builtin_prefetch(bytes + offset, 0, 2);
+}
+
 // out[r, 0:cols] = x[r, :] . panel (+ bias) for R rows. Each output is one FMA chain over k in order,
 // whatever R is: a row's result does not depend on how many rows share its step (batch invariance),
 // and two chains per row already run one row at the memory's speed (two chains per row over
 // interleaved k steps measured 0.8x at one row: 23 vs 29 GB/s).
 // bf16 panels (bf16 weights on a CPU without native bf16, or fp32 weights that are all bf16 values)
 // are widened to fp32 in registers as they stream (load_as_float), exactly: half the bytes of fp32
-// per weight, the same arithmetic as on their fp32 values.
-template <int R, int P = 1, typename W>
+// per weight, the same arithmetic as on their fp32 values. Prefetch: request `next`, the panel after
+// this one, a line per k, while this one computes.
+template <int R, int P = 1, bool Prefetch = false, typename W>
 inline void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k, const float* bias, float* out,
-                       int64_t ldo, int64_t cols) {
+                       int64_t ldo, int64_t cols, const W* next = nullptr) {
   Vec acc[P][R][2];
   #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[p][r][0] = acc[p][r][1] = Vec(0.f);
   for (int64_t d = 0; d < k; ++d) {
+    if constexpr (Prefetch) prefetch_step<kPanel * sizeof(W)>(next, d);
     #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
       const W* w = panel + p * k * kPanel + d * kPanel;
@@ -248,10 +261,12 @@ void quantize_activations(const float* x, int64_t k, const ActivationBlocks& cut
 // x as int16 pairs (ldx per row) and block scales (ldsx per row). One row runs over six panels at
 // once (the int32 sums of one panel's two vectors alone were latency-bound, as in panel_tile); the
 // fp32 sums wait in memory between blocks (AVX2's 16 registers hold the int32 ones).
-template <int R, int P>
+// Prefetch: request the next panel and its scales (next, next_scales) while this one computes.
+template <int R, int P, bool Prefetch = false>
 inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int64_t ldsx, const int8_t* panel,
                             const float* scales, const ActivationBlocks& cut, const float* bias, float* out,
-                            int64_t ldo, int64_t cols) {
+                            int64_t ldo, int64_t cols, const int8_t* next = nullptr,
+                            const float* next_scales = nullptr) {
   const int64_t panel_bytes = cut.panel_bytes(), panel_scales = cut.panel_scales();
   Vec acc[P][R][2];
   #pragma GCC unroll 16
@@ -259,6 +274,7 @@ inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[p][r][0] = acc[p][r][1] = Vec(0.f);
   for (int64_t g = 0; g < cut.groups; ++g) {
+    if constexpr (Prefetch) prefetch_step<kPanel * sizeof(float)>(next_scales, g);
     for (int64_t b = 0; b < cut.blocks_per_group; ++b) {
       Int32Sums sums[P][R][2];
       #pragma GCC unroll 16
@@ -266,6 +282,7 @@ inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) sums[p][r][0] = sums[p][r][1] = zero_sums();
       for (int64_t j = cut.first_pair(g, b), end = cut.end_pair(g, b); j < end; ++j) {
+        if constexpr (Prefetch) prefetch_step<2 * kPanel>(next, j);
         #pragma GCC unroll 16
         for (int p = 0; p < P; ++p) {
           const int8_t* w = panel + p * panel_bytes + j * 2 * kPanel;
@@ -375,6 +392,13 @@ inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, 
   if constexpr (P > 1) int8_panel_groups<P - 1>(xq, sx, rows, qp, sp, cut, bias, out, n, p, end);
 }
 
+// Every row group of a panel requests the thread's next panel as it goes (a line per k), so that
+// the next panel's pass from DRAM overlaps this one's arithmetic: the core did not overlap them on
+// its own, a tile's time was its FMAs plus its panel's first read (SmolLM2's 120 layer GEMMs, 30
+// layers' weights in turn, 2-core AMD EPYC Zen 2, alternated, ms: fp32 2 rows 23.2-24.3 -> 22.0-23.6,
+// 6 rows 26.6-28.7 -> 23.3-24.0, 8 rows 31-37 -> 23-24, 16 rows 39-44 -> 30-33, 64 rows 97-104 ->
+// 88-91; bf16 panels 8 rows 21.5-22.0 -> 17.0-17.7, 16 rows 29.6-31.1 -> 23.6-24.5, 64 rows 83-85
+// -> 79-80; int8 ones 8 rows 16.0-17.8 -> 14.1-14.9, 16 rows 28.0-28.2 -> 24.4-25.7).
 template <typename W>
 void panel_gemm(const float* xp, const W* wp, const float* bias_ptr, float* op, int64_t m, int64_t k, int64_t n,
                 int64_t panels) {
@@ -387,7 +411,11 @@ void panel_gemm(const float* xp, const W* wp, const float* bias_ptr, float* op, 
       const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
       for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
         const int64_t row = m0 + r;
-        panel_tile<decltype(count)::value>(xp + row * k, k, panel, k, b, op + row * n + col, n, cols);
+        constexpr int R = decltype(count)::value;
+        if (p + 1 < end)
+          panel_tile<R, 1, true>(xp + row * k, k, panel, k, b, op + row * n + col, n, cols, panel + k * kPanel);
+        else
+          panel_tile<R>(xp + row * k, k, panel, k, b, op + row * n + col, n, cols);
       });
     }
   });
@@ -472,12 +500,19 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
       if (m <= kInt8RowByRow) int8_panel_groups<kOneRowPanels>(xqp, sxp, m, qp, sp, cut, bias_ptr, op, n, p, end);
       for (; p < end; ++p) {
         const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+        const int8_t* panel = qp + p * cut.panel_bytes();
+        const float* scales = sp + p * cut.panel_scales();
+        const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
         for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
           const int64_t row = m0 + r;
-          int8_panel_tile<decltype(count)::value, 1>(xqp + row * kp, kp, sxp + row * blocks, blocks,
-                                                     qp + p * cut.panel_bytes(), sp + p * cut.panel_scales(), cut,
-                                                     bias_ptr != nullptr ? bias_ptr + col : nullptr,
-                                                     op + row * n + col, n, cols);
+          constexpr int R = decltype(count)::value;
+          if (p + 1 < end)  // (the next panel's DRAM stream under this one's arithmetic, as in panel_gemm)
+            int8_panel_tile<R, 1, true>(xqp + row * kp, kp, sxp + row * blocks, blocks, panel, scales, cut, b,
+                                        op + row * n + col, n, cols, panel + cut.panel_bytes(),
+                                        scales + cut.panel_scales());
+          else
+            int8_panel_tile<R, 1>(xqp + row * kp, kp, sxp + row * blocks, blocks, panel, scales, cut, b,
+                                  op + row * n + col, n, cols);
         });
       }
     });
