@@ -52,6 +52,7 @@ def test_kernels_bench_reports_attention_projection_and_gemms(tiny_model_dir, mo
     monkeypatch.setattr(kernels, "resolve_bench_model", lambda model: tiny_model_dir)
     monkeypatch.setattr(kernels, "PROJECTION_ROWS", (1, 3))
     monkeypatch.setattr(kernels, "LAYER_GEMM_ROWS", (1, 5))
+    monkeypatch.setattr(kernels, "MODEL_GEMM_ROWS", (1, 7))
     fast = kernels.best_seconds
     monkeypatch.setattr(kernels, "best_seconds", lambda fn, calls, repeats=7: fast(fn, 1, 1))
     out = tmp_path / "kernels.json"
@@ -68,3 +69,7 @@ def test_kernels_bench_reports_attention_projection_and_gemms(tiny_model_dir, mo
     assert [g["rows"] for g in report["layer_gemms"]] == [1, 5]
     assert all(g[path]["gflop_per_s"] > 0 for g in report["layer_gemms"]
                for path in ("panel kernel", "panel int8", "oneDNN packed", "MKL"))
+    layers = json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert [(g["rows"], g["layers"]) for g in report["model_gemms"]] == [(1, layers), (7, layers)]
+    assert all(g[panels]["ms"] > 0 and g[panels]["weight_gb_per_s"] > 0 for g in report["model_gemms"]
+               for panels in ("fp32", "bf16", "int8"))

@@ -11,7 +11,10 @@ machine's streaming read bandwidth and the library paths they replace.
   and on one decoder layer's GEMMs at 1-256 rows (a decode batch is its row count; weights in
   cache: the compute rate, in GFLOP/s), against oneDNN's packed weights (what bf16 layers, and
   fp32 ones without tokenmill's kernels, run on) and MKL (a plain nn.Linear; vocab-major for the
-  head, the orientation a plain head uses).
+  head, the orientation a plain head uses);
+- the same GEMMs of every decoder layer in turn, each layer its own weights (from DRAM, as in a
+  model step), on fp32, bf16 and int8 (`--quantization int8`) panels at 1-64 rows: ms per pass and
+  the weights' read rate.
 
 Each figure is the best of 7 timed repeats (a noisy VM slows repeats, it never speeds them up).
 """
@@ -35,6 +38,8 @@ if TYPE_CHECKING:  # (imported where used: the CLI registers this module's flags
 BLOCK_SIZE = 16
 PROJECTION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 LAYER_GEMM_ROWS = (1, 16, 64, 128, 256)
+MODEL_GEMM_ROWS = (1, 8, 16, 64)
+MODEL_GEMM_PANELS = ("fp32", "bf16", "int8")
 GEMM_PATHS = ("panel kernel", "panel int8", "oneDNN packed", "MKL")
 
 
@@ -169,6 +174,45 @@ def layer_gemm_cases(hidden: int, intermediate: int, qkv_out: int, attn_out: int
     return results
 
 
+def model_gemm_cases(shapes: list[tuple[int, int]], layers: int) -> list[dict[str, Any]]:
+    """ms per pass over `layers` decoder layers' GEMMs (`shapes`: (in, out) each), every layer its
+    own weights, and GB/s of the weights read, on fp32, bf16 and int8 panels at MODEL_GEMM_ROWS rows."""
+    import torch
+
+    from tokenmill.models.quant import WeightOnlyInt8Linear
+
+    gen = torch.Generator().manual_seed(4)
+    weights = [[torch.randn(out, inp, generator=gen) for inp, out in shapes] for _ in range(layers)]
+
+    def panel_path(dtype: torch.dtype) -> tuple[Callable[[torch.Tensor, int, int], Any], int]:
+        packed = [[torch.ops.tokenmill.pack_linear_weight(w.to(dtype)) for w in layer] for layer in weights]
+        nbytes = sum(t.numel() * t.element_size() for layer in packed for t in layer)
+        return (lambda x, i, j: torch.ops.tokenmill.packed_linear(x, packed[i][j], None, shapes[j][1])), nbytes
+
+    int8 = [[WeightOnlyInt8Linear(_linear_of(w), use_cpu_kernel=True) for w in layer] for layer in weights]
+    int8_bytes = sum(t.numel() * t.element_size() for layer in int8 for m in layer for t in (m.qweight, m.scales))
+    def int8_gemm(x: torch.Tensor, i: int, j: int) -> torch.Tensor:  # (the op itself, as the fp32 path calls it)
+        m = int8[i][j]
+        return torch.ops.tokenmill.packed_int8_linear(x, m.qweight, m.scales, None, m.out_features)
+
+    paths = {"fp32": panel_path(torch.float32), "bf16": panel_path(torch.bfloat16), "int8": (int8_gemm, int8_bytes)}
+    results = []
+    for rows in MODEL_GEMM_ROWS:
+        xs = [torch.randn(rows, inp, generator=gen) for inp, _ in shapes]
+        row: dict[str, Any] = {"rows": rows, "layers": layers}
+        for name, (gemm, nbytes) in paths.items():
+            def one_pass() -> None:
+                for i in range(layers):
+                    for j, x in enumerate(xs):
+                        gemm(x, i, j)
+
+            with torch.inference_mode():
+                seconds = best_seconds(one_pass, calls=1, repeats=5)
+            row[name] = {"ms": seconds * 1e3, "weight_gb_per_s": nbytes / seconds / 1e9}
+        results.append(row)
+    return results
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoConfig
@@ -196,7 +240,11 @@ def main(args: argparse.Namespace) -> int:
                        contexts[:8] + 64, 64, 1, torch.float32, 5),
     ]
     projection = projection_cases(config.vocab_size, config.hidden_size)
-    gemms = layer_gemm_cases(config.hidden_size, config.intermediate_size, (heads + 2 * kv_heads) * dim, heads * dim)
+    qkv_out, attn_out = (heads + 2 * kv_heads) * dim, heads * dim
+    gemms = layer_gemm_cases(config.hidden_size, config.intermediate_size, qkv_out, attn_out)
+    shapes = [(config.hidden_size, qkv_out), (attn_out, config.hidden_size),
+              (config.hidden_size, 2 * config.intermediate_size), (config.intermediate_size, config.hidden_size)]
+    model_gemms = model_gemm_cases(shapes, config.num_hidden_layers)
     rows = [[a["case"], f"{a['ms']:.3f}", f"{a['kv_mb']:.1f}", f"{a['kv_gb_per_s']:.1f}",
              f"{a['kv_gb_per_s'] / (bandwidth / 1e9):.0%}"] for a in attention]
     tables = [f"streaming read (x.sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads",
@@ -211,10 +259,16 @@ def main(args: argparse.Namespace) -> int:
                                                 for key, fmt in (("ms", ".3f"), ("gflop_per_s", ".0f"))]]
                              for g in gemms]],
                           "one decoder layer's GEMMs (qkv, o, gate/up, down), fp32 weights (panel int8: "
-                          "--quantization int8's), weights in cache")]
+                          "--quantization int8's), weights in cache"),
+              format_grid([["rows", *[f"{panels} {unit}" for panels in MODEL_GEMM_PANELS for unit in ("ms", "GB/s")]],
+                           *[[str(g["rows"]), *[f"{g[panels][key]:{fmt}}" for panels in MODEL_GEMM_PANELS
+                                                for key, fmt in (("ms", ".2f"), ("weight_gb_per_s", ".1f"))]]
+                             for g in model_gemms]],
+                          f"the {config.num_hidden_layers} decoder layers' GEMMs in turn, each layer its own "
+                          "weights (from DRAM), on fp32, bf16 and int8 panels")]
     return print_report(args, "\n\n".join(tables), {"read_bandwidth_gb_per_s": bandwidth / 1e9,
                                                     "attention": attention, "vocab_projection": projection,
-                                                    "layer_gemms": gemms})
+                                                    "layer_gemms": gemms, "model_gemms": model_gemms})
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
