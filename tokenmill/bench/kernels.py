@@ -191,6 +191,7 @@ def model_gemm_cases(shapes: list[tuple[int, int]], layers: int) -> list[dict[st
 
     int8 = [[WeightOnlyInt8Linear(_linear_of(w), use_cpu_kernel=True) for w in layer] for layer in weights]
     int8_bytes = sum(t.numel() * t.element_size() for layer in int8 for m in layer for t in (m.qweight, m.scales))
+
     def int8_gemm(x: torch.Tensor, i: int, j: int) -> torch.Tensor:  # (the op itself, as the fp32 path calls it)
         m = int8[i][j]
         return torch.ops.tokenmill.packed_int8_linear(x, m.qweight, m.scales, None, m.out_features)
