@@ -409,13 +409,10 @@ void panel_gemm(const float* xp, const W* wp, const float* bias_ptr, float* op, 
       const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
       const W* panel = wp + p * k * kPanel;
       const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
+      const W* next = p + 1 < end ? panel + k * kPanel : panel;  // (the thread's last: itself again, in cache)
       for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
         const int64_t row = m0 + r;
-        constexpr int R = decltype(count)::value;
-        if (p + 1 < end)
-          panel_tile<R, 1, true>(xp + row * k, k, panel, k, b, op + row * n + col, n, cols, panel + k * kPanel);
-        else
-          panel_tile<R>(xp + row * k, k, panel, k, b, op + row * n + col, n, cols);
+        panel_tile<decltype(count)::value, 1, true>(xp + row * k, k, panel, k, b, op + row * n + col, n, cols, next);
       });
     }
   });
@@ -503,16 +500,14 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
         const int8_t* panel = qp + p * cut.panel_bytes();
         const float* scales = sp + p * cut.panel_scales();
         const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
+        const bool last = p + 1 == end;  // (the thread's last panel requests itself again, as in panel_gemm)
+        const int8_t* next = last ? panel : panel + cut.panel_bytes();
+        const float* next_scales = last ? scales : scales + cut.panel_scales();
         for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
           const int64_t row = m0 + r;
-          constexpr int R = decltype(count)::value;
-          if (p + 1 < end)  // (the next panel's DRAM stream under this one's arithmetic, as in panel_gemm)
-            int8_panel_tile<R, 1, true>(xqp + row * kp, kp, sxp + row * blocks, blocks, panel, scales, cut, b,
-                                        op + row * n + col, n, cols, panel + cut.panel_bytes(),
-                                        scales + cut.panel_scales());
-          else
-            int8_panel_tile<R, 1>(xqp + row * kp, kp, sxp + row * blocks, blocks, panel, scales, cut, b,
-                                  op + row * n + col, n, cols);
+          int8_panel_tile<decltype(count)::value, 1, true>(xqp + row * kp, kp, sxp + row * blocks, blocks, panel,
+                                                           scales, cut, b, op + row * n + col, n, cols, next,
+                                                           next_scales);
         });
       }
     });
