@@ -6,7 +6,9 @@ region: 10x slower steps on a busy 2-core machine), so a server's workers sleep 
 (OMP_WAIT_POLICY=PASSIVE). Offline work (`LLM`) keeps libgomp's default, ~15% faster there.
 A bounded spin instead (OMP_WAIT_POLICY=ACTIVE, GOMP_SPINCOUNT=1000 or 10000) was measured under
 `tokenmill bench serve` on a 2-core AMD EPYC: one stream 15.1-19.9 ms a token (bimodal) against
-16.5-17.9 passive, 16 and 64 streams +1-2%: no reliable gain.
+16.5-17.9 passive, 16 and 64 streams +1-2%: no reliable gain. Nor did building the engine on its
+own thread (one OpenMP pool instead of two) with PASSIVE, libgomp's default or a bounded spin
+(bench/README.md, "The panel GEMM requests its next panel").
 """
 
 from __future__ import annotations
