@@ -111,8 +111,9 @@ def test_fp32_kernel_matches_sdpa(seed):
 @pytest.mark.parametrize("decodes", [1, 3, 40])
 @pytest.mark.parametrize("seed", range(4))
 def test_decode_batches_small_and_large_match_sdpa(seed, decodes):
-    """Few decodes split each sequence's kv heads over the threads; many decodes read all kv
-    heads of a slot row in one item. Both equal the reference."""
+    """Few decodes split each sequence's keys (chunks of 128, all kv heads per item) or, under 129
+    keys alone, its kv heads over the threads; many decodes read all kv heads of a slot row in one
+    item. All equal the reference."""
     rng = random.Random(500 + seed)
     c = _case(rng, torch.float32, seqs=[(rng.randint(1, 300), 1) for _ in range(decodes)])
     _assert_fp32_kernel_matches_reference(c)
@@ -143,9 +144,10 @@ def test_prefill_tiles_over_many_chunks_match_sdpa(seed):
 
 @needs_kernels
 def test_a_decode_is_bit_identical_alone_and_in_a_batch():
-    """Alone, a decode over a long context is split over the threads by key chunks and kv heads; in
-    a batch of 40 its item holds every kv head. Its row is the same bits either way, on any
-    number of threads (a request's tokens never depend on who else is being served)."""
+    """Alone, a decode over a long context is split over the threads by key chunks (an item each,
+    merged afterwards); in a batch of 40 one item does its chunks in turn. Its row is the same bits
+    either way, on any number of threads (a request's tokens never depend on who else is being
+    served)."""
     rng = random.Random(11)
     while True:
         c = _case(rng, torch.float32, seqs=[(rng.randint(300, 900), 1) for _ in range(40)])
