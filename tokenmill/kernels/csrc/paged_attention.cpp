@@ -485,7 +485,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   // on SmolLM2) came from DRAM at ~6 GB/s: one decode over caches not in cache, 2-core AMD EPYC Zen
   // 2, alternated, us a call: 240 keys 54-60 -> 40-46, 500 keys 106-110 -> 73-84, 3 decodes of
   // 300/60/150 keys 107-108 -> 78-92; 100 keys (one chunk: one head per item still) unchanged.
-  const int64_t heads_per_item = split ? (units >= threads ? p.kv_heads : 1) : (tiles >= 4 * threads ? p.kv_heads : 1);
+  const bool whole_rows = split ? units >= threads : tiles >= 4 * threads;
+  const int64_t heads_per_item = whole_rows ? p.kv_heads : 1;
   std::vector<WorkItem> items;
   std::vector<std::pair<int64_t, int64_t>> merges;  // (first chunk's item index, chunks) per split tile
   int64_t partial_size = 0;
