@@ -153,14 +153,18 @@ def projection_cases(vocab: int, hidden: int) -> list[dict[str, Any]]:
     return results
 
 
-def layer_gemm_cases(hidden: int, intermediate: int, qkv_out: int, attn_out: int) -> list[dict[str, Any]]:
-    """ms and GFLOP/s of one decoder layer's four GEMMs (fused qkv, o, fused gate/up, down) at
+def layer_gemm_shapes(hidden: int, intermediate: int, qkv_out: int, attn_out: int) -> list[tuple[int, int]]:
+    """(in, out) of a decoder layer's four GEMMs: fused qkv, o, fused gate/up, down."""
+    return [(hidden, qkv_out), (attn_out, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
+
+
+def layer_gemm_cases(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """ms and GFLOP/s of one decoder layer's four GEMMs (`shapes`, see layer_gemm_shapes) at
     LAYER_GEMM_ROWS rows by each path. One layer's weights stay in the last-level cache: the
     compute rate, not DRAM's."""
     import torch
 
     gen = torch.Generator().manual_seed(3)
-    shapes = [(hidden, qkv_out), (attn_out, hidden), (hidden, 2 * intermediate), (intermediate, hidden)]
     paths = gemm_paths([torch.randn(out, inp, generator=gen) for inp, out in shapes], int8=True)
     results = []
     for rows in LAYER_GEMM_ROWS:
@@ -241,10 +245,8 @@ def main(args: argparse.Namespace) -> int:
                        contexts[:8] + 64, 64, 1, torch.float32, 5),
     ]
     projection = projection_cases(config.vocab_size, config.hidden_size)
-    qkv_out, attn_out = (heads + 2 * kv_heads) * dim, heads * dim
-    gemms = layer_gemm_cases(config.hidden_size, config.intermediate_size, qkv_out, attn_out)
-    shapes = [(config.hidden_size, qkv_out), (attn_out, config.hidden_size),
-              (config.hidden_size, 2 * config.intermediate_size), (config.intermediate_size, config.hidden_size)]
+    shapes = layer_gemm_shapes(config.hidden_size, config.intermediate_size, (heads + 2 * kv_heads) * dim, heads * dim)
+    gemms = layer_gemm_cases(shapes)
     model_gemms = model_gemm_cases(shapes, config.num_hidden_layers)
     rows = [[a["case"], f"{a['ms']:.3f}", f"{a['kv_mb']:.1f}", f"{a['kv_gb_per_s']:.1f}",
              f"{a['kv_gb_per_s'] / (bandwidth / 1e9):.0%}"] for a in attention]
