@@ -10,12 +10,16 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <omp.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "kernels.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -48,6 +52,9 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 struct Projection {
   at::Tensor weight;
   OptTensor scales, bias;
+
+  bool int8() const { return scales.has_value() && scales->defined(); }
+  const char* op_name() const { return int8() ? "tokenmill::packed_int8_linear" : "tokenmill::packed_linear"; }
 };
 
 // A layer's weights and shape, as the op and the stack take them.
@@ -83,40 +90,58 @@ void quantize_row(const float* row, int64_t head_dim, int8_t* dst) {
   std::memcpy(dst + head_dim, &scale, sizeof(float));
 }
 
-// rows [tokens, kv_heads, head_dim] (fp32, each token's heads side by side) into their slots of a
-// cache [slots, kv_heads, head_dim] (int8: head_dim + 4, see quantize_row): copied, rounded to bf16
-// as Tensor.to rounds, or quantized. index_copy_ (and the .to) did the same through TensorIterator
-// at ~4 us a call, twice per layer.
-void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
-  const int64_t tokens = rows.size(0), heads = rows.size(1), head_dim = rows.size(2), width = heads * head_dim;
+// One kv head's fp32 row into its slot of a contiguous cache [slots, heads, head_dim] of fp32, bf16
+// (rounded as Tensor.to rounds) or int8 rows (head_dim + 4 bytes, see quantize_row).
+void write_head(at::Tensor& cache, int64_t slot, int64_t head, const float* row) {
+  const int64_t heads = cache.size(1);
+  const auto dtype = cache.scalar_type();
+  if (dtype == at::kChar) {
+    const int64_t cache_row = cache.size(2), head_dim = cache_row - static_cast<int64_t>(sizeof(float));
+    quantize_row(row, head_dim, cache.data_ptr<int8_t>() + (slot * heads + head) * cache_row);
+    return;
+  }
+  const int64_t head_dim = cache.size(2), offset = (slot * heads + head) * head_dim;
+  if (dtype == at::kFloat) {
+    std::memcpy(cache.data_ptr<float>() + offset, row, head_dim * sizeof(float));
+  } else {
+    at::BFloat16* dst = cache.data_ptr<at::BFloat16>() + offset;
+    for (int64_t i = 0; i < head_dim; ++i) dst[i] = at::BFloat16(row[i]);
+  }
+}
+
+// Whether write_head takes rows of this many kv heads and head_dim into `cache` (fp16 caches, or
+// any other layout, go through index_copy_).
+bool writes_heads(const at::Tensor& cache, int64_t heads, int64_t head_dim) {
   const auto dtype = cache.scalar_type();
   const int64_t cache_row = dtype == at::kChar ? head_dim + static_cast<int64_t>(sizeof(float)) : head_dim;
-  const bool direct = (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar) &&
-                      rows.scalar_type() == at::kFloat && rows.stride(2) == 1 && rows.stride(1) == head_dim &&
-                      slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == tokens &&
-                      cache.is_contiguous() && cache.size(1) == heads && cache.size(2) == cache_row;
+  return (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar) && cache.dim() == 3 &&
+         cache.is_contiguous() && cache.size(1) == heads && cache.size(2) == cache_row;
+}
+
+void check_slots(const at::Tensor& cache, const int64_t* slot, int64_t tokens) {
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < cache.size(0), "slot ", slot[t], " is outside the cache's ", cache.size(0));
+}
+
+// rows [tokens, kv_heads, head_dim] (fp32, each token's heads side by side) into their slots of a
+// cache (write_head). index_copy_ (and the .to) did the same through TensorIterator at ~4 us a call,
+// twice per layer.
+void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
+  const int64_t tokens = rows.size(0), heads = rows.size(1), head_dim = rows.size(2);
+  const bool direct = writes_heads(cache, heads, head_dim) && rows.scalar_type() == at::kFloat &&
+                      rows.stride(2) == 1 && rows.stride(1) == head_dim && slots.scalar_type() == at::kLong &&
+                      slots.is_contiguous() && slots.numel() == tokens;
   if (!direct) {
-    TORCH_CHECK(dtype != at::kChar, "llama_decoder_layer: fp32 K/V rows [tokens, kv_heads, head_dim] into an int8 cache "
-                "[slots, kv_heads, head_dim + 4]");
-    cache.index_copy_(0, slots, rows.to(dtype));  // (fp16 caches)
+    TORCH_CHECK(cache.scalar_type() != at::kChar, "llama_decoder_layer: fp32 K/V rows [tokens, kv_heads, head_dim] "
+                "into an int8 cache [slots, kv_heads, head_dim + 4]");
+    cache.index_copy_(0, slots, rows.to(cache.scalar_type()));  // (fp16 caches)
     return;
   }
   const int64_t* slot = slots.data_ptr<int64_t>();
+  check_slots(cache, slot, tokens);
   const float* src = rows.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < cache.size(0), "slot ", slot[t], " is outside the cache's ", cache.size(0));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* row = src + t * rows.stride(0);
-    if (dtype == at::kFloat) {
-      std::memcpy(cache.data_ptr<float>() + slot[t] * width, row, width * sizeof(float));
-    } else if (dtype == at::kBFloat16) {
-      at::BFloat16* dst = cache.data_ptr<at::BFloat16>() + slot[t] * width;
-      for (int64_t i = 0; i < width; ++i) dst[i] = at::BFloat16(row[i]);
-    } else {
-      int8_t* dst = cache.data_ptr<int8_t>() + slot[t] * heads * cache_row;
-      for (int64_t h = 0; h < heads; ++h) quantize_row(row + h * head_dim, head_dim, dst + h * cache_row);
-    }
-  }
+    for (int64_t h = 0; h < heads; ++h) write_head(cache, slot[t], h, src + t * rows.stride(0) + h * head_dim);
 }
 
 // dst += src, the residual adds: a plain loop over contiguous fp32 rows where TensorIterator's add
@@ -198,12 +223,48 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm
                        {slot_mapping, query_start, query_lens, block_tables, context_lens, block_size});
 }
 
+// Runs fn, on thread 0 under a profiler scope named as the op it stands for (the other threads'
+// share of a phase is in thread 0's wall time: each phase ends at a barrier inside its scope).
+template <typename Fn>
+inline void phase(int64_t tid, const char* name, Fn&& fn) {
+  if (tid != 0) {
+    fn();
+    return;
+  }
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  fn();
+}
+
+// One projection of one row on the calling thread: its share of the panels (as at::parallel_for
+// shares them among `team` threads) of out [N]; an int8 one quantizes x in the thread's scratch.
+void project_row(const Projection& p, const float* bias, const float* x, int64_t k, float* out, int64_t n,
+                 int64_t tid, int64_t team, tokenmill::Int8RowScratch& scratch) {
+  const int64_t panels = p.weight.size(0), chunk = (panels + team - 1) / team;
+  const int64_t begin = tid * chunk, end = std::min(panels, begin + chunk);
+  if (begin >= end) return;
+  if (p.int8())
+    tokenmill::packed_int8_linear_row(x, k, p.weight, *p.scales, bias, out, n, begin, end, scratch);
+  else
+    tokenmill::packed_linear_row(x, p.weight, bias, out, n, begin, end);
+}
+
 // Every decoder layer of a model, held once (tokenmill.models.fused_layer.FusedStack): a step's
 // layers run as one C++ loop. Per layer, Python's loop, the op call's 32 boxed arguments and the
 // returned tensor cost ~25 us between layers (batch-1 SmolLM2: ~0.7 ms of a 9 ms int8 step).
+//
+// A step of one token (batch-1 decode) runs every layer in one parallel region (forward_one_row):
+// each thread keeps its own copy of the hidden row and does the row-sized work itself (norms,
+// SiLU*up, the residual adds, quantizing a GEMM's input), the threads share each GEMM's panels,
+// the RoPE and cache writes by head and the attention's items, and meet at a barrier after each
+// shared phase. The layer-by-layer path opens ~8 parallel regions a layer (fork ~1.7 us, join
+// ~2 us on the 2-core EPYC) and allocates ~8 tensors, and its GEMMs' checks and views cost ~2 us
+// each more. The same kernels' arithmetic on the same inputs: the bits are the layer-by-layer
+// path's (tests/test_fused_layer.py).
 struct DecoderStack : torch::CustomClassHolder {
   static constexpr int64_t kTensors = 14, kInts = 4, kFloats = 3;  // per layer (see the constructor)
   std::vector<LayerWeights> layers;
+  std::vector<std::array<at::Tensor, 4>> biases;  // per layer: qkv, o, gate_up, down biases in fp32 (or undefined)
+  int64_t one_row_steps = 0;  // steps that took forward_one_row (what a test can ask: one_row_steps())
 
   // Per layer: tensors input_norm, post_norm, then weight, scales?, bias? of qkv, o, gate_up and
   // down; ints heads, kv_heads, intermediate, window; floats eps, scale, softcap.
@@ -220,6 +281,11 @@ struct DecoderStack : torch::CustomClassHolder {
       layers.push_back({*tensor(t), *tensor(t + 1), floats[l * kFloats], projection(2), projection(5), projection(8),
                         projection(11), ints[l * kInts], ints[l * kInts + 1], ints[l * kInts + 2],
                         floats[l * kFloats + 1], ints[l * kInts + 3], floats[l * kFloats + 2]});
+      auto fp32 = [](const Projection& p) {
+        return p.bias.has_value() && p.bias->defined() ? p.bias->to(at::kFloat).contiguous() : at::Tensor();
+      };
+      const LayerWeights& w = layers.back();
+      biases.push_back({fp32(w.qkv), fp32(w.o), fp32(w.gate_up), fp32(w.down)});
     }
   }
 
@@ -230,12 +296,159 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
                 "DecoderStack: one K and one V cache per layer");
     const StepInputs step{slot_mapping, query_start, query_lens, block_tables, context_lens, block_size};
+    if (one_row(x, cos, sin, k_caches, v_caches, slot_mapping)) {
+      ++one_row_steps;
+      return forward_one_row(x, cos, sin, k_caches, v_caches, step);
+    }
     at::Tensor hidden = x;
     for (size_t l = 0; l < layers.size(); ++l) {
       RECORD_FUNCTION("tokenmill::llama_decoder_layer", std::vector<c10::IValue>());
       hidden = decoder_layer(hidden, layers[l], cos, sin, k_caches[l], v_caches[l], step);
     }
     return hidden;
+  }
+
+ private:
+  // Whether the step is one fp32 token over caches write_head writes, every layer of one shape.
+  bool one_row(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
+               const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const {
+    if (layers.empty() || x.dim() != 2 || x.size(0) != 1 || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
+        slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != 1 || !slot_mapping.is_contiguous())
+      return false;
+    const at::Tensor& k0 = k_caches[0];
+    if (k0.dim() != 3) return false;
+    const int64_t head_dim = k0.size(2) - (k0.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
+    const int64_t rotary = cos.numel();
+    if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
+        !sin.is_contiguous() || sin.numel() != rotary || rotary % 2 != 0 || rotary > head_dim)
+      return false;
+    const LayerWeights& first = layers[0];
+    for (size_t l = 0; l < layers.size(); ++l) {
+      const LayerWeights& w = layers[l];
+      if (w.heads != first.heads || w.kv_heads != first.kv_heads || w.intermediate != first.intermediate ||
+          !writes_heads(k_caches[l], w.kv_heads, head_dim) || !writes_heads(v_caches[l], w.kv_heads, head_dim) ||
+          k_caches[l].scalar_type() != k0.scalar_type() || v_caches[l].sizes() != k0.sizes() ||
+          k_caches[l].sizes() != k0.sizes() || v_caches[l].scalar_type() != k0.scalar_type())
+        return false;
+    }
+    return true;
+  }
+
+  at::Tensor forward_one_row(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                             std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
+                             const StepInputs& step) {
+    const LayerWeights& first = layers[0];
+    const int64_t hidden = x.size(1), cache_width = k_caches[0].size(2);
+    const int64_t head_dim = cache_width - (k_caches[0].scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
+    const int64_t heads = first.heads, kv_heads = first.kv_heads, inter = first.intermediate;
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, rotary = cos.numel();
+    const int64_t slot = step.slot_mapping.data_ptr<int64_t>()[0];
+    for (size_t l = 0; l < layers.size(); ++l) {
+      check_slots(k_caches[l], &slot, 1);
+      check_slots(v_caches[l], &slot, 1);
+    }
+    const auto options = x.options();
+    at::Tensor qkv = at::empty({1, q_size + 2 * kv_size}, options);
+    at::Tensor attended = at::empty({1, heads, head_dim}, options);
+    at::Tensor gate_up = at::empty({2 * inter}, options);
+    at::Tensor projected = at::empty({hidden}, options);  // the o and down GEMMs' output, in turn
+    at::Tensor result = at::empty({1, hidden}, options);
+    const at::Tensor queries = qkv.narrow(1, 0, q_size).view({1, heads, head_dim});
+    // The attention's work: one plan per window (the same for every layer that shares it).
+    const int64_t threads = at::get_num_threads();
+    std::vector<std::pair<int64_t, std::shared_ptr<const tokenmill::AttentionWork>>> plans;
+    std::vector<const tokenmill::AttentionWork*> plan_of(layers.size());
+    int64_t partial_floats = 0;
+    for (size_t l = 0; l < layers.size(); ++l) {
+      auto found = std::find_if(plans.begin(), plans.end(), [&](const auto& e) { return e.first == layers[l].window; });
+      if (found == plans.end()) {
+        plans.emplace_back(layers[l].window,
+                           tokenmill::plan_paged_attention(queries, k_caches[l], v_caches[l], attended,
+                                                           step.query_start, step.query_lens, step.block_tables,
+                                                           step.context_lens, step.block_size, layers[l].window,
+                                                           threads));
+        found = plans.end() - 1;
+        partial_floats = std::max(partial_floats, tokenmill::attention_partial_floats(*found->second));
+      }
+      plan_of[l] = found->second.get();
+    }
+    std::vector<float> partials(static_cast<size_t>(partial_floats));
+    std::unique_ptr<std::atomic<int64_t>[]> next_item(new std::atomic<int64_t>[layers.size()]);
+    for (size_t l = 0; l < layers.size(); ++l) next_item[l].store(0);
+    const int64_t row_floats = std::max({hidden, inter, q_size});
+    float* qkv_ptr = qkv.data_ptr<float>();
+    float* attended_ptr = attended.data_ptr<float>();
+    float* gate_up_ptr = gate_up.data_ptr<float>();
+    float* projected_ptr = projected.data_ptr<float>();
+    const float* cos_ptr = cos.data_ptr<float>();
+    const float* sin_ptr = sin.data_ptr<float>();
+    auto bias = [](const at::Tensor& b) { return b.defined() ? b.data_ptr<float>() : nullptr; };
+
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
+      thread_local std::vector<float> own_hidden, own_row;  // this thread's hidden row and norm/SiLU output
+      thread_local tokenmill::Int8RowScratch scratch;
+      own_hidden.assign(x.data_ptr<float>(), x.data_ptr<float>() + hidden);
+      own_row.resize(static_cast<size_t>(row_floats));
+      float* h = own_hidden.data();
+      float* row = own_row.data();
+      for (size_t l = 0; l < layers.size(); ++l) {
+        const LayerWeights& w = layers[l];
+        const auto& b = biases[l];
+        phase(tid, "tokenmill::rms_norm", [&] { tokenmill::rms_norm_row(h, w.input_norm.data_ptr<float>(), hidden, static_cast<float>(w.eps), row); });
+        phase(tid, w.qkv.op_name(), [&] {
+          project_row(w.qkv, bias(b[0]), row, hidden, qkv_ptr, q_size + 2 * kv_size, tid, team, scratch);
+#pragma omp barrier
+        });
+        phase(tid, "tokenmill::rope_", [&] {
+          // q heads, then kv heads (rotated K, then K and V into the caches), dealt round the threads
+          for (int64_t i = tid; i < heads + kv_heads; i += team) {
+            if (i < heads) {
+              tokenmill::rope_head(qkv_ptr + i * head_dim, cos_ptr, sin_ptr, rotary);
+              continue;
+            }
+            const int64_t head = i - heads;
+            float* k = qkv_ptr + q_size + head * head_dim;
+            tokenmill::rope_head(k, cos_ptr, sin_ptr, rotary);
+            write_head(k_caches[l], slot, head, k);
+            write_head(v_caches[l], slot, head, k + kv_size);
+          }
+#pragma omp barrier
+        });
+        phase(tid, "tokenmill::paged_attention", [&] {
+          const tokenmill::AttentionWork& work = *plan_of[l];
+          tokenmill::attend_items(work, qkv_ptr, k_caches[l].data_ptr(), v_caches[l].data_ptr(), attended_ptr, w.scale,
+                                  w.softcap, partials.data(), next_item[l]);
+          const int64_t merges = tokenmill::attention_merges(work);
+          if (merges > 0) {
+#pragma omp barrier
+            const int64_t share = (merges + team - 1) / team;
+            tokenmill::merge_partials(work, attended_ptr, partials.data(), std::min(merges, tid * share),
+                                      std::min(merges, (tid + 1) * share));
+          }
+#pragma omp barrier
+        });
+        phase(tid, w.o.op_name(), [&] {
+          project_row(w.o, bias(b[1]), attended_ptr, q_size, projected_ptr, hidden, tid, team, scratch);
+#pragma omp barrier
+        });
+        for (int64_t i = 0; i < hidden; ++i) h[i] += projected_ptr[i];
+        phase(tid, "tokenmill::rms_norm", [&] { tokenmill::rms_norm_row(h, w.post_norm.data_ptr<float>(), hidden, static_cast<float>(w.eps), row); });
+        phase(tid, w.gate_up.op_name(), [&] {
+          project_row(w.gate_up, bias(b[2]), row, hidden, gate_up_ptr, 2 * inter, tid, team, scratch);
+#pragma omp barrier
+        });
+        phase(tid, "tokenmill::silu_mul", [&] { tokenmill::silu_mul_row(gate_up_ptr, inter, row); });
+        phase(tid, w.down.op_name(), [&] {
+          project_row(w.down, bias(b[3]), row, inter, projected_ptr, hidden, tid, team, scratch);
+#pragma omp barrier
+        });
+        for (int64_t i = 0; i < hidden; ++i) h[i] += projected_ptr[i];
+      }
+      if (tid == 0) std::memcpy(result.data_ptr<float>(), h, hidden * sizeof(float));
+    }
+    return result;
   }
 };
 
@@ -259,5 +472,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<const c10::List<std::optional<at::Tensor>>&, const std::vector<int64_t>&,
                        const std::vector<double>&>())
-      .def("forward", &DecoderStack::forward);
+      .def("forward", &DecoderStack::forward)
+      .def("one_row_steps", [](const c10::intrusive_ptr<DecoderStack>& self) { return self->one_row_steps; });
 }

@@ -30,6 +30,22 @@ void check_float(const at::Tensor& t, const char* what) {
 
 }  // namespace
 
+void rms_norm_row(const float* x, const float* weight, int64_t dim, float eps, float* out) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + kVec <= dim; d += kVec) {
+    const Vec v = Vec::loadu(x + d);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float squares = hsum(acc);
+  for (; d < dim; ++d) squares += x[d] * x[d];
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+  const Vec vinv(inv);
+  d = 0;
+  for (; d + kVec <= dim; d += kVec) (Vec::loadu(weight + d) * (Vec::loadu(x + d) * vinv)).store(out + d);
+  for (; d < dim; ++d) out[d] = weight[d] * (x[d] * inv);
+}
+
 // out = weight * (x * rsqrt(mean(x^2) + eps)) over the last dim of a contiguous x.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_float(x, "rms_norm");
@@ -42,25 +58,21 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * dim;
-      float* orow = op + r * dim;
-      Vec acc(0.f);
-      int64_t d = 0;
-      for (; d + kVec <= dim; d += kVec) {
-        const Vec v = Vec::loadu(xr + d);
-        acc = at::vec::fmadd(v, v, acc);
-      }
-      float squares = hsum(acc);
-      for (; d < dim; ++d) squares += xr[d] * xr[d];
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + static_cast<float>(eps));
-      const Vec vinv(inv);
-      d = 0;
-      for (; d + kVec <= dim; d += kVec) (Vec::loadu(wp + d) * (Vec::loadu(xr + d) * vinv)).store(orow + d);
-      for (; d < dim; ++d) orow[d] = wp[d] * (xr[d] * inv);
-    }
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * dim, wp, dim, static_cast<float>(eps), op + r * dim);
   });
   return out;
+}
+
+void silu_mul_row(const float* gate_up, int64_t inter, float* out) {
+  const float* g = gate_up;
+  const float* u = g + inter;
+  const Vec one(1.f);
+  int64_t d = 0;
+  for (; d + kVec <= inter; d += kVec) {
+    const Vec gv = Vec::loadu(g + d);
+    (gv / (one + gv.neg().exp()) * Vec::loadu(u + d)).store(out + d);
+  }
+  for (; d < inter; ++d) out[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
 }
 
 // silu(gate) * up of a [T, 2 * I] tensor whose first I columns are the gate: [T, I].
@@ -72,53 +84,50 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const Vec one(1.f);
   at::parallel_for(0, rows, grain(inter), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * stride;
-      const float* u = g + inter;
-      float* o = op + r * inter;
-      int64_t d = 0;
-      for (; d + kVec <= inter; d += kVec) {
-        const Vec gv = Vec::loadu(g + d);
-        (gv / (one + gv.neg().exp()) * Vec::loadu(u + d)).store(o + d);
-      }
-      for (; d < inter; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
-    }
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * stride, inter, op + r * inter);
   });
   return out;
 }
 
-// x [T, heads, head_dim] (any strides, last dim contiguous) rotated in place by cos/sin
-// [T, rotary] (rotary <= head_dim: the dims past it pass through): the "rotate half" layout.
+// One head's row x rotated in place by its token's cos/sin [rotary] (rotary <= head_dim: the dims
+// past it pass through): the "rotate half" layout.
+void rope_head(float* x, const float* c, const float* s, int64_t rotary) {
+  const int64_t half = rotary / 2;
+  float* a = x;
+  float* b = a + half;
+  int64_t d = 0;
+  for (; d + kVec <= half; d += kVec) {
+    const Vec av = Vec::loadu(a + d), bv = Vec::loadu(b + d);
+    // out[d] = a*cos[d] + (-b)*sin[d]; out[d + half] = b*cos[d + half] + a*sin[d + half]
+    const Vec ra = av * Vec::loadu(c + d) + bv.neg() * Vec::loadu(s + d);
+    const Vec rb = bv * Vec::loadu(c + half + d) + av * Vec::loadu(s + half + d);
+    ra.store(a + d);
+    rb.store(b + d);
+  }
+  for (; d < half; ++d) {
+    const float av = a[d], bv = b[d];
+    a[d] = av * c[d] + (-bv) * s[d];
+    b[d] = bv * c[half + d] + av * s[half + d];
+  }
+}
+
+namespace {
+
+// x [T, heads, head_dim] (any strides, last dim contiguous) rotated in place by cos/sin [T, rotary].
 void rope_one(at::Tensor& x, const float* cp, const float* sp, int64_t rotary) {
-  const int64_t tokens = x.size(0), heads = x.size(1), half = rotary / 2;
+  const int64_t tokens = x.size(0), heads = x.size(1);
   const int64_t ts = x.stride(0), hs = x.stride(1);
   float* xp = x.data_ptr<float>();
   at::parallel_for(0, tokens * heads, grain(rotary), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / heads, h = i % heads;
-      float* a = xp + t * ts + h * hs;
-      float* b = a + half;
-      const float* c = cp + t * rotary;
-      const float* s = sp + t * rotary;
-      int64_t d = 0;
-      for (; d + kVec <= half; d += kVec) {
-        const Vec av = Vec::loadu(a + d), bv = Vec::loadu(b + d);
-        // out[d] = a*cos[d] + (-b)*sin[d]; out[d + half] = b*cos[d + half] + a*sin[d + half]
-        const Vec ra = av * Vec::loadu(c + d) + bv.neg() * Vec::loadu(s + d);
-        const Vec rb = bv * Vec::loadu(c + half + d) + av * Vec::loadu(s + half + d);
-        ra.store(a + d);
-        rb.store(b + d);
-      }
-      for (; d < half; ++d) {
-        const float av = a[d], bv = b[d];
-        a[d] = av * c[d] + (-bv) * s[d];
-        b[d] = bv * c[half + d] + av * s[half + d];
-      }
+      rope_head(xp + t * ts + h * hs, cp + t * rotary, sp + t * rotary, rotary);
     }
   });
 }
+
+}  // namespace
 
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   for (const at::Tensor* t : {&q, &k}) {

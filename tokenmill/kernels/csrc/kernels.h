@@ -5,7 +5,10 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 namespace tokenmill {
 
@@ -13,6 +16,11 @@ namespace tokenmill {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
+// One row of each on the calling thread (the ops above run these over their rows): for callers that
+// share a step's work among their own threads (decoder_layer.cpp's batch-1 stack).
+void rms_norm_row(const float* x, const float* weight, int64_t dim, float eps, float* out);
+void silu_mul_row(const float* gate_up, int64_t inter, float* out);
+void rope_head(float* x, const float* cos, const float* sin, int64_t rotary);
 
 // packed_linear.cpp (fp32 x; fp32, bf16 or int8 weights)
 at::Tensor pack_linear_weight(const at::Tensor& weight);
@@ -20,11 +28,41 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
                          int64_t n);
 at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
                               const c10::optional<at::Tensor>& bias, int64_t n);
+// One fp32 row x [K] times panels [begin, end) of a packed weight, into those panels' columns of
+// out [N] (bias: fp32 [N] or nullptr), on the calling thread; shapes as the ops above check them.
+void packed_linear_row(const float* x, const at::Tensor& packed, const float* bias, float* out, int64_t n,
+                       int64_t begin, int64_t end);
+struct Int8RowScratch {  // a thread's x as int16 pairs and block scales
+  std::vector<int16_t> xq;
+  std::vector<float> sx;
+};
+void packed_int8_linear_row(const float* x, int64_t k, const at::Tensor& packed, const at::Tensor& packed_scales,
+                            const float* bias, float* out, int64_t n, int64_t begin, int64_t end,
+                            Int8RowScratch& scratch);
 
 // paged_attention.cpp
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
                      const at::Tensor& query_start, const at::Tensor& query_lens, const at::Tensor& block_tables,
                      const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
                      double softcap);
+// paged_attention in parts, for callers with their own threads: the work of a call planned once
+// (checked as paged_attention checks its inputs; every layer of a step with the same window has the
+// same plan), then each thread pulls items (attend_items, `next` shared, from 0), and once all are
+// done the split tiles' partials are merged (merge_partials over [0, attention_merges) in parts).
+// paged_attention is these three steps on torch's threads. The data pointers are the call's q, caches
+// and out, of the planned dtypes and shapes.
+struct AttentionWork;
+std::shared_ptr<const AttentionWork> plan_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& out,
+                                                          const at::Tensor& query_start, const at::Tensor& query_lens,
+                                                          const at::Tensor& block_tables,
+                                                          const at::Tensor& context_lens, int64_t block_size,
+                                                          int64_t window, int64_t threads);
+int64_t attention_items(const AttentionWork& work);
+int64_t attention_merges(const AttentionWork& work);
+int64_t attention_partial_floats(const AttentionWork& work);
+void attend_items(const AttentionWork& work, const void* q, const void* k_cache, const void* v_cache, void* out,
+                  double scale, double softcap, float* partials, std::atomic<int64_t>& next);
+void merge_partials(const AttentionWork& work, void* out, const float* partials, int64_t begin, int64_t end);
 
 }  // namespace tokenmill

@@ -392,6 +392,29 @@ inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, 
   if constexpr (P > 1) int8_panel_groups<P - 1>(xq, sx, rows, qp, sp, cut, bias, out, n, p, end);
 }
 
+// Rows [m0, m0 + rows) of x (int16 pairs and block scales, m rows in all) times int8 panels [begin, end).
+void int8_panel_range(const int16_t* xqp, const float* sxp, const ActivationBlocks& cut, const int8_t* qp,
+                      const float* sp, const float* bias_ptr, float* op, int64_t m, int64_t n, int64_t begin,
+                      int64_t end, int64_t m0, int64_t rows) {
+  const int64_t kp = cut.inputs(), blocks = cut.blocks();
+  int64_t p = begin;
+  if (m <= kInt8RowByRow) int8_panel_groups<kOneRowPanels>(xqp, sxp, m, qp, sp, cut, bias_ptr, op, n, p, end);
+  for (; p < end; ++p) {
+    const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+    const int8_t* panel = qp + p * cut.panel_bytes();
+    const float* scales = sp + p * cut.panel_scales();
+    const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
+    const bool last = p + 1 == end;  // (the thread's last panel requests itself again, as in panel_gemm)
+    const int8_t* next = last ? panel : panel + cut.panel_bytes();
+    const float* next_scales = last ? scales : scales + cut.panel_scales();
+    for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
+      const int64_t row = m0 + r;
+      int8_panel_tile<decltype(count)::value, 1, true>(xqp + row * kp, kp, sxp + row * blocks, blocks, panel, scales,
+                                                       cut, b, op + row * n + col, n, cols, next, next_scales);
+    });
+  }
+}
+
 // Every row group of a panel requests the thread's next panel as it goes (a line per k), so that
 // the next panel's pass from DRAM overlaps this one's arithmetic: the core did not overlap them on
 // its own, a tile's time was its FMAs plus its panel's first read (SmolLM2's 120 layer GEMMs, each
@@ -400,21 +423,27 @@ inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, 
 // 86.5-87.6; bf16 panels 8 rows 19.0-19.4 -> 15.7-16.0, 16 rows 27.1-27.3 -> 22.4-22.9; int8 ones
 // 8 rows 15.2-15.4 -> 13.8-13.9, 16 rows 26.7-27.3 -> 24.3-24.5; one row takes other paths).
 template <typename W>
+void panel_range(const float* xp, const W* wp, const float* bias_ptr, float* op, int64_t m, int64_t k, int64_t n,
+                 int64_t begin, int64_t end, int64_t m0, int64_t rows) {
+  int64_t p = begin;
+  if (m == 1) one_row_panel_groups<kOneRowPanels>(xp, wp, bias_ptr, op, k, n, p, end);
+  for (; p < end; ++p) {
+    const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+    const W* panel = wp + p * k * kPanel;
+    const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
+    const W* next = p + 1 < end ? panel + k * kPanel : panel;  // (the thread's last: itself again, in cache)
+    for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
+      const int64_t row = m0 + r;
+      panel_tile<decltype(count)::value, 1, true>(xp + row * k, k, panel, k, b, op + row * n + col, n, cols, next);
+    });
+  }
+}
+
+template <typename W>
 void panel_gemm(const float* xp, const W* wp, const float* bias_ptr, float* op, int64_t m, int64_t k, int64_t n,
                 int64_t panels) {
   for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
-    int64_t p = begin;
-    if (m == 1) one_row_panel_groups<kOneRowPanels>(xp, wp, bias_ptr, op, k, n, p, end);
-    for (; p < end; ++p) {
-      const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-      const W* panel = wp + p * k * kPanel;
-      const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
-      const W* next = p + 1 < end ? panel + k * kPanel : panel;  // (the thread's last: itself again, in cache)
-      for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
-        const int64_t row = m0 + r;
-        panel_tile<decltype(count)::value, 1, true>(xp + row * k, k, panel, k, b, op + row * n + col, n, cols, next);
-      });
-    }
+    panel_range(xp, wp, bias_ptr, op, m, k, n, begin, end, m0, rows);
   });
 }
 
@@ -491,30 +520,33 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
     const int8_t* qp = packed.data_ptr<int8_t>();
     const float* sp = packed_scales.data_ptr<float>();
     float* op = out.data_ptr<float>();
-    const int64_t blocks = cut.blocks();
     for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
-      int64_t p = begin;
-      if (m <= kInt8RowByRow) int8_panel_groups<kOneRowPanels>(xqp, sxp, m, qp, sp, cut, bias_ptr, op, n, p, end);
-      for (; p < end; ++p) {
-        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-        const int8_t* panel = qp + p * cut.panel_bytes();
-        const float* scales = sp + p * cut.panel_scales();
-        const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
-        const bool last = p + 1 == end;  // (the thread's last panel requests itself again, as in panel_gemm)
-        const int8_t* next = last ? panel : panel + cut.panel_bytes();
-        const float* next_scales = last ? scales : scales + cut.panel_scales();
-        for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
-          const int64_t row = m0 + r;
-          int8_panel_tile<decltype(count)::value, 1, true>(xqp + row * kp, kp, sxp + row * blocks, blocks, panel,
-                                                           scales, cut, b, op + row * n + col, n, cols, next,
-                                                           next_scales);
-        });
-      }
+      int8_panel_range(xqp, sxp, cut, qp, sp, bias_ptr, op, m, n, begin, end, m0, rows);
     });
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   return out.view(shape).to(x.scalar_type());
+}
+
+void packed_linear_row(const float* x, const at::Tensor& packed, const float* bias, float* out, int64_t n,
+                       int64_t begin, int64_t end) {
+  const int64_t k = packed.size(1);
+  if (packed.scalar_type() == at::kBFloat16)
+    panel_range(x, packed.data_ptr<at::BFloat16>(), bias, out, 1, k, n, begin, end, 0, 1);
+  else
+    panel_range(x, packed.data_ptr<float>(), bias, out, 1, k, n, begin, end, 0, 1);
+}
+
+void packed_int8_linear_row(const float* x, int64_t k, const at::Tensor& packed, const at::Tensor& packed_scales,
+                            const float* bias, float* out, int64_t n, int64_t begin, int64_t end,
+                            Int8RowScratch& scratch) {
+  const ActivationBlocks cut(k, packed_scales.size(1));
+  scratch.xq.resize(static_cast<size_t>(cut.inputs()));
+  scratch.sx.resize(static_cast<size_t>(cut.blocks()));
+  quantize_activations(x, k, cut, 0, 1, scratch.xq.data(), scratch.sx.data());
+  int8_panel_range(scratch.xq.data(), scratch.sx.data(), cut, packed.data_ptr<int8_t>(),
+                   packed_scales.data_ptr<float>(), bias, out, 1, n, begin, end, 0, 1);
 }
 
 // Rows `ids` of the int8 matrix [N, k] packed by pack_int8_weight (row v: column v % kPanel of

@@ -449,21 +449,48 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
 }  // namespace
 
-void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
-                     const at::Tensor& query_start, const at::Tensor& query_lens, const at::Tensor& block_tables,
-                     const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
-                     double softcap) {
+// A call's work items and merges (kernels.h): everything but the layer's q, caches, out, scale and
+// softcap, so one plan serves every layer of a step that shares its window.
+struct AttentionWork {
+  Params p;  // (scale and softcap: each call's own)
+  at::ScalarType q_type, cache_type;
+  int64_t tokens, num_blocks;
+  std::vector<int32_t> starts, lens, ctx, tables;  // copies: the plan outlives no tensor it came from
+  std::vector<WorkItem> items;
+  std::vector<int64_t> order;  // the items by cost, largest first; `items` keeps chunk order
+  std::vector<std::pair<int64_t, int64_t>> merges;  // (first chunk's item index, chunks) per split tile
+  int64_t partial_size = 0;
+};
+
+std::shared_ptr<const AttentionWork> plan_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& out,
+                                                          const at::Tensor& query_start, const at::Tensor& query_lens,
+                                                          const at::Tensor& block_tables,
+                                                          const at::Tensor& context_lens, int64_t block_size,
+                                                          int64_t window, int64_t threads) {
   check_inputs(q, k_cache, v_cache, out, query_start, query_lens, block_tables, context_lens);
-  const Params p{q.size(1), k_cache.size(1), q.size(2), block_size, block_tables.size(1), window, k_cache.size(2),
-                 static_cast<float>(scale), static_cast<float>(softcap)};
+  auto work = std::make_shared<AttentionWork>();
+  work->p = Params{q.size(1), k_cache.size(1), q.size(2), block_size, block_tables.size(1), window, k_cache.size(2),
+                   0.f, 0.f};
+  const Params& p = work->p;
+  work->q_type = q.scalar_type();
+  work->cache_type = k_cache.scalar_type();
   const int64_t seqs = block_tables.size(0);
-  const int64_t tokens = q.size(0);
-  const int32_t* starts = query_start.data_ptr<int32_t>();
-  const int32_t* lens = query_lens.data_ptr<int32_t>();
-  const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t tokens = work->tokens = q.size(0);
+  auto copy = [](const at::Tensor& t) {
+    const int32_t* data = t.data_ptr<int32_t>();
+    return std::vector<int32_t>(data, data + t.numel());
+  };
+  work->starts = copy(query_start);
+  work->lens = copy(query_lens);
+  work->ctx = copy(context_lens);
+  work->tables = copy(block_tables);
+  const int32_t* starts = work->starts.data();
+  const int32_t* lens = work->lens.data();
+  const int32_t* ctx = work->ctx.data();
+  const int32_t* tables = work->tables.data();
   TORCH_CHECK(block_size > 0 && k_cache.size(0) % block_size == 0, "cache slots are whole blocks");
-  const int64_t num_blocks = k_cache.size(0) / block_size;
+  const int64_t num_blocks = work->num_blocks = k_cache.size(0) / block_size;
   auto tile_keys = [&](int64_t s, int64_t first, int64_t n) {  // [lo, hi): the keys a tile's queries can see
     const int64_t first_pos = ctx[s] - lens[s] + first, hi = first_pos + n;
     return std::pair<int64_t, int64_t>{p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0, hi};
@@ -477,7 +504,6 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       const auto keys = tile_keys(s, first, std::min<int64_t>(kQueryTile, lens[s] - first));
       units += chunks_in(keys.first, keys.second);
     }
-  const int64_t threads = at::get_num_threads();
   const bool split = tiles < 4 * threads;
   // Items of all kv heads (each K/V slot row read as one stretch: a block's rows are one run of
   // memory) when there are items enough for every thread: split chunks, one per thread already, or
@@ -487,9 +513,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   // 300/60/150 keys 107-108 -> 78-92; 100 keys (one chunk: one head per item still) unchanged.
   const bool whole_rows = split ? units >= threads : tiles >= 4 * threads;
   const int64_t heads_per_item = whole_rows ? p.kv_heads : 1;
-  std::vector<WorkItem> items;
-  std::vector<std::pair<int64_t, int64_t>> merges;  // (first chunk's item index, chunks) per split tile
-  int64_t partial_size = 0;
+  std::vector<WorkItem>& items = work->items;
   for (int64_t s = 0; s < seqs; ++s) {
     TORCH_CHECK(lens[s] >= 0 && lens[s] <= ctx[s], "each sequence's queries are the last of its context");
     TORCH_CHECK(starts[s] >= 0 && starts[s] + lens[s] <= tokens, "query rows out of range");
@@ -511,53 +535,92 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
           items.push_back(tile);
           continue;
         }
-        merges.emplace_back(static_cast<int64_t>(items.size()), chunks);
+        work->merges.emplace_back(static_cast<int64_t>(items.size()), chunks);
         const int64_t stride = partial_floats(ItemRows(tile, p).rows, p.dim);
         for_key_chunks(keys.first, keys.second, [&](int64_t lo, int64_t hi) {
-          items.push_back({s, h, heads_per_item, first, n, lo, hi, partial_size, heads_per_item * n * (hi - lo)});
-          partial_size += stride;
+          items.push_back({s, h, heads_per_item, first, n, lo, hi, work->partial_size, heads_per_item * n * (hi - lo)});
+          work->partial_size += stride;
         });
       }
     }
   }
-  std::vector<float> partials(static_cast<size_t>(partial_size));
-  std::vector<int64_t> order(items.size());  // the items by cost, largest first; `items` keeps chunk order
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
-  std::atomic<int64_t> next{0};
-  auto run = [&](auto q_type, auto cache_type) {
-    using T = decltype(q_type);
-    using C = decltype(cache_type);
-    const T* q_ptr = q.data_ptr<T>();
-    const C* k_ptr = k_cache.data_ptr<C>();
-    const C* v_ptr = v_cache.data_ptr<C>();
-    T* out_ptr = out.data_ptr<T>();
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      thread_local Scratch scratch;  // (kept across calls: no allocation per layer)
-      for (int64_t i = next++; i < num_items; i = next++)
-        attend_item<T, C>(items[order[i]], q_ptr, k_ptr, v_ptr, out_ptr, partials.data(), starts, lens, tables, ctx,
-                          p, scratch);
-    });
-    // (a few split tiles, batch-1: merged here; many: by the threads)
-    at::parallel_for(0, static_cast<int64_t>(merges.size()), 8, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m)
-        merge_chunks<T>(items[merges[m].first], merges[m].second, partials.data() + items[merges[m].first].partial,
-                        out_ptr, starts, p);
-    });
-  };
-  if (k_cache.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kFloat) {
+  work->order.resize(items.size());
+  for (size_t i = 0; i < items.size(); ++i) work->order[i] = static_cast<int64_t>(i);
+  std::stable_sort(work->order.begin(), work->order.end(),
+                   [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
+  return work;
+}
+
+int64_t attention_items(const AttentionWork& work) { return static_cast<int64_t>(work.items.size()); }
+int64_t attention_merges(const AttentionWork& work) { return static_cast<int64_t>(work.merges.size()); }
+int64_t attention_partial_floats(const AttentionWork& work) { return work.partial_size; }
+
+namespace {
+
+// Calls run(T{}, C{}) for the plan's q and cache element types.
+template <typename Run>
+void dispatch_types(const AttentionWork& work, Run&& run) {
+  if (work.cache_type == at::kBFloat16 && work.q_type == at::kFloat) {
     run(float{}, at::BFloat16{});  // fp32 compute over a bf16 --kv-cache-dtype: half the bytes read
-  } else if (k_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat) {
+  } else if (work.cache_type == at::kHalf && work.q_type == at::kFloat) {
     run(float{}, at::Half{});
-  } else if (k_cache.scalar_type() == at::kChar) {  // --kv-cache-dtype int8, under any model dtype
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tokenmill_paged_attention_int8",
+  } else if (work.cache_type == at::kChar) {  // --kv-cache-dtype int8, under any model dtype
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, work.q_type, "tokenmill_paged_attention_int8",
                                     [&] { run(scalar_t{}, int8_t{}); });
   } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "tokenmill_paged_attention",
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, work.q_type, "tokenmill_paged_attention",
                                     [&] { run(scalar_t{}, scalar_t{}); });
   }
+}
+
+}  // namespace
+
+void attend_items(const AttentionWork& work, const void* q, const void* k_cache, const void* v_cache, void* out,
+                  double scale, double softcap, float* partials, std::atomic<int64_t>& next) {
+  Params p = work.p;
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  const int64_t num_items = attention_items(work);
+  dispatch_types(work, [&](auto q_type, auto cache_type) {
+    using T = decltype(q_type);
+    using C = decltype(cache_type);
+    thread_local Scratch scratch;  // (kept across calls: no allocation per layer)
+    for (int64_t i = next++; i < num_items; i = next++)
+      attend_item<T, C>(work.items[work.order[i]], static_cast<const T*>(q), static_cast<const C*>(k_cache),
+                        static_cast<const C*>(v_cache), static_cast<T*>(out), partials, work.starts.data(),
+                        work.lens.data(), work.tables.data(), work.ctx.data(), p, scratch);
+  });
+}
+
+void merge_partials(const AttentionWork& work, void* out, const float* partials, int64_t begin, int64_t end) {
+  dispatch_types(work, [&](auto q_type, auto) {
+    using T = decltype(q_type);
+    for (int64_t m = begin; m < end; ++m) {
+      const WorkItem& first = work.items[work.merges[m].first];
+      merge_chunks<T>(first, work.merges[m].second, partials + first.partial, static_cast<T*>(out),
+                      work.starts.data(), work.p);
+    }
+  });
+}
+
+void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
+                     const at::Tensor& query_start, const at::Tensor& query_lens, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
+                     double softcap) {
+  const int64_t threads = at::get_num_threads();
+  const auto work = plan_paged_attention(q, k_cache, v_cache, out, query_start, query_lens, block_tables, context_lens,
+                                         block_size, window, threads);
+  std::vector<float> partials(static_cast<size_t>(work->partial_size));
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(threads, attention_items(*work));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    attend_items(*work, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), scale, softcap,
+                 partials.data(), next);
+  });
+  // (a few split tiles, batch-1: merged here; many: by the threads)
+  at::parallel_for(0, attention_merges(*work), 8, [&](int64_t begin, int64_t end) {
+    merge_partials(*work, out.data_ptr(), partials.data(), begin, end);
+  });
 }
 
 }  // namespace tokenmill
