@@ -14,10 +14,11 @@ weights of a model published in bf16: the kernel widens them back to fp32) or in
 Anything wrapped later (LoRA) makes the layer stand aside. When every layer of the model is fused,
 the model's forward runs them as one C++ loop (FusedStack): one check per step instead of one per
 layer, and no Python between layers (~25 us a layer: Python's loop, module calls, the op's 32 boxed
-arguments). A step of one token (batch-1 decode) runs every layer in one parallel region, the threads
-sharing each GEMM's panels, the heads' RoPE and cache writes and the attention's items and meeting at
-a barrier after each (no fork/join, allocation or op checks per kernel: SmolLM2 int8, ~5.8 -> ~4.8 ms
-of layers a step); the same arithmetic, so the same bits (kernels/csrc/decoder_layer.cpp).
+arguments). A step of up to 6 tokens (batch-1 and small-batch decode) runs every layer in one
+parallel region, the threads sharing each GEMM's panels, the RoPE and cache writes and the
+attention's items and meeting at a barrier after each (no fork/join, allocation or op checks per
+kernel: SmolLM2 int8 batch-1, ~5.8 -> ~4.8 ms of layers a step); the same arithmetic, so the same
+bits (kernels/csrc/decoder_layer.cpp).
 """
 
 from __future__ import annotations

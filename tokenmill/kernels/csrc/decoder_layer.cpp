@@ -235,36 +235,39 @@ inline void phase(int64_t tid, const char* name, Fn&& fn) {
   fn();
 }
 
-// One projection of one row on the calling thread: its share of the panels (as at::parallel_for
-// shares them among `team` threads) of out [N]; an int8 one quantizes x in the thread's scratch.
-void project_row(const Projection& p, const float* bias, const float* x, int64_t k, float* out, int64_t n,
-                 int64_t tid, int64_t team, tokenmill::Int8RowScratch& scratch) {
+// One projection of m rows on the calling thread: its share of the panels (as at::parallel_for
+// shares them among `team` threads) of out [m, N]; an int8 one quantizes x in the thread's scratch.
+void project_rows(const Projection& p, const float* bias, const float* x, int64_t m, int64_t k, float* out, int64_t n,
+                  int64_t tid, int64_t team, tokenmill::Int8RowScratch& scratch) {
   const int64_t panels = p.weight.size(0), chunk = (panels + team - 1) / team;
   const int64_t begin = tid * chunk, end = std::min(panels, begin + chunk);
   if (begin >= end) return;
   if (p.int8())
-    tokenmill::packed_int8_linear_row(x, k, p.weight, *p.scales, bias, out, n, begin, end, scratch);
+    tokenmill::packed_int8_linear_rows(x, m, k, p.weight, *p.scales, bias, out, n, begin, end, scratch);
   else
-    tokenmill::packed_linear_row(x, p.weight, bias, out, n, begin, end);
+    tokenmill::packed_linear_rows(x, m, p.weight, bias, out, n, begin, end);
 }
 
 // Every decoder layer of a model, held once (tokenmill.models.fused_layer.FusedStack): a step's
 // layers run as one C++ loop. Per layer, Python's loop, the op call's 32 boxed arguments and the
 // returned tensor cost ~25 us between layers (batch-1 SmolLM2: ~0.7 ms of a 9 ms int8 step).
 //
-// A step of one token (batch-1 decode) runs every layer in one parallel region (forward_one_row):
-// each thread keeps its own copy of the hidden row and does the row-sized work itself (norms,
-// SiLU*up, the residual adds, quantizing a GEMM's input), the threads share each GEMM's panels,
-// the RoPE and cache writes by head and the attention's items, and meet at a barrier after each
-// shared phase. The layer-by-layer path opens ~8 parallel regions a layer (fork ~1.7 us, join
-// ~2 us on the 2-core EPYC) and allocates ~8 tensors, and its GEMMs' checks and views cost ~2 us
-// each more. The same kernels' arithmetic on the same inputs: the bits are the layer-by-layer
-// path's (tests/test_fused_layer.py).
+// A step of a few tokens (batch-1 and small-batch decode) runs every layer in one parallel region
+// (forward_in_one_region): each thread keeps its own copy of the hidden rows and does the row-sized
+// work itself (norms, SiLU*up, the residual adds, quantizing a GEMM's input), the threads share each
+// GEMM's panels, the RoPE and cache writes by token and head and the attention's items, and meet at
+// a barrier after each shared phase. The layer-by-layer path opens ~8 parallel regions a layer
+// (fork ~1.7 us, join ~2 us on the 2-core EPYC) and allocates ~8 tensors, and its GEMMs' checks and
+// views cost ~2 us each more. The same kernels' arithmetic on the same inputs: the bits are the
+// layer-by-layer path's (tests/test_fused_layers.py).
 struct DecoderStack : torch::CustomClassHolder {
   static constexpr int64_t kTensors = 14, kInts = 4, kFloats = 3;  // per layer (see the constructor)
   std::vector<LayerWeights> layers;
   std::vector<std::array<at::Tensor, 4>> biases;  // per layer: qkv, o, gate_up, down biases in fp32 (or undefined)
-  int64_t one_row_steps = 0;  // steps that took forward_one_row (what a test can ask: one_row_steps())
+  // Steps of up to this many tokens run in one region: at most one block of rows of the panel GEMM
+  // (kTileM: 6 on AVX2), whose row tiles do not depend on K.
+  static constexpr int64_t kRegionRows = 6;
+  int64_t region_steps = 0;  // steps that took forward_in_one_region (what a test can ask: region_steps())
 
   // Per layer: tensors input_norm, post_norm, then weight, scales?, bias? of qkv, o, gate_up and
   // down; ints heads, kv_heads, intermediate, window; floats eps, scale, softcap.
@@ -296,9 +299,9 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
                 "DecoderStack: one K and one V cache per layer");
     const StepInputs step{slot_mapping, query_start, query_lens, block_tables, context_lens, block_size};
-    if (one_row(x, cos, sin, k_caches, v_caches, slot_mapping)) {
-      ++one_row_steps;
-      return forward_one_row(x, cos, sin, k_caches, v_caches, step);
+    if (fits_one_region(x, cos, sin, k_caches, v_caches, slot_mapping)) {
+      ++region_steps;
+      return forward_in_one_region(x, cos, sin, k_caches, v_caches, step);
     }
     at::Tensor hidden = x;
     for (size_t l = 0; l < layers.size(); ++l) {
@@ -309,51 +312,56 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
  private:
-  // Whether the step is one fp32 token over caches write_head writes, every layer of one shape.
-  bool one_row(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
-               const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const {
-    if (layers.empty() || x.dim() != 2 || x.size(0) != 1 || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
-        slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != 1 || !slot_mapping.is_contiguous())
+  // Whether the step is up to kRegionRows fp32 tokens over caches write_head writes, every layer of
+  // one shape.
+  bool fits_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                       const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                       const at::Tensor& slot_mapping) const {
+    if (layers.empty() || x.dim() != 2 || x.size(0) < 1 || x.size(0) > kRegionRows || x.scalar_type() != at::kFloat ||
+        !x.is_contiguous() || slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != x.size(0) ||
+        !slot_mapping.is_contiguous())
       return false;
     const at::Tensor& k0 = k_caches[0];
     if (k0.dim() != 3) return false;
     const int64_t head_dim = k0.size(2) - (k0.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
-    const int64_t rotary = cos.numel();
+    const int64_t rotary = cos.numel() / x.size(0);
     if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
-        !sin.is_contiguous() || sin.numel() != rotary || rotary % 2 != 0 || rotary > head_dim)
+        !sin.is_contiguous() || cos.numel() != rotary * x.size(0) || sin.numel() != cos.numel() || rotary % 2 != 0 ||
+        rotary > head_dim)
       return false;
     const LayerWeights& first = layers[0];
     for (size_t l = 0; l < layers.size(); ++l) {
       const LayerWeights& w = layers[l];
       if (w.heads != first.heads || w.kv_heads != first.kv_heads || w.intermediate != first.intermediate ||
           !writes_heads(k_caches[l], w.kv_heads, head_dim) || !writes_heads(v_caches[l], w.kv_heads, head_dim) ||
-          k_caches[l].scalar_type() != k0.scalar_type() || v_caches[l].sizes() != k0.sizes() ||
-          k_caches[l].sizes() != k0.sizes() || v_caches[l].scalar_type() != k0.scalar_type())
+          k_caches[l].scalar_type() != k0.scalar_type() || v_caches[l].scalar_type() != k0.scalar_type() ||
+          k_caches[l].sizes() != k0.sizes() || v_caches[l].sizes() != k0.sizes())
         return false;
     }
     return true;
   }
 
-  at::Tensor forward_one_row(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                             std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
-                             const StepInputs& step) {
+  at::Tensor forward_in_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                   std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
+                                   const StepInputs& step) {
     const LayerWeights& first = layers[0];
-    const int64_t hidden = x.size(1), cache_width = k_caches[0].size(2);
+    const int64_t m = x.size(0), hidden = x.size(1), cache_width = k_caches[0].size(2);
     const int64_t head_dim = cache_width - (k_caches[0].scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
     const int64_t heads = first.heads, kv_heads = first.kv_heads, inter = first.intermediate;
-    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, rotary = cos.numel();
-    const int64_t slot = step.slot_mapping.data_ptr<int64_t>()[0];
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    const int64_t rotary = cos.numel() / m;
+    const int64_t* slots = step.slot_mapping.data_ptr<int64_t>();
     for (size_t l = 0; l < layers.size(); ++l) {
-      check_slots(k_caches[l], &slot, 1);
-      check_slots(v_caches[l], &slot, 1);
+      check_slots(k_caches[l], slots, m);
+      check_slots(v_caches[l], slots, m);
     }
     const auto options = x.options();
-    at::Tensor qkv = at::empty({1, q_size + 2 * kv_size}, options);
-    at::Tensor attended = at::empty({1, heads, head_dim}, options);
-    at::Tensor gate_up = at::empty({2 * inter}, options);
-    at::Tensor projected = at::empty({hidden}, options);  // the o and down GEMMs' output, in turn
-    at::Tensor result = at::empty({1, hidden}, options);
-    const at::Tensor queries = qkv.narrow(1, 0, q_size).view({1, heads, head_dim});
+    at::Tensor qkv = at::empty({m, qkv_size}, options);
+    at::Tensor queries = at::empty({m, heads, head_dim}, options);  // q after RoPE, as the attention reads it
+    at::Tensor attended = at::empty({m, heads, head_dim}, options);
+    at::Tensor gate_up = at::empty({m, 2 * inter}, options);
+    at::Tensor projected = at::empty({m, hidden}, options);  // the o and down GEMMs' output, in turn
+    at::Tensor result = at::empty({m, hidden}, options);
     // The attention's work: one plan per window (the same for every layer that shares it).
     const int64_t threads = at::get_num_threads();
     std::vector<std::pair<int64_t, std::shared_ptr<const tokenmill::AttentionWork>>> plans;
@@ -377,50 +385,64 @@ struct DecoderStack : torch::CustomClassHolder {
     for (size_t l = 0; l < layers.size(); ++l) next_item[l].store(0);
     const int64_t row_floats = std::max({hidden, inter, q_size});
     float* qkv_ptr = qkv.data_ptr<float>();
+    float* queries_ptr = queries.data_ptr<float>();
     float* attended_ptr = attended.data_ptr<float>();
     float* gate_up_ptr = gate_up.data_ptr<float>();
     float* projected_ptr = projected.data_ptr<float>();
     const float* cos_ptr = cos.data_ptr<float>();
     const float* sin_ptr = sin.data_ptr<float>();
     auto bias = [](const at::Tensor& b) { return b.defined() ? b.data_ptr<float>() : nullptr; };
+    auto add_rows = [&](float* dst, const float* src) {
+      for (int64_t i = 0; i < m * hidden; ++i) dst[i] += src[i];
+    };
 
 #pragma omp parallel num_threads(threads)
     {
       const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
-      thread_local std::vector<float> own_hidden, own_row;  // this thread's hidden row and norm/SiLU output
+      thread_local std::vector<float> own_hidden, own_rows;  // this thread's hidden rows and norm/SiLU output
       thread_local tokenmill::Int8RowScratch scratch;
-      own_hidden.assign(x.data_ptr<float>(), x.data_ptr<float>() + hidden);
-      own_row.resize(static_cast<size_t>(row_floats));
+      own_hidden.assign(x.data_ptr<float>(), x.data_ptr<float>() + m * hidden);
+      own_rows.resize(static_cast<size_t>(m * row_floats));
       float* h = own_hidden.data();
-      float* row = own_row.data();
+      float* rows = own_rows.data();
       for (size_t l = 0; l < layers.size(); ++l) {
         const LayerWeights& w = layers[l];
         const auto& b = biases[l];
-        phase(tid, "tokenmill::rms_norm", [&] { tokenmill::rms_norm_row(h, w.input_norm.data_ptr<float>(), hidden, static_cast<float>(w.eps), row); });
+        phase(tid, "tokenmill::rms_norm", [&] {
+          for (int64_t t = 0; t < m; ++t)
+            tokenmill::rms_norm_row(h + t * hidden, w.input_norm.data_ptr<float>(), hidden, static_cast<float>(w.eps),
+                                    rows + t * hidden);
+        });
         phase(tid, w.qkv.op_name(), [&] {
-          project_row(w.qkv, bias(b[0]), row, hidden, qkv_ptr, q_size + 2 * kv_size, tid, team, scratch);
+          project_rows(w.qkv, bias(b[0]), rows, m, hidden, qkv_ptr, qkv_size, tid, team, scratch);
 #pragma omp barrier
         });
         phase(tid, "tokenmill::rope_", [&] {
-          // q heads, then kv heads (rotated K, then K and V into the caches), dealt round the threads
-          for (int64_t i = tid; i < heads + kv_heads; i += team) {
-            if (i < heads) {
-              tokenmill::rope_head(qkv_ptr + i * head_dim, cos_ptr, sin_ptr, rotary);
+          // each token's q heads (into `queries`, rotated there), then its kv heads (K rotated, then
+          // K and V into the caches), dealt round the threads
+          for (int64_t i = tid; i < m * (heads + kv_heads); i += team) {
+            const int64_t t = i / (heads + kv_heads), head = i % (heads + kv_heads);
+            const float* c = cos_ptr + t * rotary;
+            const float* s = sin_ptr + t * rotary;
+            float* token = qkv_ptr + t * qkv_size;
+            if (head < heads) {
+              float* q = queries_ptr + (t * heads + head) * head_dim;
+              std::memcpy(q, token + head * head_dim, head_dim * sizeof(float));
+              tokenmill::rope_head(q, c, s, rotary);
               continue;
             }
-            const int64_t head = i - heads;
-            float* k = qkv_ptr + q_size + head * head_dim;
-            tokenmill::rope_head(k, cos_ptr, sin_ptr, rotary);
-            write_head(k_caches[l], slot, head, k);
-            write_head(v_caches[l], slot, head, k + kv_size);
+            float* k = token + q_size + (head - heads) * head_dim;
+            tokenmill::rope_head(k, c, s, rotary);
+            write_head(k_caches[l], slots[t], head - heads, k);
+            write_head(v_caches[l], slots[t], head - heads, k + kv_size);
           }
 #pragma omp barrier
         });
         // (the op inside the scope `tokenmill bench profile` counts as attention, as on the layer path)
         phase(tid, "tokenmill::attention", [&] { phase(tid, "tokenmill::paged_attention", [&] {
           const tokenmill::AttentionWork& work = *plan_of[l];
-          tokenmill::attend_items(work, qkv_ptr, k_caches[l].data_ptr(), v_caches[l].data_ptr(), attended_ptr, w.scale,
-                                  w.softcap, partials.data(), next_item[l]);
+          tokenmill::attend_items(work, queries_ptr, k_caches[l].data_ptr(), v_caches[l].data_ptr(), attended_ptr,
+                                  w.scale, w.softcap, partials.data(), next_item[l]);
           const int64_t merges = tokenmill::attention_merges(work);
           if (merges > 0) {
 #pragma omp barrier
@@ -431,23 +453,29 @@ struct DecoderStack : torch::CustomClassHolder {
 #pragma omp barrier
         }); });
         phase(tid, w.o.op_name(), [&] {
-          project_row(w.o, bias(b[1]), attended_ptr, q_size, projected_ptr, hidden, tid, team, scratch);
+          project_rows(w.o, bias(b[1]), attended_ptr, m, q_size, projected_ptr, hidden, tid, team, scratch);
 #pragma omp barrier
         });
-        for (int64_t i = 0; i < hidden; ++i) h[i] += projected_ptr[i];
-        phase(tid, "tokenmill::rms_norm", [&] { tokenmill::rms_norm_row(h, w.post_norm.data_ptr<float>(), hidden, static_cast<float>(w.eps), row); });
+        add_rows(h, projected_ptr);
+        phase(tid, "tokenmill::rms_norm", [&] {
+          for (int64_t t = 0; t < m; ++t)
+            tokenmill::rms_norm_row(h + t * hidden, w.post_norm.data_ptr<float>(), hidden, static_cast<float>(w.eps),
+                                    rows + t * hidden);
+        });
         phase(tid, w.gate_up.op_name(), [&] {
-          project_row(w.gate_up, bias(b[2]), row, hidden, gate_up_ptr, 2 * inter, tid, team, scratch);
+          project_rows(w.gate_up, bias(b[2]), rows, m, hidden, gate_up_ptr, 2 * inter, tid, team, scratch);
 #pragma omp barrier
         });
-        phase(tid, "tokenmill::silu_mul", [&] { tokenmill::silu_mul_row(gate_up_ptr, inter, row); });
+        phase(tid, "tokenmill::silu_mul", [&] {
+          for (int64_t t = 0; t < m; ++t) tokenmill::silu_mul_row(gate_up_ptr + t * 2 * inter, inter, rows + t * inter);
+        });
         phase(tid, w.down.op_name(), [&] {
-          project_row(w.down, bias(b[3]), row, inter, projected_ptr, hidden, tid, team, scratch);
+          project_rows(w.down, bias(b[3]), rows, m, inter, projected_ptr, hidden, tid, team, scratch);
 #pragma omp barrier
         });
-        for (int64_t i = 0; i < hidden; ++i) h[i] += projected_ptr[i];
+        add_rows(h, projected_ptr);
       }
-      if (tid == 0) std::memcpy(result.data_ptr<float>(), h, hidden * sizeof(float));
+      if (tid == 0) std::memcpy(result.data_ptr<float>(), h, m * hidden * sizeof(float));
     }
     return result;
   }
@@ -474,5 +502,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def(torch::init<const c10::List<std::optional<at::Tensor>>&, const std::vector<int64_t>&,
                        const std::vector<double>&>())
       .def("forward", &DecoderStack::forward)
-      .def("one_row_steps", [](const c10::intrusive_ptr<DecoderStack>& self) { return self->one_row_steps; });
+      .def("region_steps", [](const c10::intrusive_ptr<DecoderStack>& self) { return self->region_steps; });
 }

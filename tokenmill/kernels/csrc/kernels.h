@@ -28,17 +28,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
                          int64_t n);
 at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
                               const c10::optional<at::Tensor>& bias, int64_t n);
-// One fp32 row x [K] times panels [begin, end) of a packed weight, into those panels' columns of
-// out [N] (bias: fp32 [N] or nullptr), on the calling thread; shapes as the ops above check them.
-void packed_linear_row(const float* x, const at::Tensor& packed, const float* bias, float* out, int64_t n,
-                       int64_t begin, int64_t end);
+// Rows x [m, K] (fp32, m up to the rows of one block of x: ~40 for K = 1,536) times panels
+// [begin, end) of a packed weight, into those panels' columns of out [m, N] (bias: fp32 [N] or
+// nullptr), on the calling thread, as the ops above compute them; shapes as they check them.
+void packed_linear_rows(const float* x, int64_t m, const at::Tensor& packed, const float* bias, float* out, int64_t n,
+                        int64_t begin, int64_t end);
 struct Int8RowScratch {  // a thread's x as int16 pairs and block scales
   std::vector<int16_t> xq;
   std::vector<float> sx;
 };
-void packed_int8_linear_row(const float* x, int64_t k, const at::Tensor& packed, const at::Tensor& packed_scales,
-                            const float* bias, float* out, int64_t n, int64_t begin, int64_t end,
-                            Int8RowScratch& scratch);
+void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed,
+                             const at::Tensor& packed_scales, const float* bias, float* out, int64_t n, int64_t begin,
+                             int64_t end, Int8RowScratch& scratch);
 
 // paged_attention.cpp
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,

@@ -529,24 +529,24 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
   return out.view(shape).to(x.scalar_type());
 }
 
-void packed_linear_row(const float* x, const at::Tensor& packed, const float* bias, float* out, int64_t n,
-                       int64_t begin, int64_t end) {
+void packed_linear_rows(const float* x, int64_t m, const at::Tensor& packed, const float* bias, float* out, int64_t n,
+                        int64_t begin, int64_t end) {
   const int64_t k = packed.size(1);
   if (packed.scalar_type() == at::kBFloat16)
-    panel_range(x, packed.data_ptr<at::BFloat16>(), bias, out, 1, k, n, begin, end, 0, 1);
+    panel_range(x, packed.data_ptr<at::BFloat16>(), bias, out, m, k, n, begin, end, 0, m);
   else
-    panel_range(x, packed.data_ptr<float>(), bias, out, 1, k, n, begin, end, 0, 1);
+    panel_range(x, packed.data_ptr<float>(), bias, out, m, k, n, begin, end, 0, m);
 }
 
-void packed_int8_linear_row(const float* x, int64_t k, const at::Tensor& packed, const at::Tensor& packed_scales,
-                            const float* bias, float* out, int64_t n, int64_t begin, int64_t end,
-                            Int8RowScratch& scratch) {
+void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed,
+                             const at::Tensor& packed_scales, const float* bias, float* out, int64_t n, int64_t begin,
+                             int64_t end, Int8RowScratch& scratch) {
   const ActivationBlocks cut(k, packed_scales.size(1));
-  scratch.xq.resize(static_cast<size_t>(cut.inputs()));
-  scratch.sx.resize(static_cast<size_t>(cut.blocks()));
-  quantize_activations(x, k, cut, 0, 1, scratch.xq.data(), scratch.sx.data());
+  scratch.xq.resize(static_cast<size_t>(m * cut.inputs()));
+  scratch.sx.resize(static_cast<size_t>(m * cut.blocks()));
+  quantize_activations(x, k, cut, 0, m, scratch.xq.data(), scratch.sx.data());
   int8_panel_range(scratch.xq.data(), scratch.sx.data(), cut, packed.data_ptr<int8_t>(),
-                   packed_scales.data_ptr<float>(), bias, out, 1, n, begin, end, 0, 1);
+                   packed_scales.data_ptr<float>(), bias, out, m, n, begin, end, 0, m);
 }
 
 // Rows `ids` of the int8 matrix [N, k] packed by pack_int8_weight (row v: column v % kPanel of
