@@ -183,9 +183,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)  # HF rounds the scale to the dtype first
-        rope = self._rope_at(positions, x.dtype)
         if self.fused_stack is not None and self.fused_stack.applies(meta):
-            return self.norm(self.fused_stack(x, *rope[0], kv_caches, meta))
+            return self.fused_stack(x, positions, (self.rope_cos, self.rope_sin), kv_caches, meta)
+        rope = self._rope_at(positions, x.dtype)
         for layer, kv, table in zip(self.layers, kv_caches, self.layer_rope):
             x = layer(x, *rope[table], kv, meta)
         return self.norm(x)

@@ -269,10 +269,15 @@ struct DecoderStack : torch::CustomClassHolder {
   static constexpr int64_t kRegionRows = 6;
   int64_t region_steps = 0;  // steps that took forward_in_one_region (what a test can ask: region_steps())
 
+  at::Tensor final_norm;  // the model's norm after the last layer (fp32 weight), applied by forward
+  double final_eps;
+
   // Per layer: tensors input_norm, post_norm, then weight, scales?, bias? of qkv, o, gate_up and
-  // down; ints heads, kv_heads, intermediate, window; floats eps, scale, softcap.
+  // down; ints heads, kv_heads, intermediate, window; floats eps, scale, softcap. Then the final
+  // norm's weight and eps.
   DecoderStack(const c10::List<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& ints,
-               const std::vector<double>& floats) {
+               const std::vector<double>& floats, const at::Tensor& final_norm_weight, double final_norm_eps)
+      : final_norm(final_norm_weight), final_eps(final_norm_eps) {
     const int64_t count = static_cast<int64_t>(ints.size()) / kInts;
     TORCH_CHECK(static_cast<int64_t>(tensors.size()) == count * kTensors && static_cast<int64_t>(ints.size()) == count * kInts &&
                     static_cast<int64_t>(floats.size()) == count * kFloats,
@@ -292,23 +297,32 @@ struct DecoderStack : torch::CustomClassHolder {
     }
   }
 
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, const at::Tensor& slot_mapping,
-                     const at::Tensor& query_start, const at::Tensor& query_lens, const at::Tensor& block_tables,
-                     const at::Tensor& context_lens, int64_t block_size) {
+  // The final norm of the last layer's output, for tokens x [T, hidden] at `positions` [T] (rows
+  // of the RoPE tables cos_table/sin_table [positions, rotary], gathered here as the Python model's
+  // cos[positions] gathers them).
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_table,
+                     const at::Tensor& sin_table, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                     const at::Tensor& slot_mapping, const at::Tensor& query_start, const at::Tensor& query_lens,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size) {
     TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
                 "DecoderStack: one K and one V cache per layer");
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && cos_table.dim() == 2 &&
+                    cos_table.sizes() == sin_table.sizes(),
+                "DecoderStack: positions [tokens], RoPE tables [positions, rotary]");
+    const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
     const StepInputs step{slot_mapping, query_start, query_lens, block_tables, context_lens, block_size};
+    at::Tensor hidden;
     if (fits_one_region(x, cos, sin, k_caches, v_caches, slot_mapping)) {
       ++region_steps;
-      return forward_in_one_region(x, cos, sin, k_caches, v_caches, step);
+      hidden = forward_in_one_region(x, cos, sin, k_caches, v_caches, step);
+    } else {
+      hidden = x;
+      for (size_t l = 0; l < layers.size(); ++l) {
+        RECORD_FUNCTION("tokenmill::llama_decoder_layer", std::vector<c10::IValue>());
+        hidden = decoder_layer(hidden, layers[l], cos, sin, k_caches[l], v_caches[l], step);
+      }
     }
-    at::Tensor hidden = x;
-    for (size_t l = 0; l < layers.size(); ++l) {
-      RECORD_FUNCTION("tokenmill::llama_decoder_layer", std::vector<c10::IValue>());
-      hidden = decoder_layer(hidden, layers[l], cos, sin, k_caches[l], v_caches[l], step);
-    }
-    return hidden;
+    return norm(hidden, final_norm, final_eps);
   }
 
  private:
@@ -500,7 +514,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<const c10::List<std::optional<at::Tensor>>&, const std::vector<int64_t>&,
-                       const std::vector<double>&>())
+                       const std::vector<double>&, const at::Tensor&, double>())
       .def("forward", &DecoderStack::forward)
       .def("region_steps", [](const c10::intrusive_ptr<DecoderStack>& self) { return self->region_steps; });
 }
