@@ -19,34 +19,16 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
-
-// x W^T + b on a panel-packed weight: fp32, or int8 when it comes with scales. (The profiler
-// scopes, here and below, name the kernels as their torch ops: `tokenmill bench profile` sorts a
-// step's time by them. They cost nothing measurable while no profiler runs.)
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& scales, const OptTensor& bias,
-                  int64_t n) {
-  if (scales.has_value() && scales->defined()) {
-    RECORD_FUNCTION("tokenmill::packed_int8_linear", std::vector<c10::IValue>());
-    return tokenmill::packed_int8_linear(x, weight, *scales, bias, n);
-  }
-  RECORD_FUNCTION("tokenmill::packed_linear", std::vector<c10::IValue>());
-  return tokenmill::packed_linear(x, weight, bias, n);
-}
-
-at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  RECORD_FUNCTION("tokenmill::rms_norm", std::vector<c10::IValue>());
-  return tokenmill::rms_norm(x, weight, eps);
-}
 
 // One projection's panels: fp32/bf16 weight, or int8 with its scales; its bias if any.
 struct Projection {
@@ -56,6 +38,20 @@ struct Projection {
   bool int8() const { return scales.has_value() && scales->defined(); }
   const char* op_name() const { return int8() ? "tokenmill::packed_int8_linear" : "tokenmill::packed_linear"; }
 };
+
+// x W^T + b on a projection's panels. (The profiler scopes, here and below, name the kernels as
+// their torch ops: `tokenmill bench profile` sorts a step's time by them. They cost nothing
+// measurable while no profiler runs.)
+at::Tensor linear(const at::Tensor& x, const Projection& p, int64_t n) {
+  RECORD_FUNCTION(p.op_name(), std::vector<c10::IValue>());
+  return p.int8() ? tokenmill::packed_int8_linear(x, p.weight, *p.scales, p.bias, n)
+                  : tokenmill::packed_linear(x, p.weight, p.bias, n);
+}
+
+at::Tensor norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("tokenmill::rms_norm", std::vector<c10::IValue>());
+  return tokenmill::rms_norm(x, weight, eps);
+}
 
 // A layer's weights and shape, as the op and the stack take them.
 struct LayerWeights {
@@ -166,11 +162,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& w, const at::T
   const int64_t scale_bytes = k_cache.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0;
   const int64_t tokens = x.size(0), hidden = x.size(1), head_dim = k_cache.size(2) - scale_bytes;
   const int64_t q_size = w.heads * head_dim, kv_size = w.kv_heads * head_dim;
-  auto project = [](const at::Tensor& in, const Projection& p, int64_t n) {
-    return linear(in, p.weight, p.scales, p.bias, n);
-  };
 
-  const at::Tensor qkv = project(norm(x.contiguous(), w.input_norm, w.eps), w.qkv, q_size + 2 * kv_size);
+  const at::Tensor qkv = linear(norm(x.contiguous(), w.input_norm, w.eps), w.qkv, q_size + 2 * kv_size);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, w.heads, head_dim});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, w.kv_heads, head_dim});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, w.kv_heads, head_dim});
@@ -191,15 +184,15 @@ at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& w, const at::T
     }
   }
 
-  at::Tensor out = project(attended.view({tokens, q_size}), w.o, hidden);
+  at::Tensor out = linear(attended.view({tokens, q_size}), w.o, hidden);
   add_residual(out, x);
-  const at::Tensor gate_up = project(norm(out, w.post_norm, w.eps), w.gate_up, 2 * w.intermediate);
+  const at::Tensor gate_up = linear(norm(out, w.post_norm, w.eps), w.gate_up, 2 * w.intermediate);
   at::Tensor activated;
   {
     RECORD_FUNCTION("tokenmill::silu_mul", std::vector<c10::IValue>());
     activated = tokenmill::silu_mul(gate_up);
   }
-  add_residual(out, project(activated, w.down, hidden));
+  add_residual(out, linear(activated, w.down, hidden));
   return out;
 }
 
