@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -216,6 +217,37 @@ at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm
                        {slot_mapping, query_start, query_lens, block_tables, context_lens, block_size});
 }
 
+// A sense-reversing spin barrier for the region's team. An omp barrier sleeps in the kernel under
+// OMP_WAIT_POLICY=PASSIVE, which `tokenmill serve` sets (its two OpenMP pools share the cores), and
+// took 0.45 us spinning (2-core EPYC; this one 0.23); a waiting thread here yields only after a few
+// thousand spins (threads past the free cores).
+class SpinBarrier {
+ public:
+  void wait(int64_t team) {
+    const int64_t gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_acq_rel);
+      return;
+    }
+    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < 4096)
+        pause();
+      else
+        std::this_thread::yield();
+    }
+  }
+
+ private:
+  static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  alignas(64) std::atomic<int64_t> arrived_{0};
+  alignas(64) std::atomic<int64_t> generation_{0};
+};
+
 // Runs fn, on thread 0 under a profiler scope named as the op it stands for (the other threads'
 // share of a phase is in thread 0's wall time: each phase ends at a barrier inside its scope).
 template <typename Fn>
@@ -399,6 +431,7 @@ struct DecoderStack : torch::CustomClassHolder {
     const float* cos_ptr = cos.data_ptr<float>();
     const float* sin_ptr = sin.data_ptr<float>();
     auto bias = [](const at::Tensor& b) { return b.defined() ? b.data_ptr<float>() : nullptr; };
+    SpinBarrier barrier;  // (after each shared phase)
     auto add_rows = [&](float* dst, const float* src) {
       for (int64_t i = 0; i < m * hidden; ++i) dst[i] += src[i];
     };
@@ -422,7 +455,7 @@ struct DecoderStack : torch::CustomClassHolder {
         });
         phase(tid, w.qkv.op_name(), [&] {
           project_rows(w.qkv, bias(b[0]), rows, m, hidden, qkv_ptr, qkv_size, tid, team, scratch);
-#pragma omp barrier
+          barrier.wait(team);
         });
         phase(tid, "tokenmill::rope_", [&] {
           // each token's q heads (into `queries`, rotated there), then its kv heads (K rotated, then
@@ -443,7 +476,7 @@ struct DecoderStack : torch::CustomClassHolder {
             write_head(k_caches[l], slots[t], head - heads, k);
             write_head(v_caches[l], slots[t], head - heads, k + kv_size);
           }
-#pragma omp barrier
+          barrier.wait(team);
         });
         // (the op inside the scope `tokenmill bench profile` counts as attention, as on the layer path)
         phase(tid, "tokenmill::attention", [&] { phase(tid, "tokenmill::paged_attention", [&] {
@@ -452,16 +485,16 @@ struct DecoderStack : torch::CustomClassHolder {
                                   w.scale, w.softcap, partials.data(), next_item[l]);
           const int64_t merges = tokenmill::attention_merges(work);
           if (merges > 0) {
-#pragma omp barrier
+            barrier.wait(team);
             const int64_t share = (merges + team - 1) / team;
             tokenmill::merge_partials(work, attended_ptr, partials.data(), std::min(merges, tid * share),
                                       std::min(merges, (tid + 1) * share));
           }
-#pragma omp barrier
+          barrier.wait(team);
         }); });
         phase(tid, w.o.op_name(), [&] {
           project_rows(w.o, bias(b[1]), attended_ptr, m, q_size, projected_ptr, hidden, tid, team, scratch);
-#pragma omp barrier
+          barrier.wait(team);
         });
         add_rows(h, projected_ptr);
         phase(tid, "tokenmill::rms_norm", [&] {
@@ -471,14 +504,14 @@ struct DecoderStack : torch::CustomClassHolder {
         });
         phase(tid, w.gate_up.op_name(), [&] {
           project_rows(w.gate_up, bias(b[2]), rows, m, hidden, gate_up_ptr, 2 * inter, tid, team, scratch);
-#pragma omp barrier
+          barrier.wait(team);
         });
         phase(tid, "tokenmill::silu_mul", [&] {
           for (int64_t t = 0; t < m; ++t) tokenmill::silu_mul_row(gate_up_ptr + t * 2 * inter, inter, rows + t * inter);
         });
         phase(tid, w.down.op_name(), [&] {
           project_rows(w.down, bias(b[3]), rows, m, inter, projected_ptr, hidden, tid, team, scratch);
-#pragma omp barrier
+          barrier.wait(team);
         });
         add_rows(h, projected_ptr);
       }
