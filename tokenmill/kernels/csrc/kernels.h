@@ -17,7 +17,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 // One row of each on the calling thread (the ops above run these over their rows): for callers that
-// share a step's work among their own threads (decoder_layer.cpp's batch-1 stack).
+// share a step's work among their own threads (decoder_layer.cpp's one-region stack).
 void rms_norm_row(const float* x, const float* weight, int64_t dim, float eps, float* out);
 void silu_mul_row(const float* gate_up, int64_t inter, float* out);
 void rope_head(float* x, const float* cos, const float* sin, int64_t rotary);
