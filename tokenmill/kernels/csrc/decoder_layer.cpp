@@ -87,14 +87,18 @@ void quantize_row(const float* row, int64_t head_dim, int8_t* dst) {
   std::memcpy(dst + head_dim, &scale, sizeof(float));
 }
 
+// head_dim of a cache [slots, kv_heads, row]: the row, less an int8 row's fp32 scale.
+int64_t cache_head_dim(const at::Tensor& cache) {
+  return cache.size(2) - (cache.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
+}
+
 // One kv head's fp32 row into its slot of a contiguous cache [slots, heads, head_dim] of fp32, bf16
 // (rounded as Tensor.to rounds) or int8 rows (head_dim + 4 bytes, see quantize_row).
 void write_head(at::Tensor& cache, int64_t slot, int64_t head, const float* row) {
   const int64_t heads = cache.size(1);
   const auto dtype = cache.scalar_type();
   if (dtype == at::kChar) {
-    const int64_t cache_row = cache.size(2), head_dim = cache_row - static_cast<int64_t>(sizeof(float));
-    quantize_row(row, head_dim, cache.data_ptr<int8_t>() + (slot * heads + head) * cache_row);
+    quantize_row(row, cache_head_dim(cache), cache.data_ptr<int8_t>() + (slot * heads + head) * cache.size(2));
     return;
   }
   const int64_t head_dim = cache.size(2), offset = (slot * heads + head) * head_dim;
@@ -160,8 +164,7 @@ void add_residual(at::Tensor& dst, const at::Tensor& src) {
 at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& w, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor& k_cache, at::Tensor& v_cache, const StepInputs& step) {
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 3, "llama_decoder_layer: x [tokens, hidden], caches [slots, kv_heads, dim]");
-  const int64_t scale_bytes = k_cache.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0;
-  const int64_t tokens = x.size(0), hidden = x.size(1), head_dim = k_cache.size(2) - scale_bytes;
+  const int64_t tokens = x.size(0), hidden = x.size(1), head_dim = cache_head_dim(k_cache);
   const int64_t q_size = w.heads * head_dim, kv_size = w.kv_heads * head_dim;
 
   const at::Tensor qkv = linear(norm(x.contiguous(), w.input_norm, w.eps), w.qkv, q_size + 2 * kv_size);
@@ -362,11 +365,10 @@ struct DecoderStack : torch::CustomClassHolder {
       return false;
     const at::Tensor& k0 = k_caches[0];
     if (k0.dim() != 3) return false;
-    const int64_t head_dim = k0.size(2) - (k0.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
-    const int64_t rotary = cos.numel() / x.size(0);
+    // (cos, sin: the tables' rows gathered by forward, [tokens, rotary] each)
+    const int64_t head_dim = cache_head_dim(k0), rotary = cos.size(1);
     if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
-        !sin.is_contiguous() || cos.numel() != rotary * x.size(0) || sin.numel() != cos.numel() || rotary % 2 != 0 ||
-        rotary > head_dim)
+        !sin.is_contiguous() || rotary % 2 != 0 || rotary > head_dim)
       return false;
     const LayerWeights& first = layers[0];
     for (size_t l = 0; l < layers.size(); ++l) {
@@ -384,16 +386,12 @@ struct DecoderStack : torch::CustomClassHolder {
                                    std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
                                    const StepInputs& step) {
     const LayerWeights& first = layers[0];
-    const int64_t m = x.size(0), hidden = x.size(1), cache_width = k_caches[0].size(2);
-    const int64_t head_dim = cache_width - (k_caches[0].scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
+    const int64_t m = x.size(0), hidden = x.size(1), head_dim = cache_head_dim(k_caches[0]);
     const int64_t heads = first.heads, kv_heads = first.kv_heads, inter = first.intermediate;
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
-    const int64_t rotary = cos.numel() / m;
+    const int64_t rotary = cos.size(1);
     const int64_t* slots = step.slot_mapping.data_ptr<int64_t>();
-    for (size_t l = 0; l < layers.size(); ++l) {
-      check_slots(k_caches[l], slots, m);
-      check_slots(v_caches[l], slots, m);
-    }
+    check_slots(k_caches[0], slots, m);  // (every cache has k_caches[0]'s shape: fits_one_region)
     const auto options = x.options();
     at::Tensor qkv = at::empty({m, qkv_size}, options);
     at::Tensor queries = at::empty({m, heads, head_dim}, options);  // q after RoPE, as the attention reads it
@@ -435,6 +433,10 @@ struct DecoderStack : torch::CustomClassHolder {
     auto add_rows = [&](float* dst, const float* src) {
       for (int64_t i = 0; i < m * hidden; ++i) dst[i] += src[i];
     };
+    auto norm_rows = [&](const float* h, const at::Tensor& weight, double eps, float* out) {
+      for (int64_t t = 0; t < m; ++t)
+        tokenmill::rms_norm_row(h + t * hidden, weight.data_ptr<float>(), hidden, static_cast<float>(eps), out + t * hidden);
+    };
 
 #pragma omp parallel num_threads(threads)
     {
@@ -448,11 +450,7 @@ struct DecoderStack : torch::CustomClassHolder {
       for (size_t l = 0; l < layers.size(); ++l) {
         const LayerWeights& w = layers[l];
         const auto& b = biases[l];
-        phase(tid, "tokenmill::rms_norm", [&] {
-          for (int64_t t = 0; t < m; ++t)
-            tokenmill::rms_norm_row(h + t * hidden, w.input_norm.data_ptr<float>(), hidden, static_cast<float>(w.eps),
-                                    rows + t * hidden);
-        });
+        phase(tid, "tokenmill::rms_norm", [&] { norm_rows(h, w.input_norm, w.eps, rows); });
         phase(tid, w.qkv.op_name(), [&] {
           project_rows(w.qkv, bias(b[0]), rows, m, hidden, qkv_ptr, qkv_size, tid, team, scratch);
           barrier.wait(team);
@@ -497,11 +495,7 @@ struct DecoderStack : torch::CustomClassHolder {
           barrier.wait(team);
         });
         add_rows(h, projected_ptr);
-        phase(tid, "tokenmill::rms_norm", [&] {
-          for (int64_t t = 0; t < m; ++t)
-            tokenmill::rms_norm_row(h + t * hidden, w.post_norm.data_ptr<float>(), hidden, static_cast<float>(w.eps),
-                                    rows + t * hidden);
-        });
+        phase(tid, "tokenmill::rms_norm", [&] { norm_rows(h, w.post_norm, w.eps, rows); });
         phase(tid, w.gate_up.op_name(), [&] {
           project_rows(w.gate_up, bias(b[2]), rows, m, hidden, gate_up_ptr, 2 * inter, tid, team, scratch);
           barrier.wait(team);

@@ -454,7 +454,6 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 struct AttentionWork {
   Params p;  // (scale and softcap: each call's own)
   at::ScalarType q_type, cache_type;
-  int64_t tokens, num_blocks;
   std::vector<int32_t> starts, lens, ctx, tables;  // copies: the plan outlives no tensor it came from
   std::vector<WorkItem> items;
   std::vector<int64_t> order;  // the items by cost, largest first; `items` keeps chunk order
@@ -476,7 +475,7 @@ std::shared_ptr<const AttentionWork> plan_paged_attention(const at::Tensor& q, c
   work->q_type = q.scalar_type();
   work->cache_type = k_cache.scalar_type();
   const int64_t seqs = block_tables.size(0);
-  const int64_t tokens = work->tokens = q.size(0);
+  const int64_t tokens = q.size(0);
   auto copy = [](const at::Tensor& t) {
     const int32_t* data = t.data_ptr<int32_t>();
     return std::vector<int32_t>(data, data + t.numel());
@@ -490,7 +489,7 @@ std::shared_ptr<const AttentionWork> plan_paged_attention(const at::Tensor& q, c
   const int32_t* ctx = work->ctx.data();
   const int32_t* tables = work->tables.data();
   TORCH_CHECK(block_size > 0 && k_cache.size(0) % block_size == 0, "cache slots are whole blocks");
-  const int64_t num_blocks = work->num_blocks = k_cache.size(0) / block_size;
+  const int64_t num_blocks = k_cache.size(0) / block_size;
   auto tile_keys = [&](int64_t s, int64_t first, int64_t n) {  // [lo, hi): the keys a tile's queries can see
     const int64_t first_pos = ctx[s] - lens[s] + first, hi = first_pos + n;
     return std::pair<int64_t, int64_t>{p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0, hi};
