@@ -168,7 +168,7 @@ def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch):
     assert by[(result.name, "on")].greedy_agreement_with_off == 1.0
     # The second, timed round of the repeat workload is answered from memory.
     assert by[(result.name, "on")].output_tok_s > 5 * by[(result.name, "off")].output_tok_s
-    # The linear layers go int8 (1 byte per weight + an fp32 scale per 32: 0.28x of fp32), the
+    # The linear layers go int8 (1 byte per weight + a bf16 scale per 32: 0.27x of fp32), the
     # lm_head too where tokenmill's kernels run (the tied embedding then reads it: one copy), else
     # the vocabulary table stays in fp32.
     import torch

@@ -368,19 +368,23 @@ def test_int8_weights_share_one_buffer():
 @needs_kernels
 def test_int8_linear_rejects_bad_shapes():
     q = torch.ops.tokenmill.pack_int8_weight(torch.zeros(8, 64, dtype=torch.int8))
-    scales = torch.ops.tokenmill.pack_linear_weight(torch.ones(8, 2))
+    scales = torch.ops.tokenmill.pack_linear_weight(torch.ones(8, 2, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="K, N"):
         torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 32), q, scales, None, 8)
     with pytest.raises(RuntimeError, match="groups dividing K"):
         torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 64), q, torch.ops.tokenmill.pack_linear_weight(
-            torch.ones(8, 3)), None, 8)
+            torch.ones(8, 3, dtype=torch.bfloat16)), None, 8)
+    with pytest.raises(RuntimeError, match="bf16 scales"):  # (quantize_weight's scales are bf16)
+        torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 64), q, torch.ops.tokenmill.pack_linear_weight(
+            torch.ones(8, 2)), None, 8)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 64), q, scales, torch.zeros(7), 8)
     with pytest.raises(RuntimeError, match="int8 weight"):
         torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 64), scales, scales, None, 8)
     with pytest.raises(RuntimeError, match="groups dividing K"):  # odd groups: pairs of inputs would span two
         torch.ops.tokenmill.packed_int8_linear(torch.zeros(1, 66), torch.ops.tokenmill.pack_int8_weight(
-            torch.zeros(8, 66, dtype=torch.int8)), torch.ops.tokenmill.pack_linear_weight(torch.ones(8, 2)), None, 8)
+            torch.zeros(8, 66, dtype=torch.int8)), torch.ops.tokenmill.pack_linear_weight(
+                torch.ones(8, 2, dtype=torch.bfloat16)), None, 8)
     with pytest.raises(RuntimeError, match="pack_int8_weight"):
         torch.ops.tokenmill.pack_linear_weight(torch.zeros(8, 64, dtype=torch.int8))
 
@@ -571,9 +575,14 @@ def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim, dtype):
         with pytest.raises(RuntimeError, match="outside"):
             embedding(torch.tensor([vocab + 40]))
         dequantized = head.dequantized(torch.float32)
-        # (the int8 rows are the table's to within half a step of each group's scale)
-        step = table.abs().amax(dim=1, keepdim=True) / 127 if dim % 32 else \
-            table.view(vocab, -1, 32).abs().amax(dim=-1).repeat_interleave(32, dim=1) / 127
+        # (each group's scale is its largest magnitude / 127 rounded up to bf16, and its int8 rows
+        # are the table's to within half that step)
+        exact = table.abs().amax(dim=1, keepdim=True) / 127 if dim % 32 else \
+            table.view(vocab, -1, 32).abs().amax(dim=-1) / 127
+        scales = head.quantized()[1].float()
+        assert head.quantized()[1].dtype == torch.bfloat16
+        assert (scales >= exact).all() and (scales <= exact * (1 + 2**-7)).all()
+        step = scales.repeat_interleave(dim // scales.shape[1], dim=1)
         assert ((dequantized - table).abs() <= step / 2 + 1e-6).all()
 
 

@@ -5,7 +5,7 @@
 //
 // The weight [N, K] is packed once into panels of kPanel output columns, each stored k-major:
 // packed[p, k, c] = W[p * kPanel + c, k] (columns past N are zero); int8 weights by pairs of k,
-// packed[p, j, 2c + t] = W[p * kPanel + c, 2j + t]; int8 scales [N, groups] as fp32 ones, [p, g, c].
+// packed[p, j, 2c + t] = W[p * kPanel + c, 2j + t]; int8 scales [N, groups] as bf16 ones, [p, g, c].
 // One layout serves both ends of a step's row counts:
 // - a few rows (batch-1 and small-batch decode): each thread streams a contiguous stretch of
 //   panels exactly once, front to back (one row: six panels side by side), at memory speed; x's
@@ -127,6 +127,11 @@ inline void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k, c
 // Every row takes the same blocks in the same order whatever its step holds: a row's result does
 // not depend on the other rows (batch invariance).
 constexpr int64_t kMaxBlockPairs = 256;
+// A weight group's scale: bf16, rounded up from its largest magnitude / 127 before the group is
+// rounded to int8 by it (models/quant.py), so the step it gives the group is at most 1/128 coarser
+// than an fp32 scale's, and no weight clips; 2 bytes per 32 weights instead of 4 (a decode step
+// streams 6% fewer bytes).
+using Scale = at::BFloat16;
 
 // How a row of K inputs is cut: `groups` weight groups of `group_pairs` pairs each (an odd K, one
 // group, gets a zero input at its end), each cut into `blocks_per_group` blocks of up to
@@ -256,6 +261,39 @@ void quantize_activations(const float* x, int64_t k, const ActivationBlocks& cut
   }
 }
 
+// The int32 sums of pairs [j0, j1) of P int8 panels for R rows of x (int16 pairs, ldx per row).
+// Not inlined: its registers then hold only the sums, a weight pair and an input pair (12 + 3 of
+// AVX2's 16 at one row and six panels); inlined into int8_panel_tile, the compiler kept the fp32
+// side (accumulators, scales) live across this loop and spilled sums to the stack in it (up to
+// 30% slower from cache).
+template <int R, int P, bool Prefetch>
+__attribute__((noinline)) void block_sums(const int16_t* xq, int64_t ldx, const int8_t* panel, int64_t panel_bytes,
+                                          int64_t j0, int64_t j1, const int8_t* next, Int32Sums (&out)[P][R][2]) {
+  Int32Sums sums[P][R][2];
+  #pragma GCC unroll 16
+  for (int p = 0; p < P; ++p)
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) sums[p][r][0] = sums[p][r][1] = zero_sums();
+  for (int64_t j = j0; j < j1; ++j) {
+    if constexpr (Prefetch) prefetch_step<2 * kPanel>(next, j);
+    #pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+      const int8_t* w = panel + p * panel_bytes + j * 2 * kPanel;
+      const Int16Pairs w0 = load_pairs(w), w1 = load_pairs(w + 2 * kVec);
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const Int16Pairs a = broadcast_pair(xq + r * ldx + 2 * j);
+        sums[p][r][0] = madd(sums[p][r][0], w0, a);
+        sums[p][r][1] = madd(sums[p][r][1], w1, a);
+      }
+    }
+  }
+  #pragma GCC unroll 16
+  for (int p = 0; p < P; ++p)
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) out[p][r][0] = sums[p][r][0], out[p][r][1] = sums[p][r][1];
+}
+
 // out[r, 0:cols] = x[r, :] . W (+ bias) for R rows over P consecutive int8 panels ([pairs, 2 * kPanel]
 // each: every column's two weights of a pair side by side) and their scales ([groups, kPanel]), from
 // x as int16 pairs (ldx per row) and block scales (ldsx per row). One row runs over six panels at
@@ -264,9 +302,9 @@ void quantize_activations(const float* x, int64_t k, const ActivationBlocks& cut
 // Prefetch: request the next panel and its scales (next, next_scales) while this one computes.
 template <int R, int P, bool Prefetch = false>
 inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int64_t ldsx, const int8_t* panel,
-                            const float* scales, const ActivationBlocks& cut, const float* bias, float* out,
+                            const Scale* scales, const ActivationBlocks& cut, const float* bias, float* out,
                             int64_t ldo, int64_t cols, const int8_t* next = nullptr,
-                            const float* next_scales = nullptr) {
+                            const Scale* next_scales = nullptr) {
   const int64_t panel_bytes = cut.panel_bytes(), panel_scales = cut.panel_scales();
   Vec acc[P][R][2];
   #pragma GCC unroll 16
@@ -274,32 +312,15 @@ inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) acc[p][r][0] = acc[p][r][1] = Vec(0.f);
   for (int64_t g = 0; g < cut.groups; ++g) {
-    if constexpr (Prefetch) prefetch_step<kPanel * sizeof(float)>(next_scales, g);
+    if constexpr (Prefetch) prefetch_step<kPanel * sizeof(Scale)>(next_scales, g);
     for (int64_t b = 0; b < cut.blocks_per_group; ++b) {
       Int32Sums sums[P][R][2];
-      #pragma GCC unroll 16
-      for (int p = 0; p < P; ++p)
-        #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) sums[p][r][0] = sums[p][r][1] = zero_sums();
-      for (int64_t j = cut.first_pair(g, b), end = cut.end_pair(g, b); j < end; ++j) {
-        if constexpr (Prefetch) prefetch_step<2 * kPanel>(next, j);
-        #pragma GCC unroll 16
-        for (int p = 0; p < P; ++p) {
-          const int8_t* w = panel + p * panel_bytes + j * 2 * kPanel;
-          const Int16Pairs w0 = load_pairs(w), w1 = load_pairs(w + 2 * kVec);
-          #pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            const Int16Pairs a = broadcast_pair(xq + r * ldx + 2 * j);
-            sums[p][r][0] = madd(sums[p][r][0], w0, a);
-            sums[p][r][1] = madd(sums[p][r][1], w1, a);
-          }
-        }
-      }
+      block_sums<R, P, Prefetch>(xq, ldx, panel, panel_bytes, cut.first_pair(g, b), cut.end_pair(g, b), next, sums);
       const int64_t block = cut.block_index(g, b);
       #pragma GCC unroll 16
       for (int p = 0; p < P; ++p) {
-        const float* s = scales + p * panel_scales + g * kPanel;
-        const Vec s0 = Vec::loadu(s), s1 = Vec::loadu(s + kVec);
+        const Scale* s = scales + p * panel_scales + g * kPanel;
+        const Vec s0 = load_as_float(s), s1 = load_as_float(s + kVec);
         #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const Vec x_scale(sx[r * ldsx + block]);
@@ -381,7 +402,7 @@ constexpr int64_t kInt8RowByRow = 4;
 // Rows [0, rows) of x (int16 pairs and block scales) times int8 panels [p, end) in groups of P full
 // panels, then of fewer; p ends at the first panel left (none, or a last partial one).
 template <int P>
-inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, const int8_t* qp, const float* sp,
+inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, const int8_t* qp, const Scale* sp,
                               const ActivationBlocks& cut, const float* bias, float* out, int64_t n, int64_t& p,
                               int64_t end) {
   for (; p + P <= end && (p + P) * kPanel <= n; p += P)
@@ -394,7 +415,7 @@ inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, 
 
 // Rows [m0, m0 + rows) of x (int16 pairs and block scales, m rows in all) times int8 panels [begin, end).
 void int8_panel_range(const int16_t* xqp, const float* sxp, const ActivationBlocks& cut, const int8_t* qp,
-                      const float* sp, const float* bias_ptr, float* op, int64_t m, int64_t n, int64_t begin,
+                      const Scale* sp, const float* bias_ptr, float* op, int64_t m, int64_t n, int64_t begin,
                       int64_t end, int64_t m0, int64_t rows) {
   const int64_t kp = cut.inputs(), blocks = cut.blocks();
   int64_t p = begin;
@@ -402,11 +423,11 @@ void int8_panel_range(const int16_t* xqp, const float* sxp, const ActivationBloc
   for (; p < end; ++p) {
     const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
     const int8_t* panel = qp + p * cut.panel_bytes();
-    const float* scales = sp + p * cut.panel_scales();
+    const Scale* scales = sp + p * cut.panel_scales();
     const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
     const bool last = p + 1 == end;  // (the thread's last panel requests itself again, as in panel_gemm)
     const int8_t* next = last ? panel : panel + cut.panel_bytes();
-    const float* next_scales = last ? scales : scales + cut.panel_scales();
+    const Scale* next_scales = last ? scales : scales + cut.panel_scales();
     for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
       const int64_t row = m0 + r;
       int8_panel_tile<decltype(count)::value, 1, true>(xqp + row * kp, kp, sxp + row * blocks, blocks, panel, scales,
@@ -495,11 +516,11 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
                   packed.is_contiguous() && packed.size(1) == (k + 1) / 2 && panels * kPanel >= n &&
                   (panels - 1) * kPanel < n,
               "packed_int8_linear: an int8 weight from pack_int8_weight for this K, N and CPU (panels of ", kPanel, ")");
-  TORCH_CHECK(packed_scales.scalar_type() == at::kFloat && packed_scales.dim() == 3 && packed_scales.is_contiguous() &&
+  TORCH_CHECK(packed_scales.scalar_type() == at::kBFloat16 && packed_scales.dim() == 3 && packed_scales.is_contiguous() &&
                   packed_scales.size(0) == panels && packed_scales.size(2) == kPanel && packed_scales.size(1) > 0 &&
                   k % packed_scales.size(1) == 0 && (packed_scales.size(1) == 1 || k / packed_scales.size(1) % 2 == 0),
-              "packed_int8_linear: scales from pack_linear_weight([N, groups]) with groups dividing K (into even "
-              "groups, or one)");
+              "packed_int8_linear: bf16 scales from pack_linear_weight([N, groups]) with groups dividing K (into "
+              "even groups, or one)");
   const ActivationBlocks cut(k, packed_scales.size(1));
   at::Tensor bias_holder;
   const float* bias_ptr = bias_data(bias, n, bias_holder, "packed_int8_linear");
@@ -518,7 +539,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
     float* sxp = sx.data();
     at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) { quantize_activations(xp, k, cut, r0, r1, xqp, sxp); });
     const int8_t* qp = packed.data_ptr<int8_t>();
-    const float* sp = packed_scales.data_ptr<float>();
+    const Scale* sp = packed_scales.data_ptr<Scale>();
     float* op = out.data_ptr<float>();
     for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
       int8_panel_range(xqp, sxp, cut, qp, sp, bias_ptr, op, m, n, begin, end, m0, rows);
@@ -546,7 +567,7 @@ void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
   scratch.sx.resize(static_cast<size_t>(m * cut.blocks()));
   quantize_activations(x, k, cut, 0, m, scratch.xq.data(), scratch.sx.data());
   int8_panel_range(scratch.xq.data(), scratch.sx.data(), cut, packed.data_ptr<int8_t>(),
-                   packed_scales.data_ptr<float>(), bias, out, m, n, begin, end, 0, m);
+                   packed_scales.data_ptr<Scale>(), bias, out, m, n, begin, end, 0, m);
 }
 
 // Rows `ids` of the int8 matrix [N, k] packed by pack_int8_weight (row v: column v % kPanel of
@@ -559,10 +580,10 @@ at::Tensor packed_int8_rows(const at::Tensor& ids, const at::Tensor& packed, con
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == 2 * kPanel &&
                   packed.is_contiguous() && packed.size(1) == (k + 1) / 2,
               "packed_int8_rows: an int8 weight from pack_int8_weight for this K and CPU");
-  TORCH_CHECK(packed_scales.scalar_type() == at::kFloat && packed_scales.dim() == 3 && packed_scales.is_contiguous() &&
+  TORCH_CHECK(packed_scales.scalar_type() == at::kBFloat16 && packed_scales.dim() == 3 && packed_scales.is_contiguous() &&
                   packed_scales.size(0) == packed.size(0) && packed_scales.size(2) == kPanel &&
                   packed_scales.size(1) > 0 && k % packed_scales.size(1) == 0,
-              "packed_int8_rows: scales from pack_linear_weight([N, groups]) with groups dividing K");
+              "packed_int8_rows: bf16 scales from pack_linear_weight([N, groups]) with groups dividing K");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "packed_int8_rows: fp32 or bf16 rows");
   const at::Tensor flat = ids.reshape({-1}).contiguous();
   const int64_t count = flat.numel(), rows = packed.size(0) * kPanel, groups = packed_scales.size(1);
@@ -572,16 +593,16 @@ at::Tensor packed_int8_rows(const at::Tensor& ids, const at::Tensor& packed, con
     TORCH_CHECK(id[t] >= 0 && id[t] < rows, "packed_int8_rows: id ", id[t], " is outside the ", rows, " rows");
   at::Tensor out = at::empty({count, k}, flat.options().dtype(dtype));
   const int8_t* qp = packed.data_ptr<int8_t>();
-  const float* sp = packed_scales.data_ptr<float>();
+  const Scale* sp = packed_scales.data_ptr<Scale>();
   auto fill = [&](auto* dst, auto round) {
     at::parallel_for(0, count, 256, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t panel = id[t] / kPanel, column = id[t] % kPanel;
         const int8_t* values = qp + panel * pairs * 2 * kPanel + 2 * column;  // pair j at values[j * 2 * kPanel]
-        const float* scales = sp + panel * groups * kPanel + column;  // group g at scales[g * kPanel]
+        const Scale* scales = sp + panel * groups * kPanel + column;  // group g at scales[g * kPanel]
         for (int64_t i = 0; i < k; ++i)
           dst[t * k + i] = round(static_cast<float>(values[(i / 2) * 2 * kPanel + i % 2]) *
-                                 round(scales[(i / group_size) * kPanel]));
+                                 static_cast<float>(scales[(i / group_size) * kPanel]));
       }
     });
   };
