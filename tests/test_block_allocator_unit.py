@@ -154,3 +154,23 @@ def test_scheduler_waits_instead_of_overdrawing_the_allocator():
     s.add(big)
     assert not s.schedule()
     assert s.waiting[0] is big and big.block_table == [] and s.allocator.num_free == 2
+
+
+def test_zero_blocks_zeroes_exactly_the_new_blocks_in_every_layer():
+    """A step's fresh blocks are zeroed in every layer's K and V (in runs of consecutive blocks, in
+    any order, duplicates harmless); every other block keeps its bytes."""
+    import torch
+
+    from tokenmill.engine.kv_cache import KVCache, consecutive_runs
+
+    assert consecutive_runs([7, 3, 4, 5, 9, 4, 10]) == [(3, 6), (7, 8), (9, 11)]
+    assert consecutive_runs([]) == []
+    cache = KVCache(num_layers=3, num_blocks=12, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                    device=torch.device("cpu"))
+    cache.data.fill_(1.0)
+    fresh = [7, 3, 4, 5, 9, 4, 10]
+    cache.zero_blocks(fresh)
+    zeroed = torch.zeros(cache.data.shape[1], dtype=torch.bool)
+    zeroed[sorted(set(fresh))] = True
+    per_block = cache.data.transpose(0, 1).reshape(cache.data.shape[1], -1)
+    assert (per_block[zeroed] == 0).all() and (per_block[~zeroed] == 1).all()

@@ -12,6 +12,7 @@ rest of the cache can be left uninitialised (no time spent zeroing gigabytes at 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -116,10 +117,23 @@ class KVCache:
                         self.data[2 * i + 1].view(slots, num_kv_heads, width)) for i in range(num_layers)]
         self.block_size = block_size
 
-    def zero_blocks(self, blocks: list[int]) -> None:
+    def zero_blocks(self, blocks: Sequence[int]) -> None:
         """Zero newly allocated blocks: attention reads whole blocks, unused tails included."""
-        if blocks:
-            self.data.index_fill_(1, torch.tensor(blocks, dtype=torch.long, device=self.data.device), 0)
+        # (a slice per run of consecutive blocks: index_fill_ over dim 1 took 53 us for one block and
+        # 1.2 ms for 32 on the 2-core EPYC, zero_ on slices 18 us and 0.47 ms)
+        for start, end in consecutive_runs(blocks):
+            self.data[:, start:end].zero_()
+
+
+def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
+    """Distinct ints as ascending runs [start, end) of consecutive values."""
+    runs: list[tuple[int, int]] = []
+    for value in sorted(values):
+        if runs and value == runs[-1][1]:
+            runs[-1] = (runs[-1][0], value + 1)
+        elif not runs or value >= runs[-1][1]:
+            runs.append((value, value + 1))
+    return runs
 
 
 def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
