@@ -451,6 +451,36 @@ def test_packed_linear_rows_do_not_depend_on_their_batch():
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+def test_a_vocabulary_sized_matrix_taken_piece_by_piece_gives_each_column_its_own_result(kind):
+    """A matrix of 512 panels or more (a vocabulary projection) is shared among the threads piece
+    by piece as they finish: each column's result is bit-identical to the same column's in a small
+    matrix (split by halves), for one row, a few, one block of rows and several blocks."""
+    from tokenmill.models.quant import WeightOnlyInt8Linear
+
+    gen = torch.Generator().manual_seed(11)
+    n, k = 8200, 96  # 513 panels, the last one partial
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x = torch.randn(700, k, generator=gen)
+
+    def layer(rows: slice):
+        linear = torch.nn.Linear(k, rows.stop - rows.start)
+        with torch.no_grad():
+            linear.weight.copy_(weight[rows]), linear.bias.copy_(bias[rows])
+        if kind == "int8":
+            return WeightOnlyInt8Linear(linear, use_cpu_kernel=True)
+        packed = torch.ops.tokenmill.pack_linear_weight(
+            linear.weight.detach().to(torch.bfloat16 if kind == "bf16" else torch.float32))
+        return lambda rows_of_x: torch.ops.tokenmill.packed_linear(rows_of_x, packed, linear.bias, linear.out_features)
+
+    whole = layer(slice(0, n))
+    for columns in (slice(0, 160), slice(4000, 4160), slice(8040, 8200)):
+        part = layer(columns)
+        for rows in (1, 3, 7, 40, 700):  # 700: several blocks of rows, shared by halves
+            assert torch.equal(whole(x[:rows])[:, columns], part(x[:rows])), (kind, columns, rows)
+
+
+@needs_kernels
 def test_packed_linear_rejects_bad_inputs():
     packed = torch.ops.tokenmill.pack_linear_weight(torch.zeros(40, 64))
     with pytest.raises(RuntimeError, match="pack_linear_weight"):  # another K

@@ -27,6 +27,7 @@
 #include "vec_utils.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -336,15 +337,32 @@ inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int
                   p == P - 1 ? cols : kPanel);
 }
 
+// A matrix of at least this many panels (a vocabulary projection) is shared among the threads in
+// pieces of kPanelsPerPiece, taken as each thread finishes its last, when x is one block of rows.
+// Halves of a 1 ms lm_head left one thread done ~70 us before the other (batch-1 SmolLM2, 2-core
+// EPYC: the cores do not draw equal shares of the memory's bandwidth); a piece is 4 groups of six
+// panels, ~7 us of int8 weights.
+constexpr int64_t kPiecewisePanels = 512;
+constexpr int64_t kPanelsPerPiece = 24;
+
 // Calls tile(begin, end, m0, rows) for each thread's contiguous stretch of panels [begin, end) (at
-// decode sizes each thread streams its part of W once) and each block of rows [m0, m0 + rows) of an
-// [m, k] x: blocks of about equal rows stay in L2 (a last block of a few rows would stream every
-// panel again).
+// decode sizes each thread streams its part of W once; a vocabulary-sized W piece by piece, above)
+// and each block of rows [m0, m0 + rows) of an [m, k] x: blocks of about equal rows stay in L2 (a
+// last block of a few rows would stream every panel again).
 template <typename Tile>
 void for_panel_blocks(int64_t m, int64_t k, int64_t panels, Tile&& tile) {
   const int64_t max_rows = std::max<int64_t>(kTileM, kBlockBytes / (k * 4) / kTileM * kTileM);
   const int64_t blocks = (m + max_rows - 1) / max_rows;
   const int64_t block_rows = ((m + blocks - 1) / blocks + kTileM - 1) / kTileM * kTileM;
+  if (blocks == 1 && panels >= kPiecewisePanels) {
+    const int64_t pieces = (panels + kPanelsPerPiece - 1) / kPanelsPerPiece;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t i = next++; i < pieces; i = next++)
+        tile(i * kPanelsPerPiece, std::min(panels, (i + 1) * kPanelsPerPiece), int64_t{0}, m);
+    });
+    return;
+  }
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) tile(begin, end, m0, std::min(block_rows, m - m0));
   });
