@@ -118,10 +118,21 @@ inline void for_tile_rows(int64_t n, Group&& group) {
   for_row_groups<kTileRows>(n, group);
 }
 
+// Requests the lines of KT rows that start in bytes [from, to) of each row: a loop that reads one
+// set of rows chunk by chunk can request the next set's lines as it goes, a line per line it reads.
+template <int KT>
+inline void prefetch_rows_span(const char* const* rows, int64_t from, int64_t to) {
+  for (int64_t b = (from + 63) / 64 * 64; b < to; b += 64)
+    #pragma GCC unroll 16
+    for (int j = 0; j < KT; ++j) __builtin_prefetch(rows[j] + b);
+}
+
 // out[r * ld + j] = q_rows[r] . k_rows[j] for N rows and KT columns (keys, weight rows; fp32, or
 // bf16 read as fp32), fp32 accumulation: each chunk of a row is loaded once for the KT columns.
+// `ahead`: KT rows of ahead_size-byte elements to request as these are read (see prefetch_rows_span).
 template <int N, int KT, typename K = float>
-inline void dot_tile(const float* const* q_rows, const K* const* k_rows, int64_t dim, float* out, int64_t ld) {
+inline void dot_tile(const float* const* q_rows, const K* const* k_rows, int64_t dim, float* out, int64_t ld,
+                     const char* const* ahead = nullptr, int64_t ahead_size = 4) {
   Vec acc[N][KT];
   #pragma GCC unroll 16
   for (int r = 0; r < N; ++r)
@@ -129,6 +140,7 @@ inline void dot_tile(const float* const* q_rows, const K* const* k_rows, int64_t
     for (int j = 0; j < KT; ++j) acc[r][j] = Vec(0.f);
   int64_t d = 0;
   for (; d + kVec <= dim; d += kVec) {
+    if (ahead != nullptr) prefetch_rows_span<KT>(ahead, d * ahead_size, (d + kVec) * ahead_size);
     Vec qv[N];
     #pragma GCC unroll 16
     for (int r = 0; r < N; ++r) qv[r] = Vec::loadu(q_rows[r] + d);
