@@ -324,7 +324,11 @@ class ModelRunner:
             if self.tp_group is not None:
                 self.tp_group.broadcast((step.fresh_blocks, input_ids, positions, meta))
             hidden = self._forward(step, input_ids, positions, meta)
-            logits = None if step.sampling is None else self.model.compute_logits(hidden[step.sample_rows.to(self.device)])
+            if step.sampling is None:
+                logits = None
+            else:  # (sample rows ascend: as many as the hidden rows are all of them, in order; ~35 us a cold index)
+                rows = hidden if len(step.sample_rows) == hidden.shape[0] else hidden[step.sample_rows.to(self.device)]
+                logits = self.model.compute_logits(rows)
             if step.prefill is not None:
                 prefill = step.prefill.compute(hidden, self.model.compute_logits, self.sampler.vocab_size)
         if step.sampling is None:

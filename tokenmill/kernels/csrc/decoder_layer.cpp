@@ -326,7 +326,7 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
   // The final norm of the last layer's output, for tokens x [T, hidden] at `positions` [T] (rows
-  // of the RoPE tables cos_table/sin_table [positions, rotary], gathered here as the Python model's
+  // of the RoPE tables cos_table/sin_table [positions, rotary], read as the Python model's
   // cos[positions] gathers them).
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_table,
                      const at::Tensor& sin_table, std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
@@ -337,13 +337,13 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0) && cos_table.dim() == 2 &&
                     cos_table.sizes() == sin_table.sizes(),
                 "DecoderStack: positions [tokens], RoPE tables [positions, rotary]");
-    const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
     const StepInputs step{slot_mapping, query_start, query_lens, block_tables, context_lens, block_size};
     at::Tensor hidden;
-    if (fits_one_region(x, cos, sin, k_caches, v_caches, slot_mapping)) {
+    if (fits_one_region(x, positions, cos_table, sin_table, k_caches, v_caches, slot_mapping)) {
       ++region_steps;
-      hidden = forward_in_one_region(x, cos, sin, k_caches, v_caches, step);
+      hidden = forward_in_one_region(x, positions, cos_table, sin_table, k_caches, v_caches, step);
     } else {
+      const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
       hidden = x;
       for (size_t l = 0; l < layers.size(); ++l) {
         RECORD_FUNCTION("tokenmill::llama_decoder_layer", std::vector<c10::IValue>());
@@ -356,16 +356,16 @@ struct DecoderStack : torch::CustomClassHolder {
  private:
   // Whether the step is up to kRegionRows fp32 tokens over caches write_head writes, every layer of
   // one shape.
-  bool fits_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                       const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-                       const at::Tensor& slot_mapping) const {
+  bool fits_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                       const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
+                       const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const {
     if (layers.empty() || x.dim() != 2 || x.size(0) < 1 || x.size(0) > kRegionRows || x.scalar_type() != at::kFloat ||
         !x.is_contiguous() || slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != x.size(0) ||
-        !slot_mapping.is_contiguous())
+        !slot_mapping.is_contiguous() || positions.scalar_type() != at::kLong || !positions.is_contiguous())
       return false;
     const at::Tensor& k0 = k_caches[0];
     if (k0.dim() != 3) return false;
-    // (cos, sin: the tables' rows gathered by forward, [tokens, rotary] each)
+    // (cos, sin: the RoPE tables [positions, rotary], whose rows at `positions` the region reads)
     const int64_t head_dim = cache_head_dim(k0), rotary = cos.size(1);
     if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
         !sin.is_contiguous() || rotary % 2 != 0 || rotary > head_dim)
@@ -382,9 +382,11 @@ struct DecoderStack : torch::CustomClassHolder {
     return true;
   }
 
-  at::Tensor forward_in_one_region(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                   std::vector<at::Tensor>& k_caches, std::vector<at::Tensor>& v_caches,
-                                   const StepInputs& step) {
+  // (cos, sin: the RoPE tables, read at each token's position: gathering them first took two
+  // index_select calls, ~25 us a batch-1 step cold)
+  at::Tensor forward_in_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
+                                   const at::Tensor& sin, std::vector<at::Tensor>& k_caches,
+                                   std::vector<at::Tensor>& v_caches, const StepInputs& step) {
     const LayerWeights& first = layers[0];
     const int64_t m = x.size(0), hidden = x.size(1), head_dim = cache_head_dim(k_caches[0]);
     const int64_t heads = first.heads, kv_heads = first.kv_heads, inter = first.intermediate;
@@ -392,6 +394,10 @@ struct DecoderStack : torch::CustomClassHolder {
     const int64_t rotary = cos.size(1);
     const int64_t* slots = step.slot_mapping.data_ptr<int64_t>();
     check_slots(k_caches[0], slots, m);  // (every cache has k_caches[0]'s shape: fits_one_region)
+    const int64_t* position = positions.data_ptr<int64_t>();
+    for (int64_t t = 0; t < m; ++t)
+      TORCH_CHECK(position[t] >= 0 && position[t] < cos.size(0), "DecoderStack: position ", position[t],
+                  " is outside the RoPE tables' ", cos.size(0), " rows");
     const auto options = x.options();
     at::Tensor qkv = at::empty({m, qkv_size}, options);
     at::Tensor queries = at::empty({m, heads, head_dim}, options);  // q after RoPE, as the attention reads it
@@ -460,8 +466,8 @@ struct DecoderStack : torch::CustomClassHolder {
           // K and V into the caches), dealt round the threads
           for (int64_t i = tid; i < m * (heads + kv_heads); i += team) {
             const int64_t t = i / (heads + kv_heads), head = i % (heads + kv_heads);
-            const float* c = cos_ptr + t * rotary;
-            const float* s = sin_ptr + t * rotary;
+            const float* c = cos_ptr + position[t] * rotary;
+            const float* s = sin_ptr + position[t] * rotary;
             float* token = qkv_ptr + t * qkv_size;
             if (head < heads) {
               float* q = queries_ptr + (t * heads + head) * head_dim;
