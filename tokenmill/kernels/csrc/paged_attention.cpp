@@ -48,8 +48,9 @@ constexpr int64_t kQueryTile = 8;
 // hardware prefetcher does not follow, so a row's cache lines are requested this many keys ahead,
 // a line for each line the tile reads (for_key_tiles). Requested in bursts, all of a tile's lines
 // before it (48-96 lines), the requests stalled the loads behind them and a core read K/V no faster
-// than with none (64 decodes of 16-512 keys, K/V not in cache, 2-core AMD EPYC Zen 2: 11.3-11.8
-// GB/s, one thread 6.2-6.5); spread, 12.3-12.9 and 6.9-7.1 (8 to 32 keys ahead alike).
+// than with none (64 decodes of 16-512 keys, K/V not in cache, 2-core AMD EPYC Zen 2: 11.0-11.8
+// GB/s, one thread 6.1-6.6); spread, 12.1-12.9 and 6.5-7.1 (4 to 32 keys ahead alike). An int8
+// row's scale, past its head_dim bytes, is not requested (it may sit in the next line).
 constexpr int64_t kPrefetchAhead = 16;
 
 struct Params {
@@ -187,7 +188,6 @@ inline void cache_rows(const C* cache, const int64_t* offsets, int64_t count, in
     }
   }
 }
-
 
 // Calls fn(rows, j, n, h, ahead) for tiles [j, j + n) of Tile keys and each kv head h of the item,
 // `rows` the n keys' rows of head h (see cache_rows), `ahead` the rows of head h kPrefetchAhead keys
