@@ -165,6 +165,29 @@ def test_a_decode_is_bit_identical_alone_and_in_a_batch():
 
 
 @needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_short_decode_is_bit_identical_read_by_kv_head_or_in_memory_order(cache_dtype):
+    """Alone on two threads, a decode of under 129 keys is an item per kv head, read in tiles of keys;
+    in a batch its item takes all kv heads and reads each key's slot row in memory order, staging its
+    V rows. Same products in the same order: the same bits."""
+    rng = random.Random(23)
+    while True:
+        c = _case(rng, torch.float32, seqs=[(rng.randint(20, 128), 1) for _ in range(40)])
+        if c["window"] is None and c["k_cache"].shape[1] > 1 and c["q"].shape[2] % 16 == 0:  # (rows of whole vectors)
+            break
+    c = dict(c, k_cache=c["k_cache"].to(cache_dtype), v_cache=c["v_cache"].to(cache_dtype))
+    batched = _kernel(c)
+    alone = dict(c, seqs=c["seqs"][:1], tables=c["tables"][:1], q=c["q"][:1])
+    threads = torch.get_num_threads()
+    try:
+        for n in sorted({1, 2, threads}):
+            torch.set_num_threads(n)
+            assert torch.equal(_kernel(alone)[0], batched[0])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(8))
 def test_half_precision_kv_matches_fp64_reference(seed, dtype):

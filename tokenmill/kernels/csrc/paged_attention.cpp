@@ -159,6 +159,47 @@ inline void weighted_sum_tile(const float* w, int64_t ld, const V* const* v_rows
       for (int j = 0; j < KT; ++j) out_rows[r][d] += w[r * ld + j] * static_cast<float>(v_rows[j][d]);
 }
 
+// The K/V rows a pass reads after its last keys, for it to request as it ends: the same keys' V rows
+// after the K pass, the next chunk's first K rows after the V pass (an item's chunks in turn).
+struct Upcoming {
+  const void* cache = nullptr;
+  const int64_t* offsets = nullptr;  // element offsets of its first keys' rows (first kv head)
+  int64_t keys = 0;                  // how many (up to kPrefetchAhead)
+  int64_t kv_heads = 0;
+};
+
+// Each key's element offset in a cache for keys [lo, hi) of sequence seq (its first kv head
+// kv_head), walking the block table once (no division per key).
+inline void key_offsets(const Params& p, const int32_t* block_tables, int64_t seq, int64_t kv_head, int64_t lo,
+                        int64_t hi, int64_t* offsets) {
+  const int64_t row_stride = p.kv_heads * p.head_stride;  // between slots of one head
+  const int32_t* table = block_tables + seq * p.max_blocks;
+  for (int64_t t = lo; t < hi;) {
+    const int64_t in_block = std::min(hi - t, p.block_size - t % p.block_size);
+    const int64_t base =
+        (static_cast<int64_t>(table[t / p.block_size]) * p.block_size + t % p.block_size) * row_stride +
+        kv_head * p.head_stride;
+    for (int64_t i = 0; i < in_block; ++i) offsets[t - lo + i] = base + i * row_stride;
+    t += in_block;
+  }
+}
+
+// The lane sums of N rows' dot products with one K row (dim a multiple of kVec): reduced by the
+// caller, a dot product's bits the same as dot_tile's.
+template <int N, typename K>
+inline void dot_lanes(const float* const* q_rows, const K* k, int64_t dim, Vec* out) {
+  Vec acc[N];
+  #pragma GCC unroll 16
+  for (int r = 0; r < N; ++r) acc[r] = Vec(0.f);
+  for (int64_t d = 0; d < dim; d += kVec) {
+    const Vec kv = load_as_float(k + d);
+    #pragma GCC unroll 16
+    for (int r = 0; r < N; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q_rows[r] + d), kv, acc[r]);
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < N; ++r) out[r] = acc[r];
+}
+
 // Per-thread scratch, kept across work items.
 struct Scratch {
   std::vector<float> floats;
@@ -167,7 +208,66 @@ struct Scratch {
   std::vector<float*> acc_rows;
   std::vector<float> row_sum, row_max;
   std::vector<float> partials;  // a tile's chunks done in one item (attend_item)
+  std::vector<Vec> lanes;  // a key's unreduced dot products, one per row (dots_in_memory_order)
+  std::vector<float> stage;  // its V rows, staged (as floats or bf16 pairs: raw bytes)
+  std::vector<int64_t> stage_offsets;
 };
+
+// A row of `bytes` copied, 32 at a time (a call per row is what a decode's few hundred bytes cost).
+inline void copy_row(const void* src, void* dst, int64_t bytes) {
+  const char* from = static_cast<const char*>(src);
+  char* to = static_cast<char*>(dst);
+  int64_t b = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  for (; b + 32 <= bytes; b += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + b), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + b)));
+#endif
+  std::memcpy(to + b, from + b, static_cast<size_t>(bytes - b));
+}
+
+// A decode item of several kv heads reads its K and V rows here, in memory order: one key's slot
+// row (all the item's heads), then the next key's. Tiles of 4 keys of one head at a time read three
+// heads' rows back and forth, which the hardware prefetchers did not follow: 64 decodes of 16-512
+// keys over K/V not in cache, 2-core AMD EPYC Zen 2, 2.00-2.08 ms a call (6.5-7.0 GB/s a thread);
+// read in order, 1.53-1.55 (8.6-8.7). This pass computes the raw dot products (each key's lane sums
+// reduced four rows at a time: hsum4 gives the bits of one at a time, as dot_tile) and copies the V
+// rows into `stage` [kv head][key][dim], from where the weighted sums run in tiles of keys, in
+// cache. One line of the slot rows kPrefetchAhead keys later is requested (the prefetchers fetch
+// the rest), past the last key `next`'s.
+template <typename C>
+void dots_in_memory_order(const C* k_cache, const C* v_cache, const int64_t* offsets, int64_t keys, int64_t kv_heads,
+                          int64_t head_rows, int64_t head_stride, int64_t dim, const float* const* q_rows,
+                          float* scores, C* stage, const Upcoming& next, std::vector<Vec>& lanes) {
+  const int64_t rows = kv_heads * head_rows;
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
+  lanes.resize(static_cast<size_t>(rows));
+  Vec* lane = lanes.data();
+  const C* next_cache = static_cast<const C*>(next.cache);
+  for (int64_t j = 0; j < keys; ++j) {
+    const int64_t a = j + kPrefetchAhead;
+    if (a < keys) {
+      __builtin_prefetch(k_cache + offsets[a]);
+      __builtin_prefetch(v_cache + offsets[a]);
+    } else if (a - keys < next.keys) {
+      __builtin_prefetch(next_cache + next.offsets[a - keys]);
+    }
+    const C* key = k_cache + offsets[j];
+    const C* value = v_cache + offsets[j];
+    for (int64_t h = 0; h < kv_heads; ++h) copy_row(value + h * head_stride, stage + (h * keys + j) * dim, row_bytes);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for_tile_rows(head_rows, [&](auto count, int64_t r) {
+        r += h * head_rows;
+        dot_lanes<decltype(count)::value>(q_rows + r, key + h * head_stride, dim, lane + r);
+      });
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      float sums[4];
+      hsum4(lane[r], lane[r + 1], lane[r + 2], lane[r + 3], sums);
+      for (int i = 0; i < 4; ++i) scores[(r + i) * keys + j] = sums[i];
+    }
+    for (; r < rows; ++r) scores[r * keys + j] = hsum_pairwise(lane[r]);
+  }
+}
 
 // The rows the tiles read from a cache of C: fp32 and bf16 rows in place (bf16 widened as it is
 // loaded, no pass through scratch: 64 decodes over a bf16 cache, contexts 16-512, 0.96-1.04 ->
@@ -191,19 +291,27 @@ inline void cache_rows(const C* cache, const int64_t* offsets, int64_t count, in
 
 // Calls fn(rows, j, n, h, ahead) for tiles [j, j + n) of Tile keys and each kv head h of the item,
 // `rows` the n keys' rows of head h (see cache_rows), `ahead` the rows of head h kPrefetchAhead keys
-// later, for fn to request as it reads `rows` (nullptr: none left).
+// later, past the last key those of `next`, for fn to request as it reads `rows` (nullptr: none left,
+// or `request` false: rows in cache already).
 template <int Tile, typename C, typename Fn>
 inline void for_key_tiles(const C* cache, const int64_t* offsets, int64_t keys, int64_t heads, int64_t dim,
-                          int64_t head_stride, float* converted, Fn&& fn) {
+                          int64_t head_stride, float* converted, const Upcoming& next, Fn&& fn, bool request = true) {
   const RowOf<C>* rows[Tile];
   const char* ahead[Tile];
+  const C* next_cache = static_cast<const C*>(next.cache);
   for (int64_t j = 0; j < keys; j += Tile) {
     const int64_t n = std::min<int64_t>(Tile, keys - j);
-    const bool prefetch = j + kPrefetchAhead < keys;
+    const bool prefetch = request && j + kPrefetchAhead < keys + next.keys;
     for (int64_t h = 0; h < heads; ++h) {
       if (prefetch)
-        for (int64_t i = 0; i < Tile; ++i)
-          ahead[i] = reinterpret_cast<const char*>(cache + offsets[std::min(keys - 1, j + kPrefetchAhead + i)] + h * head_stride);
+        for (int64_t i = 0; i < Tile; ++i) {
+          const int64_t a = j + kPrefetchAhead + i;
+          const C* row = a < keys ? cache + offsets[a] + h * head_stride
+                         : a - keys < next.keys && h < next.kv_heads
+                             ? next_cache + next.offsets[a - keys] + h * head_stride
+                             : cache + offsets[j] + h * head_stride;  // (none: a row read now, requested again)
+          ahead[i] = reinterpret_cast<const char*>(row);
+        }
       cache_rows<C>(cache + h * head_stride, offsets + j, n, dim, converted, rows);
       fn(static_cast<const RowOf<C>* const*>(rows), j, n, h, prefetch ? static_cast<const char* const*>(ahead) : nullptr);
     }
@@ -232,7 +340,7 @@ inline void for_row_groups_of_tile(int64_t head_rows, int64_t h, int64_t n, Fn&&
 template <typename T, typename C>
 void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v_cache, T* out, float* partial,
                   const int32_t* query_start, const int32_t* query_lens, const int32_t* block_tables,
-                  const int32_t* context_lens, const Params& p, Scratch& scratch) {
+                  const int32_t* context_lens, const Params& p, Scratch& scratch, const Upcoming& next) {
   // (An item of all kv heads reads each slot row of K/V as one stretch.)
   const ItemRows map(item, p);
   const int64_t head_rows = map.head_rows, rows = map.rows;
@@ -241,19 +349,10 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
   const int64_t first_row = query_start[item.seq] + item.first_query;
   const int64_t key_lo = item.key_lo, key_hi = item.key_hi, keys = key_hi - key_lo;
   const int64_t dim = p.dim;
-  const int64_t row_stride = p.kv_heads * p.head_stride;  // between slots of one head
 
-  // Each key's offset, walking the block table once (no division per key).
   scratch.offsets.resize(static_cast<size_t>(keys));
   int64_t* offsets = scratch.offsets.data();
-  const int32_t* table = block_tables + item.seq * p.max_blocks;
-  for (int64_t t = key_lo; t < key_hi;) {
-    const int64_t in_block = std::min(key_hi - t, p.block_size - t % p.block_size);
-    const int64_t base = (static_cast<int64_t>(table[t / p.block_size]) * p.block_size + t % p.block_size) * row_stride +
-                         item.kv_head * p.head_stride;  // (the item's first kv head)
-    for (int64_t i = 0; i < in_block; ++i) offsets[t - key_lo + i] = base + i * row_stride;
-    t += in_block;
-  }
+  key_offsets(p, block_tables, item.seq, item.kv_head, key_lo, key_hi, offsets);
 
   // Floats: q rows, accumulators, converted K/V rows of one tile, then scores [rows, keys].
   constexpr int64_t tile = kKeyTile > kValueTile ? kKeyTile : kValueTile;  // (keys converted at once)
@@ -274,16 +373,29 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
   }
   std::fill(acc, acc + rows * dim, 0.f);
 
-  // Raw dot products, a tile of keys at a time; every query row group of a kv head shares the
-  // tile's K rows of that head.
-  for_key_tiles<kKeyTile>(k_cache, offsets, keys, item.num_kv_heads, dim, p.head_stride, converted,
-                          [&](auto k_rows, int64_t j, int64_t n, int64_t h, const char* const* ahead) {
-    for_row_groups_of_tile<kKeyTile>(head_rows, h, n, [&](auto count, auto width, int64_t r, int64_t i) {
-      dot_tile<decltype(count)::value, decltype(width)::value>(q_rows.data() + r, k_rows + i, dim,
-                                                               scores + r * keys + j + i, keys,
-                                                               r == h * head_rows ? ahead : nullptr, sizeof(C));
+  // Raw dot products: a decode item of several kv heads in memory order, its V rows staged on the
+  // way (dots_in_memory_order); else a tile of keys at a time, every query row group of a kv head
+  // sharing the tile's K rows of that head.
+  C* staged = nullptr;
+  if constexpr (std::is_same_v<RowOf<C>, C>) {
+    if (item.num_queries == 1 && item.num_kv_heads > 1 && dim % kVec == 0) {
+      scratch.stage.resize(static_cast<size_t>((keys * item.num_kv_heads * dim * sizeof(C) + 3) / 4));
+      staged = reinterpret_cast<C*>(scratch.stage.data());
+      dots_in_memory_order<C>(k_cache, v_cache, offsets, keys, item.num_kv_heads, head_rows, p.head_stride, dim,
+                              q_rows.data(), scores, staged, next, scratch.lanes);
+    }
+  }
+  if (staged == nullptr) {
+    const Upcoming values{v_cache, offsets, std::min(keys, kPrefetchAhead), item.num_kv_heads};
+    for_key_tiles<kKeyTile>(k_cache, offsets, keys, item.num_kv_heads, dim, p.head_stride, converted, values,
+                            [&](auto k_rows, int64_t j, int64_t n, int64_t h, const char* const* ahead) {
+      for_row_groups_of_tile<kKeyTile>(head_rows, h, n, [&](auto count, auto width, int64_t r, int64_t i) {
+        dot_tile<decltype(count)::value, decltype(width)::value>(q_rows.data() + r, k_rows + i, dim,
+                                                                 scores + r * keys + j + i, keys,
+                                                                 r == h * head_rows ? ahead : nullptr, sizeof(C));
+      });
     });
-  });
+  }
   // Per row: scale, optional softcap tanh, mask (the row's visible keys are one range), max,
   // then exp(s - max) and the sum, vectorised over keys.
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -338,15 +450,26 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
     row_sum[r] = sum;
     row_max[r] = max;
   }
-  // Weighted V rows, a tile of keys at a time.
-  for_key_tiles<kValueTile>(v_cache, offsets, keys, item.num_kv_heads, dim, p.head_stride, converted,
-                            [&](auto v_rows, int64_t j, int64_t n, int64_t h, const char* const* ahead) {
+  // Weighted V rows, a tile of keys at a time: from the cache, requesting the rows ahead, or from
+  // the staged rows (in cache already; head h's row of key j at staged + (h * keys + j) * dim).
+  const C* v_rows = v_cache;
+  const int64_t* v_offsets = offsets;
+  int64_t v_head_stride = p.head_stride;
+  if (staged != nullptr) {
+    scratch.stage_offsets.resize(static_cast<size_t>(keys));
+    for (int64_t j = 0; j < keys; ++j) scratch.stage_offsets[j] = j * dim;
+    v_rows = staged;
+    v_offsets = scratch.stage_offsets.data();
+    v_head_stride = keys * dim;
+  }
+  for_key_tiles<kValueTile>(v_rows, v_offsets, keys, item.num_kv_heads, dim, v_head_stride, converted, next,
+                            [&](auto rows_of_tile, int64_t j, int64_t n, int64_t h, const char* const* ahead) {
     for_row_groups_of_tile<kValueTile>(head_rows, h, n, [&](auto count, auto width, int64_t r, int64_t i) {
-      weighted_sum_tile<decltype(count)::value, decltype(width)::value>(scores + r * keys + j + i, keys, v_rows + i,
-                                                                        dim, acc_rows.data() + r,
+      weighted_sum_tile<decltype(count)::value, decltype(width)::value>(scores + r * keys + j + i, keys,
+                                                                        rows_of_tile + i, dim, acc_rows.data() + r,
                                                                         r == h * head_rows ? ahead : nullptr, sizeof(C));
     });
-  });
+  }, staged == nullptr);
   if (partial != nullptr) {  // one chunk of several: merged by merge_chunks
     std::copy(acc, acc + rows * dim, partial);
     std::copy(row_max.begin(), row_max.begin() + rows, partial + rows * dim);
@@ -393,28 +516,35 @@ inline int64_t chunks_in(int64_t key_lo, int64_t key_hi) {
 
 // One work item: a chunk of a split tile (its partial to `partials`), a tile of one chunk, or a
 // tile over several chunks done here one chunk after another, each exactly as a split tile's chunk
-// item computes it and merged the same way (so splitting or not never changes a bit).
+// item computes it and merged the same way (so splitting or not never changes a bit). A chunk's last
+// keys request the next chunk's first K rows.
 template <typename T, typename C>
 void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_cache, T* out, float* partials,
                  const int32_t* query_start, const int32_t* query_lens, const int32_t* block_tables,
                  const int32_t* context_lens, const Params& p, Scratch& scratch) {
-  auto chunk = [&](const WorkItem& part, float* partial) {
+  auto chunk = [&](const WorkItem& part, float* partial, const Upcoming& after) {
     attend_chunk<T, C>(part, q, k_cache, v_cache, out, partial, query_start, query_lens, block_tables, context_lens,
-                       p, scratch);
+                       p, scratch, after);
   };
   const int64_t chunks = chunks_in(item.key_lo, item.key_hi);
   if (item.partial >= 0 || chunks == 1) {
-    chunk(item, item.partial >= 0 ? partials + item.partial : nullptr);
+    chunk(item, item.partial >= 0 ? partials + item.partial : nullptr, Upcoming{});
     return;
   }
   const int64_t stride = partial_floats(ItemRows(item, p).rows, p.dim);
   scratch.partials.resize(static_cast<size_t>(chunks * stride));
   WorkItem part = item;
   int64_t c = 0;
+  int64_t chunk_next[kPrefetchAhead];
   for_key_chunks(item.key_lo, item.key_hi, [&](int64_t lo, int64_t hi) {
     part.key_lo = lo;
     part.key_hi = hi;
-    chunk(part, scratch.partials.data() + c++ * stride);
+    Upcoming after;
+    if (hi < item.key_hi) {  // the next chunk's first K rows
+      after = {k_cache, chunk_next, std::min(kPrefetchAhead, item.key_hi - hi), item.num_kv_heads};
+      key_offsets(p, block_tables, item.seq, item.kv_head, hi, hi + after.keys, chunk_next);
+    }
+    chunk(part, scratch.partials.data() + c++ * stride, after);
   });
   merge_chunks<T>(item, chunks, scratch.partials.data(), out, query_start, p);
 }
