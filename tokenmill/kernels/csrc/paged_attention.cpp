@@ -184,17 +184,17 @@ inline void key_offsets(const Params& p, const int32_t* block_tables, int64_t se
   }
 }
 
-// The lane sums of N rows' dot products with one K row (dim a multiple of kVec): reduced by the
-// caller, a dot product's bits the same as dot_tile's.
+// The lane sums of N rows' dot products with one K row (dim a multiple of kVec; row r of q at
+// q + r * dim): reduced by the caller, a dot product's bits the same as dot_tile's.
 template <int N, typename K>
-inline void dot_lanes(const float* const* q_rows, const K* k, int64_t dim, Vec* out) {
+inline void dot_lanes(const float* q, const K* k, int64_t dim, Vec* out) {
   Vec acc[N];
   #pragma GCC unroll 16
   for (int r = 0; r < N; ++r) acc[r] = Vec(0.f);
   for (int64_t d = 0; d < dim; d += kVec) {
     const Vec kv = load_as_float(k + d);
     #pragma GCC unroll 16
-    for (int r = 0; r < N; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q_rows[r] + d), kv, acc[r]);
+    for (int r = 0; r < N; ++r) acc[r] = at::vec::fmadd(Vec::loadu(q + r * dim + d), kv, acc[r]);
   }
   #pragma GCC unroll 16
   for (int r = 0; r < N; ++r) out[r] = acc[r];
@@ -222,7 +222,7 @@ inline void copy_row(const void* src, void* dst, int64_t bytes) {
   for (; b + 32 <= bytes; b += 32)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + b), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + b)));
 #endif
-  std::memcpy(to + b, from + b, static_cast<size_t>(bytes - b));
+  if (b < bytes) std::memcpy(to + b, from + b, static_cast<size_t>(bytes - b));
 }
 
 // A decode item of several kv heads reads its K and V rows here, in memory order: one key's slot
@@ -236,8 +236,8 @@ inline void copy_row(const void* src, void* dst, int64_t bytes) {
 // the rest), past the last key `next`'s.
 template <typename C>
 void dots_in_memory_order(const C* k_cache, const C* v_cache, const int64_t* offsets, int64_t keys, int64_t kv_heads,
-                          int64_t head_rows, int64_t head_stride, int64_t dim, const float* const* q_rows,
-                          float* scores, C* stage, const Upcoming& next, std::vector<Vec>& lanes) {
+                          int64_t head_rows, int64_t head_stride, int64_t dim, const float* q, float* scores,
+                          C* stage, const Upcoming& next, std::vector<Vec>& lanes) {
   const int64_t rows = kv_heads * head_rows;
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
   lanes.resize(static_cast<size_t>(rows));
@@ -257,7 +257,7 @@ void dots_in_memory_order(const C* k_cache, const C* v_cache, const int64_t* off
     for (int64_t h = 0; h < kv_heads; ++h)
       for_tile_rows(head_rows, [&](auto count, int64_t r) {
         r += h * head_rows;
-        dot_lanes<decltype(count)::value>(q_rows + r, key + h * head_stride, dim, lane + r);
+        dot_lanes<decltype(count)::value>(q + r * dim, key + h * head_stride, dim, lane + r);
       });
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) {
@@ -382,7 +382,7 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
       scratch.stage.resize(static_cast<size_t>((keys * item.num_kv_heads * dim * sizeof(C) + 3) / 4));
       staged = reinterpret_cast<C*>(scratch.stage.data());
       dots_in_memory_order<C>(k_cache, v_cache, offsets, keys, item.num_kv_heads, head_rows, p.head_stride, dim,
-                              q_rows.data(), scores, staged, next, scratch.lanes);
+                              q_f, scores, staged, next, scratch.lanes);
     }
   }
   if (staged == nullptr) {
