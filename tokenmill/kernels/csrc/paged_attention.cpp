@@ -228,8 +228,8 @@ inline void copy_row(const void* src, void* dst, int64_t bytes) {
 // A decode item of several kv heads reads its K and V rows here, in memory order: one key's slot
 // row (all the item's heads), then the next key's. Tiles of 4 keys of one head at a time read three
 // heads' rows back and forth, which the hardware prefetchers did not follow: 64 decodes of 16-512
-// keys over K/V not in cache, 2-core AMD EPYC Zen 2, 2.00-2.08 ms a call (6.5-7.0 GB/s a thread);
-// read in order, 1.53-1.55 (8.6-8.7). This pass computes the raw dot products (each key's lane sums
+// keys over K/V not in cache, 2-core AMD EPYC Zen 2, 2.03-2.05 ms a call (6.8-6.9 GB/s a thread);
+// read in order, 1.44-1.47 (9.0-9.2). This pass computes the raw dot products (each key's lane sums
 // reduced four rows at a time: hsum4 gives the bits of one at a time, as dot_tile) and copies the V
 // rows into `stage` [kv head][key][dim], from where the weighted sums run in tiles of keys, in
 // cache. One line of the slot rows kPrefetchAhead keys later is requested (the prefetchers fetch
