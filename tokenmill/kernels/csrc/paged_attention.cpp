@@ -168,6 +168,17 @@ struct Upcoming {
   int64_t kv_heads = 0;
 };
 
+// Head h's row of key a of a pass over keys [0, keys) of `cache`, past its last key `next`'s rows;
+// nullptr past those too.
+template <typename C>
+inline const C* row_ahead(const C* cache, const int64_t* offsets, int64_t keys, const Upcoming& next, int64_t a,
+                          int64_t h, int64_t head_stride) {
+  if (a < keys) return cache + offsets[a] + h * head_stride;
+  if (a - keys < next.keys && h < next.kv_heads)
+    return static_cast<const C*>(next.cache) + next.offsets[a - keys] + h * head_stride;
+  return nullptr;
+}
+
 // Each key's element offset in a cache for keys [lo, hi) of sequence seq (its first kv head
 // kv_head), walking the block table once (no division per key).
 inline void key_offsets(const Params& p, const int32_t* block_tables, int64_t seq, int64_t kv_head, int64_t lo,
@@ -242,15 +253,10 @@ void dots_in_memory_order(const C* k_cache, const C* v_cache, const int64_t* off
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
   lanes.resize(static_cast<size_t>(rows));
   Vec* lane = lanes.data();
-  const C* next_cache = static_cast<const C*>(next.cache);
   for (int64_t j = 0; j < keys; ++j) {
     const int64_t a = j + kPrefetchAhead;
-    if (a < keys) {
-      __builtin_prefetch(k_cache + offsets[a]);
-      __builtin_prefetch(v_cache + offsets[a]);
-    } else if (a - keys < next.keys) {
-      __builtin_prefetch(next_cache + next.offsets[a - keys]);
-    }
+    if (a < keys) __builtin_prefetch(v_cache + offsets[a]);
+    if (const C* row = row_ahead(k_cache, offsets, keys, next, a, 0, head_stride)) __builtin_prefetch(row);
     const C* key = k_cache + offsets[j];
     const C* value = v_cache + offsets[j];
     for (int64_t h = 0; h < kv_heads; ++h) copy_row(value + h * head_stride, stage + (h * keys + j) * dim, row_bytes);
@@ -298,19 +304,15 @@ inline void for_key_tiles(const C* cache, const int64_t* offsets, int64_t keys, 
                           int64_t head_stride, float* converted, const Upcoming& next, Fn&& fn, bool request = true) {
   const RowOf<C>* rows[Tile];
   const char* ahead[Tile];
-  const C* next_cache = static_cast<const C*>(next.cache);
   for (int64_t j = 0; j < keys; j += Tile) {
     const int64_t n = std::min<int64_t>(Tile, keys - j);
     const bool prefetch = request && j + kPrefetchAhead < keys + next.keys;
     for (int64_t h = 0; h < heads; ++h) {
       if (prefetch)
         for (int64_t i = 0; i < Tile; ++i) {
-          const int64_t a = j + kPrefetchAhead + i;
-          const C* row = a < keys ? cache + offsets[a] + h * head_stride
-                         : a - keys < next.keys && h < next.kv_heads
-                             ? next_cache + next.offsets[a - keys] + h * head_stride
-                             : cache + offsets[j] + h * head_stride;  // (none: a row read now, requested again)
-          ahead[i] = reinterpret_cast<const char*>(row);
+          const C* row = row_ahead(cache, offsets, keys, next, j + kPrefetchAhead + i, h, head_stride);
+          // (none: a row read now, requested again)
+          ahead[i] = reinterpret_cast<const char*>(row != nullptr ? row : cache + offsets[j] + h * head_stride);
         }
       cache_rows<C>(cache + h * head_stride, offsets + j, n, dim, converted, rows);
       fn(static_cast<const RowOf<C>* const*>(rows), j, n, h, prefetch ? static_cast<const char* const*>(ahead) : nullptr);
