@@ -53,6 +53,25 @@ def sharpen_weights(model: torch.nn.Module, seed: int = 0, gain: float = SHARPEN
     return model
 
 
+def agree_up_to_near_ties(got: list, expected: list, tolerance: float = 1e-4) -> int:
+    """Asserts that greedy outputs (CompletionOutputs with logprobs >= 2) of two engine paths that
+    compute the same arithmetic in a different order agree token for token, except that a sequence
+    may part where the two paths' top two candidates were within `tolerance` of each other in both
+    (a tie that fp32 rounding decides); nothing is compared after that. Returns how many parted."""
+    parted = 0
+    for a, b in zip(got, expected, strict=True):
+        if a.token_ids == b.token_ids:
+            continue
+        i = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+        pair = {a.token_ids[i], b.token_ids[i]}
+        for _, top in (a.logprobs[i], b.logprobs[i]):  # (the chosen token's logprob, {top token: logprob})
+            assert pair <= set(top), f"position {i}: {pair} are not both top candidates ({top})"
+            first, second = (top[t] for t in pair)
+            assert abs(first - second) <= tolerance, f"position {i}: parted without a near-tie ({top})"
+        parted += 1
+    return parted
+
+
 def sharpen_saved_model(model_dir: Path, seed: int = 0) -> Path:
     """Load a saved HF model, sharpen its weights and save it back over the same directory."""
     from transformers import AutoModelForCausalLM

@@ -200,8 +200,12 @@ def test_roofline_positive_and_bound_below_measured(tiny_llm):
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert r.param_bytes == params + sum(w.numel() * w.element_size() for w in packed)
     assert r.weight_bytes == r.param_bytes
-    # A small copy can sit partly in cache (bandwidth overestimated -> bound lower), so a margin.
-    assert r.bound_step_s <= r.measured_step_s * 1.5
+    assert r.bound_step_s == pytest.approx(r.weight_bytes / (r.bandwidth_gbs * 1e9))
+    # The bound is DRAM's (a copy of 64 MiB here, 1 GiB by default); this tiny model's 113 MB of
+    # weights can sit largely in a large last-level cache and stream faster than that (an Intel Xeon
+    # here: 2.9 ms a step against a bound of 4.7). No step is faster than its weights read at twice
+    # the rate of a copy that fits in cache.
+    assert r.measured_step_s >= r.weight_bytes / (2 * copy_bandwidth(16 << 20, reps=2) * 1e9)
     assert r.ratio == pytest.approx(r.measured_step_s / r.bound_step_s)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import agree_up_to_near_ties, hf_greedy, mixed_prompts
 from tokenmill import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -79,16 +79,22 @@ def test_preemption_under_tiny_kv_budget(sharp_tiny_model_dir):
 
 
 def test_prefix_caching_gives_identical_outputs(sharp_tiny_model_dir):
+    """A prompt whose prefix is cached runs its suffix as a chunk over cached context (the paged
+    kernel) where the plain engine prefills it whole (SDPA): the same arithmetic in another order, so
+    the tokens agree except where two candidates tie to fp32 rounding (seen once in 20 on an Intel
+    AVX-512 CPU: two logits 1e-5 apart; see agree_up_to_near_ties)."""
     system = mixed_prompts(1, 200, 200, seed=11)[0]
     prompts = [system + suffix for suffix in mixed_prompts(20, 3, 12, seed=12)]
     cached = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="128MiB", enable_prefix_caching=True)
     plain = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="128MiB", enable_prefix_caching=False)
-    first = _engine_outputs(cached, prompts[:1])  # warm the cache with the shared prefix
-    rest = _engine_outputs(cached, prompts[1:])
-    assert first + rest == _engine_outputs(plain, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    first = [o.outputs[0] for o in cached.generate(prompts[:1], params)]  # warm the cache with the shared prefix
+    rest = [o.outputs[0] for o in cached.generate(prompts[1:], params)]
+    parted = agree_up_to_near_ties(first + rest, [o.outputs[0] for o in plain.generate(prompts, params)])
+    assert parted <= 2, f"{parted} of 20 sequences parted at near-ties"
     assert cached.engine.stats().prefix_cache_hit_rate > 0.8
     for prompt, got in zip(prompts[:3], first + rest):
-        assert got == hf_greedy(sharp_tiny_model_dir, prompt, 16)
+        assert got.token_ids == hf_greedy(sharp_tiny_model_dir, prompt, 16)
 
 
 def test_prefix_cache_eviction_stays_correct(sharp_tiny_model_dir):

@@ -4,7 +4,9 @@ At batch 1 a decode step has to stream every weight matrix from memory once (the
 whole embedding matrix when it is tied), and does little arithmetic per byte, so the step cannot be
 faster than `weight_bytes / copy_bandwidth`. This module measures both sides on this machine: the
 bandwidth of a large tensor copy (read + write bytes), the bytes a step streams, and the engine's
-real batch-1 time per output token, and reports how far the engine is from the bound.
+real batch-1 time per output token, and reports how far the engine is from the bound. The bound is
+DRAM's: a model whose weights fit largely in the last-level cache (a tiny test model on a CPU with
+a large L3) can step faster than it.
 """
 
 from __future__ import annotations
