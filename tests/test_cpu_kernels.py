@@ -756,6 +756,44 @@ def test_fused_rope_rotates_q_and_k_in_place_like_apply_rope(head_dim, rotary):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dim", [7, 64, 576])
+def test_bf16_elementwise_kernels_round_where_the_bf16_ops_round(dim):
+    """bf16 rows through the fused kernels: computed in fp32 and rounded to bf16 where each unfused
+    bf16 op rounds, so SiLU(gate) * up and RoPE give the unfused ops' bits, and RMSNorm differs at
+    most by the summation order of its mean (an ulp of bf16, rarely)."""
+    from transformers.activations import ACT2FN
+
+    from tokenmill.models.llama import apply_rope, rms_normalize
+
+    gen = torch.Generator().manual_seed(dim)
+    bf16 = torch.bfloat16
+    gate_up = (torch.randn(9, 2 * dim, generator=gen) * 4).to(bf16)
+    gate, up = gate_up.split(dim, dim=-1)
+    assert torch.equal(torch.ops.tokenmill.silu_mul(gate_up), ACT2FN["silu"](gate) * up)
+    tokens, heads, head_dim = 5, 3, 2 * dim
+    q, k = (torch.randn(tokens, n, head_dim, generator=gen).to(bf16) for n in (heads, 1))
+    angles = torch.rand(tokens, 1, dim, generator=gen) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(bf16) for f in (torch.cos, torch.sin))
+    expected_q, expected_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    torch.ops.tokenmill.rope_(q, k, cos.view(tokens, -1), sin.view(tokens, -1))
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    x, weight = (torch.randn(7, dim, generator=gen) * 3).to(bf16), torch.randn(dim, generator=gen).to(bf16)
+    fused, unfused = torch.ops.tokenmill.rms_norm(x, weight, 1e-6), weight * rms_normalize(x, 1e-6).to(bf16)
+    assert fused.dtype == bf16
+    torch.testing.assert_close(fused, unfused, rtol=2 ** -7, atol=0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.tokenmill.rms_norm(x, weight.float(), 1e-6)  # one dtype for all
+
+
+@needs_kernels
+def test_the_cpp_onednn_projection_pads_rows_as_the_python_one():
+    """oneDNN builds a primitive per row count, so both projections pad to the same few buckets."""
+    from tokenmill.models.packed_linear import padded_rows
+
+    assert [torch.ops.tokenmill.onednn_padded_rows(n) for n in range(1, 3000)] == [padded_rows(n) for n in range(1, 3000)]
+
+
+@needs_kernels
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(6))
 def test_fp32_queries_over_a_narrower_kv_cache(seed, cache_dtype):

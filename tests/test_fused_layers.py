@@ -9,6 +9,7 @@ import torch
 from tests.conftest import mixed_prompts, run_staggered
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import build
+from tokenmill.kernels.cpu_caps import detect
 from tokenmill.models.fused_layer import FusedLayer, FusedStack
 
 pytestmark = pytest.mark.skipif(not build.load(), reason="tokenmill's CPU kernels are not built here")
@@ -62,6 +63,29 @@ def test_fused_layers_are_bit_identical_to_the_python_layers(model, quantization
     assert max(fused_calls) > 1  # batched steps too
     staggered = SamplingParams(temperature=0.0, max_tokens=8)
     assert run_staggered(fused, prompts, staggered) == run_staggered(plain, prompts, staggered)
+
+
+@pytest.mark.skipif(not (detect().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                    reason="bf16 activations on oneDNN need a CPU with native bf16 (AMX or AVX512-BF16)")
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+def test_bf16_layers_on_onednn_fuse_bit_identically(sharp_tiny_model_dir, cache_dtype, fused_calls):
+    """`--dtype bfloat16` where the CPU has native bf16: bf16 activations, the projections on oneDNN
+    (AMX), the layers fused into the native stack, with the same tokens, logprobs and cache bytes as
+    the Python layers (whose norms, RoPE and SiLU*up run as the same bf16 kernels)."""
+    from tokenmill.models.packed_linear import OneDnnLinear
+
+    prompts = mixed_prompts(5, 1, 60, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
+    fused = _engine(sharp_tiny_model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype)
+    plain = _engine(sharp_tiny_model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, fused_layers=False)
+    model = fused.engine.model
+    assert fused.engine.dtype == torch.bfloat16 and type(model.layers[0].mlp.down_proj) is OneDnnLinear
+    assert model.fused_stack is not None and plain.engine.model.fused_stack is None
+    outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+            for llm in (fused, plain)]
+    assert outs[0] == outs[1]
+    assert len(fused_calls) >= len(model.layers) * params.max_tokens and max(fused_calls) > 1
+    assert torch.equal(fused.engine.kv_cache.data, plain.engine.kv_cache.data)
 
 
 @pytest.mark.parametrize(("cache_dtype", "quantization"), [("bfloat16", None), ("int8", None), ("int8", "int8")])

@@ -24,8 +24,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def fused_elementwise(x: torch.Tensor) -> bool:
-    """Whether per-op work on `x` should run as tokenmill's fp32 CPU kernels (fused RMSNorm, SiLU*up,
-    RoPE): fp32 on CPU with the kernels built, and not while torch.compile traces (it fuses itself,
+    """Whether per-op work on `x` should run as tokenmill's CPU kernels (fused RMSNorm, SiLU*up, RoPE):
+    fp32 or bf16 on CPU with the kernels built, and not while torch.compile traces (it fuses itself,
     and the ops have no fake implementations)."""
-    return x.dtype == torch.float32 and x.is_cpu and not torch.compiler.is_compiling() and load()
+    return (x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu and not torch.compiler.is_compiling()
+            and load())
 

@@ -1,4 +1,4 @@
-"""Llama-shaped decoder layers as one C++ call on CPU fp32 steps (`--fused-layers`).
+"""Llama-shaped decoder layers as one C++ call on CPU fp32 and bf16 steps (`--fused-layers`).
 
 A batch-1 decode step of a small model is a few milliseconds of memory-bound GEMMs and, around them,
 ~25 Python-level op dispatches, module calls and views per layer: on SmolLM2 (30 layers) taking it
@@ -10,7 +10,9 @@ Python), over fp32, bf16 or int8 caches (the layer writes K/V rows into their sl
 quantizing int8 rows as kv_quant.to_cache does). Fused: layers of exactly the Llama structure (RMSNorm, fused qkv
 with optional bias, no q/k norm, SiLU-gated MLP, no tensor parallelism) in fp32 whose four
 projections are on the panel GEMM: fp32 or bf16 panels (`--packed-linear`; bf16 holds the bf16-valued
-weights of a model published in bf16: the kernel widens them back to fp32) or int8 (`--quantization int8`).
+weights of a model published in bf16: the kernel widens them back to fp32) or int8 (`--quantization int8`);
+or in bf16 with the four on oneDNN (`--dtype bfloat16` on a CPU with AMX or AVX512-BF16: the same
+bf16 kernels as the Python layer, whose elementwise ops then also run fused).
 Anything wrapped later (LoRA) makes the layer stand aside. When every layer of the model is fused,
 the model's forward runs them as one C++ loop (FusedStack): one check per step instead of one per
 layer, and no Python between layers (~25 us a layer: Python's loop, module calls, the op's 32 boxed
@@ -32,7 +34,7 @@ from torch import nn
 
 from tokenmill.models.attention import AttentionMetadata
 from tokenmill.models.llama import LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
-from tokenmill.models.packed_linear import PanelLinear
+from tokenmill.models.packed_linear import OneDnnLinear, PanelLinear
 from tokenmill.models.quant import WeightOnlyInt8Linear
 
 logger = logging.getLogger(__name__)
@@ -121,20 +123,25 @@ def _fusable(layer: LlamaLayer) -> bool:
             and type(attn).project_qkv is LlamaAttention.project_qkv and attn.qk_norm_class is None
             and not attn.tp.enabled
             and isinstance(mlp, LlamaMLP) and type(mlp).forward is LlamaMLP.forward and mlp.silu and not mlp.tp.enabled
-            and layer.input_layernorm.weight.dtype == torch.float32
-            and all(_on_panels(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
+            and all(_fusable_projection(m, layer.input_layernorm.weight.dtype)
+                    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)))
 
 
-def _on_panels(linear: nn.Module) -> bool:
-    """fp32, bf16 or int8 panels (the activations are fp32: _fusable asks for an fp32 norm)."""
+def _fusable_projection(linear: nn.Module, activations: torch.dtype) -> bool:
+    """fp32 activations (the layer's norm weight's dtype): fp32, bf16 or int8 panels; bf16
+    activations: bf16 weights on oneDNN (CPUs with native bf16)."""
+    if activations == torch.bfloat16:
+        return type(linear) is OneDnnLinear and linear.native and linear.packed_weight.dtype == torch.bfloat16
+    if activations != torch.float32:
+        return False
     if type(linear) is PanelLinear:
         return True
     return type(linear) is WeightOnlyInt8Linear and linear.use_cpu_kernel
 
 
-def _panel_arguments(linear: nn.Module) -> tuple:
-    """(weight, scales or None, bias or None) of a projection on the panel GEMM."""
-    if type(linear) is PanelLinear:
+def _projection_arguments(linear: nn.Module) -> tuple:
+    """(weight, scales or None, bias or None) of a fusable projection."""
+    if type(linear) in (PanelLinear, OneDnnLinear):
         return linear.packed_weight, None, linear.bias
     bias = None if linear.bias is None else linear.bias.detach()
     return linear.qweight, linear.scales, bias
@@ -153,7 +160,7 @@ def fuse_decoder_layers(model: nn.Module) -> int:
         layer.fused = FusedLayer(
             _held_modules(layer),
             (norm.weight.detach(), layer.post_attention_layernorm.weight.detach(), norm.eps,
-             *(t for m in linears for t in _panel_arguments(m)), attn.num_heads, attn.num_kv_heads,
+             *(t for m in linears for t in _projection_arguments(m)), attn.num_heads, attn.num_kv_heads,
              mlp.intermediate),
             (attn.scale, attn.window or 0, attn.softcap or 0.0))
         count += 1
@@ -161,7 +168,7 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     final_norm = getattr(model, "norm", None)
     if (count and hasattr(model, "fused_stack") and all(getattr(layer, "fused", None) is not None for layer in layers)
             and not any(getattr(model, "layer_rope", ()))  # (one RoPE table for all: the stack takes one)
-            and type(final_norm) is RMSNorm and final_norm.weight.dtype == torch.float32):
+            and type(final_norm) is RMSNorm and final_norm.weight.dtype == layers[0].input_layernorm.weight.dtype):
         model.fused_stack = FusedStack(tuple(layers), final_norm)
     if count:
         logger.info("decoder layers fused into one call per step: %d", count)

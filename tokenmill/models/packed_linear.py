@@ -45,7 +45,8 @@ _BATCH_HINT = 64
 def padded_rows(rows: int) -> int:
     """Row counts rounded up to a few buckets. oneDNN builds (JIT-compiles) a primitive for every
     new input shape; a step's token count takes hundreds of values, and building a primitive per
-    step per layer type cost more than the padding does (<= 1/8 extra rows at worst)."""
+    step per layer type cost more than the padding does (<= 1/8 extra rows at worst). (The C++
+    projection, kernels/csrc/onednn_linear.cpp, pads to the same buckets; a test holds them equal.)"""
     if rows <= 8:
         return rows
     step = 8 if rows <= 64 else 32 if rows <= 256 else 128
@@ -122,12 +123,16 @@ class PanelEmbedding(nn.Module):
 
 
 class OneDnnLinear(PackedLinear):
-    """fp32 or bf16, W held as an opaque oneDNN tensor."""
+    """fp32 or bf16, W held as an opaque oneDNN tensor. With tokenmill's kernels built, a call is the
+    C++ op that the fused decoder layers call too (the same padding, the same result)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear, torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _BATCH_HINT))
+        self.native = build.load()
 
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.tokenmill.onednn_linear(x, self.packed_weight, self.bias)
         rows = x.shape[0]
         padded = padded_rows(rows)
         if padded != rows:

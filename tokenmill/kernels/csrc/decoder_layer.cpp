@@ -1,6 +1,7 @@
-// One Llama-shaped decoder layer (fp32 activations, CPU) in one call, for steps whose attention runs
-// entirely on the paged kernel (decodes and chunks with cached context); each projection's weight is
-// panel-packed fp32, or int8 with its packed scales (--quantization int8):
+// One Llama-shaped decoder layer (CPU) in one call, for steps whose attention runs entirely on the
+// paged kernel (decodes and chunks with cached context). fp32 activations with each projection's
+// weight panel-packed fp32/bf16, or int8 with its packed scales (--quantization int8); or bf16
+// activations with bf16 weights on oneDNN (CPUs with AMX / AVX512-BF16, `--dtype bfloat16`):
 //   h = rms_norm(x); q, k, v = split(h W_qkv^T + b); rope(q, k); cache <- k, v; a = attention(q)
 //   x = x + a W_o^T + b;  x = x + silu_mul(rms_norm(x) W_gate_up^T + b) W_down^T + b
 // The same kernels, in the same order, as the Python layer (tokenmill/models/llama.py) on this
@@ -15,6 +16,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "vec_utils.h"
 
 #include <algorithm>
 #include <array>
@@ -25,25 +27,30 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
 
-// One projection's panels: fp32/bf16 weight, or int8 with its scales; its bias if any.
+// One projection's weight: panels of fp32/bf16, int8 panels with their scales, or a weight reordered
+// for oneDNN (an opaque MkldnnCPU tensor); its bias if any.
 struct Projection {
   at::Tensor weight;
   OptTensor scales, bias;
 
   bool int8() const { return scales.has_value() && scales->defined(); }
+  bool onednn() const { return weight.is_mkldnn(); }
   const char* op_name() const { return int8() ? "tokenmill::packed_int8_linear" : "tokenmill::packed_linear"; }
 };
 
-// x W^T + b on a projection's panels. (The profiler scopes, here and below, name the kernels as
+// x W^T + b on a projection's weight. (The profiler scopes, here and below, name the kernels as
 // their torch ops: `tokenmill bench profile` sorts a step's time by them. They cost nothing
-// measurable while no profiler runs.)
+// measurable while no profiler runs. A oneDNN projection is its own op call: it shows as
+// mkldnn::_linear_pointwise.)
 at::Tensor linear(const at::Tensor& x, const Projection& p, int64_t n) {
+  if (p.onednn()) return tokenmill::onednn_linear(x, p.weight, p.bias);
   RECORD_FUNCTION(p.op_name(), std::vector<c10::IValue>());
   return p.int8() ? tokenmill::packed_int8_linear(x, p.weight, *p.scales, p.bias, n)
                   : tokenmill::packed_linear(x, p.weight, p.bias, n);
@@ -92,18 +99,29 @@ int64_t cache_head_dim(const at::Tensor& cache) {
   return cache.size(2) - (cache.scalar_type() == at::kChar ? static_cast<int64_t>(sizeof(float)) : 0);
 }
 
-// One kv head's fp32 row into its slot of a contiguous cache [slots, heads, head_dim] of fp32, bf16
-// (rounded as Tensor.to rounds) or int8 rows (head_dim + 4 bytes, see quantize_row).
-void write_head(at::Tensor& cache, int64_t slot, int64_t head, const float* row) {
+// One kv head's fp32 or bf16 row into its slot of a contiguous cache [slots, heads, head_dim] of fp32,
+// bf16 (rounded as Tensor.to rounds) or int8 rows (head_dim + 4 bytes, see quantize_row; a bf16 row
+// widened first, as kv_quant.to_cache does).
+template <typename R>
+void write_head(at::Tensor& cache, int64_t slot, int64_t head, const R* row) {
   const int64_t heads = cache.size(1);
   const auto dtype = cache.scalar_type();
   if (dtype == at::kChar) {
-    quantize_row(row, cache_head_dim(cache), cache.data_ptr<int8_t>() + (slot * heads + head) * cache.size(2));
+    const int64_t head_dim = cache_head_dim(cache);
+    int8_t* dst = cache.data_ptr<int8_t>() + (slot * heads + head) * cache.size(2);
+    if constexpr (std::is_same_v<R, float>) {
+      quantize_row(row, head_dim, dst);
+    } else {
+      thread_local std::vector<float> widened;
+      widened.assign(row, row + head_dim);
+      quantize_row(widened.data(), head_dim, dst);
+    }
     return;
   }
   const int64_t head_dim = cache.size(2), offset = (slot * heads + head) * head_dim;
   if (dtype == at::kFloat) {
-    std::memcpy(cache.data_ptr<float>() + offset, row, head_dim * sizeof(float));
+    float* dst = cache.data_ptr<float>() + offset;
+    for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<float>(row[i]);
   } else {
     at::BFloat16* dst = cache.data_ptr<at::BFloat16>() + offset;
     for (int64_t i = 0; i < head_dim; ++i) dst[i] = at::BFloat16(row[i]);
@@ -124,40 +142,58 @@ void check_slots(const at::Tensor& cache, const int64_t* slot, int64_t tokens) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < cache.size(0), "slot ", slot[t], " is outside the cache's ", cache.size(0));
 }
 
-// rows [tokens, kv_heads, head_dim] (fp32, each token's heads side by side) into their slots of a
-// cache (write_head). index_copy_ (and the .to) did the same through TensorIterator at ~4 us a call,
-// twice per layer.
+// rows [tokens, kv_heads, head_dim] (fp32 or bf16, each token's heads side by side) into their slots
+// of a cache (write_head). index_copy_ (and the .to) did the same through TensorIterator at ~4 us a
+// call, twice per layer.
 void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
   const int64_t tokens = rows.size(0), heads = rows.size(1), head_dim = rows.size(2);
-  const bool direct = writes_heads(cache, heads, head_dim) && rows.scalar_type() == at::kFloat &&
+  const bool fp32_rows = rows.scalar_type() == at::kFloat;
+  const bool direct = writes_heads(cache, heads, head_dim) && (fp32_rows || rows.scalar_type() == at::kBFloat16) &&
                       rows.stride(2) == 1 && rows.stride(1) == head_dim && slots.scalar_type() == at::kLong &&
                       slots.is_contiguous() && slots.numel() == tokens;
   if (!direct) {
-    TORCH_CHECK(cache.scalar_type() != at::kChar, "llama_decoder_layer: fp32 K/V rows [tokens, kv_heads, head_dim] "
-                "into an int8 cache [slots, kv_heads, head_dim + 4]");
+    TORCH_CHECK(cache.scalar_type() != at::kChar, "llama_decoder_layer: fp32 or bf16 K/V rows [tokens, kv_heads, "
+                "head_dim] into an int8 cache [slots, kv_heads, head_dim + 4]");
     cache.index_copy_(0, slots, rows.to(cache.scalar_type()));  // (fp16 caches)
     return;
   }
   const int64_t* slot = slots.data_ptr<int64_t>();
   check_slots(cache, slot, tokens);
-  const float* src = rows.data_ptr<float>();
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < heads; ++h) write_head(cache, slot[t], h, src + t * rows.stride(0) + h * head_dim);
+  auto write = [&](const auto* src) {
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h) write_head(cache, slot[t], h, src + t * rows.stride(0) + h * head_dim);
+  };
+  if (fp32_rows)
+    write(rows.data_ptr<float>());
+  else
+    write(rows.data_ptr<at::BFloat16>());
 }
 
-// dst += src, the residual adds: a plain loop over contiguous fp32 rows where TensorIterator's add
-// took ~1-2 us a call at batch-1, twice a layer. Addition commutes (proj + x rounds as x + proj), so
-// the bits are the Python layer's.
+// dst += src, the residual adds: a plain loop over contiguous fp32 or bf16 rows (bf16: the fp32 sum
+// rounded once, as torch adds bf16) where TensorIterator's add took ~1-2 us a call at batch-1, twice
+// a layer. Addition commutes (proj + x rounds as x + proj), so the bits are the Python layer's.
 void add_residual(at::Tensor& dst, const at::Tensor& src) {
-  if (dst.scalar_type() != at::kFloat || src.scalar_type() != at::kFloat || !dst.is_contiguous() ||
+  const auto dtype = dst.scalar_type();
+  if ((dtype != at::kFloat && dtype != at::kBFloat16) || src.scalar_type() != dtype || !dst.is_contiguous() ||
       !src.is_contiguous() || dst.sizes() != src.sizes()) {
     dst.add_(src);
     return;
   }
-  float* d = dst.data_ptr<float>();
-  const float* s = src.data_ptr<float>();
+  if (dtype == at::kFloat) {
+    float* d = dst.data_ptr<float>();
+    const float* s = src.data_ptr<float>();
+    at::parallel_for(0, dst.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) d[i] += s[i];
+    });
+    return;
+  }
+  at::BFloat16* d = dst.data_ptr<at::BFloat16>();
+  const at::BFloat16* s = src.data_ptr<at::BFloat16>();
   at::parallel_for(0, dst.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) d[i] += s[i];
+    int64_t i = begin;
+    for (; i + tokenmill::kVec <= end; i += tokenmill::kVec)
+      tokenmill::store_as(tokenmill::load_bf16(d + i) + tokenmill::load_bf16(s + i), d + i);
+    for (; i < end; ++i) d[i] = at::BFloat16(static_cast<float>(d[i]) + static_cast<float>(s[i]));
   });
 }
 
@@ -343,7 +379,9 @@ struct DecoderStack : torch::CustomClassHolder {
       ++region_steps;
       hidden = forward_in_one_region(x, positions, cos_table, sin_table, k_caches, v_caches, step);
     } else {
-      const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
+      // (in x's dtype, as the Python model's _rope_at rounds them for a bf16 model)
+      const at::Tensor cos = cos_table.index_select(0, positions).to(x.scalar_type());
+      const at::Tensor sin = sin_table.index_select(0, positions).to(x.scalar_type());
       hidden = x;
       for (size_t l = 0; l < layers.size(); ++l) {
         RECORD_FUNCTION("tokenmill::llama_decoder_layer", std::vector<c10::IValue>());
@@ -355,7 +393,7 @@ struct DecoderStack : torch::CustomClassHolder {
 
  private:
   // Whether the step is up to kRegionRows fp32 tokens over caches write_head writes, every layer of
-  // one shape.
+  // one shape and on tokenmill's panels (oneDNN runs its own threads).
   bool fits_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                        const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
                        const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const {
@@ -374,6 +412,7 @@ struct DecoderStack : torch::CustomClassHolder {
     for (size_t l = 0; l < layers.size(); ++l) {
       const LayerWeights& w = layers[l];
       if (w.heads != first.heads || w.kv_heads != first.kv_heads || w.intermediate != first.intermediate ||
+          w.qkv.onednn() || w.o.onednn() || w.gate_up.onednn() || w.down.onednn() ||
           !writes_heads(k_caches[l], w.kv_heads, head_dim) || !writes_heads(v_caches[l], w.kv_heads, head_dim) ||
           k_caches[l].scalar_type() != k0.scalar_type() || v_caches[l].scalar_type() != k0.scalar_type() ||
           k_caches[l].sizes() != k0.sizes() || v_caches[l].sizes() != k0.sizes())

@@ -12,15 +12,19 @@
 
 namespace tokenmill {
 
-// elementwise.cpp (fp32)
+// elementwise.cpp (fp32 or bf16)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);
 // One row of each on the calling thread (the ops above run these over their rows): for callers that
-// share a step's work among their own threads (decoder_layer.cpp's one-region stack).
-void rms_norm_row(const float* x, const float* weight, int64_t dim, float eps, float* out);
-void silu_mul_row(const float* gate_up, int64_t inter, float* out);
-void rope_head(float* x, const float* cos, const float* sin, int64_t rotary);
+// share a step's work among their own threads (decoder_layer.cpp's one-region stack). T: float or
+// at::BFloat16.
+template <typename T>
+void rms_norm_row(const T* x, const T* weight, int64_t dim, float eps, T* out);
+template <typename T>
+void silu_mul_row(const T* gate_up, int64_t inter, T* out);
+template <typename T>
+void rope_head(T* x, const T* cos, const T* sin, int64_t rotary);
 
 // packed_linear.cpp (fp32 x; fp32, bf16 or int8 weights)
 at::Tensor pack_linear_weight(const at::Tensor& weight);
@@ -40,6 +44,9 @@ struct Int8RowScratch {  // a thread's x as int16 pairs and block scales
 void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed,
                              const at::Tensor& packed_scales, const float* bias, float* out, int64_t n, int64_t begin,
                              int64_t end, Int8RowScratch& scratch);
+
+// onednn_linear.cpp: x W^T + b with W reordered for oneDNN (bf16 on AMX / AVX512-BF16 CPUs); x's dtype
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
 // paged_attention.cpp
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,

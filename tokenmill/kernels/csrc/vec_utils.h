@@ -40,6 +40,33 @@ inline Vec load_bf16(const at::BFloat16* src) {
 inline Vec load_as_float(const float* src) { return Vec::loadu(src); }
 inline Vec load_as_float(const at::BFloat16* src) { return load_bf16(src); }
 
+// kVec fp32 values stored as T: fp32 as they are, bf16 rounded to nearest even (as Tensor.to rounds,
+// NaN kept NaN).
+inline void store_as(const Vec& v, float* dst) { v.store(dst); }
+inline void store_as(const Vec& v, at::BFloat16* dst) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), at::vec::cvtfp32_bf16(__m512(v)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), at::vec::cvtfp32_bf16(__m256(v)));
+#else
+  float values[kVec];
+  v.store(values);
+  for (int64_t i = 0; i < kVec; ++i) dst[i] = at::BFloat16(values[i]);
+#endif
+}
+
+// v as a T would hold it, back in fp32: a bf16 op's rounding of its fp32 result (torch computes a
+// bf16 op in fp32 and rounds once per op), nothing for fp32.
+inline Vec round_as(const Vec& v, float) { return v; }
+inline Vec round_as(const Vec& v, at::BFloat16) {
+  at::BFloat16 rounded[kVec];
+  store_as(v, rounded);
+  return load_bf16(rounded);
+}
+// The scalar tails' counterpart.
+inline float round_as(float v, float) { return v; }
+inline float round_as(float v, at::BFloat16) { return static_cast<float>(at::BFloat16(v)); }
+
 // Rows of K/V the kernels cannot read in place (fp16, int8; fp32 and bf16 rows are read where they
 // are, see load_as_float) as fp32 in `scratch`. An int8 row is followed by its fp32 scale
 // (tokenmill/models/kv_quant.py).

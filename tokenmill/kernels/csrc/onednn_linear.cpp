@@ -1,0 +1,55 @@
+// y = x W^T + b on oneDNN, W reordered once into its blocked layout (torch's
+// mkldnn::_reorder_linear_weight): bf16 on CPUs with native bf16 (AMX or AVX512-BF16), where
+// oneDNN's AMX kernels run it, or fp32 where tokenmill's panel GEMM cannot be built. The
+// counterpart of tokenmill/models/packed_linear.py's OneDnnLinear, as a C++ call, so that a decoder
+// layer running in C++ (decoder_layer.cpp) can call it without going through Python.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#include <string>
+
+namespace tokenmill {
+
+// Row counts rounded up to a few buckets: oneDNN builds (JIT-compiles) a primitive per input shape,
+// and a step's token count takes hundreds of values; building one per step per layer cost more than
+// the padding (<= 1/8 extra rows at worst). The same buckets as packed_linear.py's padded_rows.
+int64_t onednn_padded_rows(int64_t rows) {
+  if (rows <= 8) return rows;
+  const int64_t step = rows <= 64 ? 8 : rows <= 256 ? 32 : 128;
+  return (rows + step - 1) / step * step;
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2, "onednn_linear: x [rows, in_features]");
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t rows = x.size(0), padded = onednn_padded_rows(rows);
+  at::Tensor input = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows});
+  // (boxed: the op's typed signature spells its string and list arguments in types that change
+  // between torch releases; one boxed call costs ~1 us, under 1% of a batch-1 step's GEMMs)
+  torch::jit::Stack stack{input, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), c10::IValue()};
+  op.callBoxed(&stack);
+  at::Tensor out = stack[0].toTensor();
+  return padded == rows ? out : out.narrow(0, 0, rows);
+}
+
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("onednn_padded_rows(int rows) -> int", &tokenmill::onednn_padded_rows);
+}
+
+// (the packed weight is an opaque oneDNN tensor: a call dispatches on its MkldnnCPU key)
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("onednn_linear", &tokenmill::onednn_linear);
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, MkldnnCPU, m) {
+  m.impl("onednn_linear", &tokenmill::onednn_linear);
+}
