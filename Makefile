@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: install run serve test test-avx512-emulated bench clean
+.PHONY: install run serve test test-avx512-emulated test-avx2-variant bench clean
 
 install: $(VENV)/.installed
 
@@ -27,11 +27,18 @@ serve: install  ## OpenAI-compatible server on 127.0.0.1:8000
 test: install  ## the whole test suite (pytest exit 5 = no tests collected fails too)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) test-avx512-emulated
+	$(MAKE) test-avx2-variant
 
 # The kernels' AVX-512 variant on a CPU without AVX-512 (tests/isa_emulation): skipped, with the
 # reason, on AVX-512 CPUs (the main suite runs it natively) and without SIMDe (libsimde-dev).
 test-avx512-emulated: install  ## the CPU kernel tests against the AVX-512 kernels, emulated on AVX2
 	$(BIN)/python -m pytest -q -p tests.isa_emulation.avx512 tests/test_cpu_kernels.py tests/test_fused_layers.py \
+		tests/test_sampler_unit.py
+
+# The kernels' AVX2 variant (what AVX2-only machines run) on a CPU with AVX-512, natively: skipped,
+# with the reason, on CPUs without AVX-512 (the main suite runs it there).
+test-avx2-variant: install  ## the CPU kernel tests against the AVX2 kernels, on an AVX-512 CPU
+	$(BIN)/python -m pytest -q -p tests.isa_emulation.avx2 tests/test_cpu_kernels.py tests/test_fused_layers.py \
 		tests/test_sampler_unit.py
 
 bench: install  ## offline throughput vs Hugging Face generate on 64 mixed requests
