@@ -171,7 +171,8 @@ void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& r
 
 // dst += src, the residual adds: a plain loop over contiguous fp32 or bf16 rows (bf16: the fp32 sum
 // rounded once, as torch adds bf16) where TensorIterator's add took ~1-2 us a call at batch-1, twice
-// a layer. Addition commutes (proj + x rounds as x + proj), so the bits are the Python layer's.
+// a layer. Addition commutes (proj + x rounds as x + proj), so the bits are the Python layer's. One
+// thread below 128K elements (a decode batch: elementwise.cpp's kLightMinWork says why).
 void add_residual(at::Tensor& dst, const at::Tensor& src) {
   const auto dtype = dst.scalar_type();
   if ((dtype != at::kFloat && dtype != at::kBFloat16) || src.scalar_type() != dtype || !dst.is_contiguous() ||
@@ -182,14 +183,14 @@ void add_residual(at::Tensor& dst, const at::Tensor& src) {
   if (dtype == at::kFloat) {
     float* d = dst.data_ptr<float>();
     const float* s = src.data_ptr<float>();
-    at::parallel_for(0, dst.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, dst.numel(), int64_t{1} << 17, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) d[i] += s[i];
     });
     return;
   }
   at::BFloat16* d = dst.data_ptr<at::BFloat16>();
   const at::BFloat16* s = src.data_ptr<at::BFloat16>();
-  at::parallel_for(0, dst.numel(), 1 << 15, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, dst.numel(), int64_t{1} << 17, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
     for (; i + tokenmill::kVec <= end; i += tokenmill::kVec)
       tokenmill::store_as(tokenmill::load_bf16(d + i) + tokenmill::load_bf16(s + i), d + i);
