@@ -17,6 +17,7 @@ import dataclasses
 
 import pytest
 
+from tests.isa_emulation.variant import load_variant, skip_all
 from tokenmill.kernels import cpu_caps
 
 _REAL_CAPS = cpu_caps.detect()
@@ -38,17 +39,9 @@ def pytest_report_header() -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _REASON is not None:
-        skip = pytest.mark.skip(reason=f"AVX2 variant run off: {_REASON}")
-        for item in items:
-            item.add_marker(skip)
+        skip_all(items, f"AVX2 variant run off: {_REASON}")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if _REASON is None:
-        import torch
-
-        if not build.load():
-            raise pytest.UsageError("the AVX2 kernels did not build (see the log above)")
-        width = torch.ops.tokenmill.linear_panel_width()
-        if width != 16:
-            raise pytest.UsageError(f"AVX2 kernels have panels of {width} columns, not 16")
+        load_variant("AVX2", 16)

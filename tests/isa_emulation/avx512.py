@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.isa_emulation.variant import load_variant, skip_all
 from tokenmill.kernels import cpu_caps
 
 SHIM = Path(__file__).with_name("avx512_shim.h")
@@ -65,9 +66,7 @@ def pytest_report_header() -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _REASON is not None:
-        skip = pytest.mark.skip(reason=f"AVX-512 emulation off: {_REASON}")
-        for item in items:
-            item.add_marker(skip)
+        skip_all(items, f"AVX-512 emulation off: {_REASON}")
         return
     # It reads the real compile flags, which this plugin replaces.
     flags_test = pytest.mark.skip(reason="checks the native compile flags, replaced under emulation")
@@ -78,10 +77,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     if _REASON is None:
-        import torch
-
-        if not build.load():
-            raise pytest.UsageError("the emulated AVX-512 kernels did not build (see the log above)")
-        width = torch.ops.tokenmill.linear_panel_width()
-        if width != 32:
-            raise pytest.UsageError(f"emulated kernels have panels of {width} columns, not AVX-512's 32")
+        load_variant("emulated AVX-512", 32)
