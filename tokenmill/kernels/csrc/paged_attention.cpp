@@ -262,8 +262,8 @@ inline void request_slot_row(const void* row, int64_t bytes) {
 // read in order, 1.44-1.47 (9.0-9.2). This pass computes the raw dot products (each key's lane sums
 // reduced four rows at a time: hsum4 gives the bits of one at a time, as dot_tile) and copies the V
 // rows into `stage` [kv head][key][dim], from where the weighted sums run in tiles of keys, in
-// cache. One line of the slot rows kPrefetchAhead keys later is requested (the prefetchers fetch
-// the rest), past the last key `next`'s.
+// cache. The slot rows kPrefetchAhead keys later are requested (request_slot_row: their first line,
+// or first 6 on AVX-512), past the last key `next`'s.
 template <typename C, int64_t kDim = 0>
 void dots_in_memory_order(const C* k_cache, const C* v_cache, const int64_t* offsets, int64_t keys, int64_t kv_heads,
                           int64_t head_rows, int64_t head_stride, int64_t runtime_dim, const float* q, float* scores,
