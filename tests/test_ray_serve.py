@@ -221,12 +221,15 @@ def test_both_replicas_serve(cluster):
 def test_killed_replica_is_replaced_and_requests_keep_flowing(cluster):
     base, model = cluster
     before: set[str] = set()
-    for i in range(40):
-        r = completion(base, model, f"warm {i}")
-        assert r.status_code == 200
-        before.add(r.headers[HEADER])
-        if len(before) == 2:
-            break
+    # Waves of concurrent requests, as test_both_replicas_serve: one at a time, Ray's router sent
+    # all of 40 to one replica once (both were idle each time).
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for wave in range(6):
+            for r in pool.map(lambda i: completion(base, model, f"warm {wave} {i}"), range(8)):
+                assert r.status_code == 200
+                before.add(r.headers[HEADER])
+            if len(before) == 2:
+                break
     assert len(before) == 2, before
     victim = min(before)
     ray.kill(ray.get_actor(ray_serve.replica_actor_name(victim), namespace="serve"), no_restart=True)
