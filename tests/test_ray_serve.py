@@ -204,32 +204,31 @@ def test_errors_and_metrics_per_replica(cluster):
     assert m.status_code == 200 and "tokenmill_requests_total" in m.text and m.headers.get(HEADER)
 
 
-def test_both_replicas_serve(cluster):
-    base, model = cluster
+def answers_by_replica(base: str, model: str, label: str) -> dict[str, int]:
+    """Up to 6 waves of 8 concurrent completions (every one answered 200), stopping once both
+    replicas answered: how many each replica answered. Concurrent, because one request at a time to
+    idle replicas, Ray's router once sent all of 40 to the same one."""
     seen: dict[str, int] = {}
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        for _ in range(6):  # up to 6 waves of 8 concurrent requests, stopping once both replicas answered
-            for r in pool.map(lambda i: completion(base, model, f"prompt {i}"), range(8)):
+        for wave in range(6):
+            for r in pool.map(lambda i: completion(base, model, f"{label} {wave} {i}"), range(8)):
                 assert r.status_code == 200, r.text
                 seen[r.headers[HEADER]] = seen.get(r.headers[HEADER], 0) + 1
             if len(seen) >= 2:
                 break
+    return seen
+
+
+def test_both_replicas_serve(cluster):
+    base, model = cluster
+    seen = answers_by_replica(base, model, "prompt")
     assert len(seen) == 2, f"requests were not spread over both replicas: {seen}"
     assert replica_states() == {"RUNNING": 2}
 
 
 def test_killed_replica_is_replaced_and_requests_keep_flowing(cluster):
     base, model = cluster
-    before: set[str] = set()
-    # Waves of concurrent requests, as test_both_replicas_serve: one at a time, Ray's router sent
-    # all of 40 to one replica once (both were idle each time).
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        for wave in range(6):
-            for r in pool.map(lambda i: completion(base, model, f"warm {wave} {i}"), range(8)):
-                assert r.status_code == 200
-                before.add(r.headers[HEADER])
-            if len(before) == 2:
-                break
+    before = set(answers_by_replica(base, model, "warm"))
     assert len(before) == 2, before
     victim = min(before)
     ray.kill(ray.get_actor(ray_serve.replica_actor_name(victim), namespace="serve"), no_restart=True)
