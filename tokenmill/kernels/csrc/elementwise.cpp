@@ -35,7 +35,7 @@ inline int64_t grain(int64_t work_per_item, int64_t min_work = kMinWorkPerThread
   return std::max<int64_t>(1, min_work / std::max<int64_t>(1, work_per_item));
 }
 
-// fp32 or bf16 CPU tensors, all of `first`'s dtype.
+// fp32 or bf16 CPU tensors, all of the first one's dtype.
 void check_same_float(const char* what, std::initializer_list<const at::Tensor*> tensors) {
   const at::ScalarType dtype = (*tensors.begin())->scalar_type();
   for (const at::Tensor* t : tensors)
