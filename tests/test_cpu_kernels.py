@@ -872,3 +872,58 @@ def test_int8_cache_rows_round_trip_within_half_a_step():
     assert ((back - x).abs() <= step / 2 + 1e-6).all()
     assert torch.equal(back[7, 1], torch.zeros(40))
     assert (back.abs().amax(-1) - x.abs().amax(-1)).abs().max() < 1e-5  # absmax maps to +-127 exactly
+
+
+def _amx_applies(k: int = 64) -> bool:
+    weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(32, k, dtype=torch.bfloat16), 64)
+    return torch.ops.tokenmill.amx_linear_applies(torch.ones(1, k, dtype=torch.bfloat16), weight)
+
+
+needs_amx = pytest.mark.skipif(not (build.load() and torch.ops.mkldnn._is_mkldnn_bf16_supported() and _amx_applies()),
+                               reason="no AMX here (or an AVX2 build of the kernels)")
+
+
+@needs_kernels
+def test_the_cpp_onednn_reorder_expects_the_python_batch_hint():
+    """amx_linear checks oneDNN's layout by reordering probes with the hint the weights were reordered with."""
+    from tokenmill.models.packed_linear import _BATCH_HINT
+
+    assert torch.ops.tokenmill.onednn_batch_hint() == _BATCH_HINT
+
+
+@needs_amx
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (100, 70), (33, 64), (33, 40)])
+def test_amx_linear_gives_onednns_bits_at_decode_sizes(out_features, in_features):
+    """Decode-sized bf16 steps on AMX read oneDNN's reordered weight with tokenmill's tiles: the same
+    sums in the same order, so the same bits as oneDNN's GEMM (and both close to fp32's product), with
+    and without a bias, for shapes that are not whole tiles; larger steps stay on oneDNN. (Under 64
+    inputs oneDNN sums some rows in another order: an ulp apart at times.)"""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    assert torch.ops.tokenmill.onednn_amx_layout(out_features, in_features)
+    for rows in (1, 2, 7, 16, 17, 31, 32):
+        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+        assert torch.ops.tokenmill.amx_linear_applies(x, packed)
+        for b in (None, bias):
+            got = torch.ops.tokenmill.amx_linear(x, packed, b)
+            onednn = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            exact = x.float() @ weight.float().T + (0 if b is None else b.float())
+            tolerance = {"rtol": 2 ** -7, "atol": 2 ** -7 * exact.abs().max().item()}
+            if b is None and in_features >= 64:
+                assert torch.equal(got, onednn)
+            else:  # (oneDNN adds some blocks' bias before the last rounding of the sums: an ulp apart at times)
+                torch.testing.assert_close(got, onednn, **tolerance)
+            assert torch.equal(torch.ops.tokenmill.onednn_linear(x, packed, b), got)
+            torch.testing.assert_close(got.float(), exact, **tolerance)
+    assert not torch.ops.tokenmill.amx_linear_applies(torch.ones(33, in_features, dtype=torch.bfloat16), packed)
+
+
+@needs_amx
+def test_amx_linear_refuses_what_it_cannot_read():
+    packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64, dtype=torch.bfloat16), 64)
+    for x in (torch.ones(1, 64), torch.ones(33, 64, dtype=torch.bfloat16), torch.ones(1, 32, dtype=torch.bfloat16)):
+        assert not torch.ops.tokenmill.amx_linear_applies(x, packed)
+        with pytest.raises(RuntimeError, match="amx_linear: bf16 x"):
+            torch.ops.tokenmill.amx_linear(x, packed, None)

@@ -42,7 +42,7 @@ _SCOPES = {"tokenmill::attention": "attention", "tokenmill::sampler": "sampler"}
 # Op names (or name prefixes) that are matrix products.
 _GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_weight_int8pack_mm",
              "mkldnn::", "quantized::", "aten::_grouped_mm", "aten::baddbmm", "tokenmill::packed_int8_linear",
-             "tokenmill::lora_delta", "tokenmill::packed_linear")
+             "tokenmill::lora_delta", "tokenmill::packed_linear", "tokenmill::amx_linear")
 
 
 @dataclass

@@ -45,8 +45,19 @@ void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
                              const at::Tensor& packed_scales, const float* bias, float* out, int64_t n, int64_t begin,
                              int64_t end, Int8RowScratch& scratch);
 
-// onednn_linear.cpp: x W^T + b with W reordered for oneDNN (bf16 on AMX / AVX512-BF16 CPUs); x's dtype
+// onednn_linear.cpp: x W^T + b with W reordered for oneDNN (bf16 on AMX / AVX512-BF16 CPUs); x's dtype.
+// Decode-sized bf16 steps on AMX CPUs run amx_linear on the same reordered weight.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+// The row count oneDNN's weight reorder is told to expect (mkldnn::_reorder_linear_weight's batch_size;
+// tokenmill/models/packed_linear.py passes the same: a test holds them equal).
+constexpr int64_t kOnednnBatchHint = 64;
+
+// amx_linear.cpp: bf16 x [1 to kAmxMaxRows rows, K] times a bf16 weight reordered by oneDNN, on AMX
+constexpr int64_t kAmxMaxRows = 32;
+bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+// Whether oneDNN's reorder of a bf16 [n, k] weight is the blocked layout amx_linear reads (probed once per shape).
+bool onednn_amx_layout(int64_t n, int64_t k);
 
 // paged_attention.cpp
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,

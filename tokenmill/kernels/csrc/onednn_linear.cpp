@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "kernels.h"
@@ -25,6 +26,10 @@ int64_t onednn_padded_rows(int64_t rows) {
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "onednn_linear: x [rows, in_features]");
+  if (amx_linear_applies(x, packed)) {
+    RECORD_FUNCTION("tokenmill::amx_linear", std::vector<c10::IValue>());
+    return amx_linear(x, packed, bias);
+  }
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const int64_t rows = x.size(0), padded = onednn_padded_rows(rows);
@@ -44,6 +49,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("onednn_padded_rows(int rows) -> int", &tokenmill::onednn_padded_rows);
+  m.def("onednn_batch_hint() -> int", []() -> int64_t { return tokenmill::kOnednnBatchHint; });
 }
 
 // (the packed weight is an opaque oneDNN tensor: a call dispatches on its MkldnnCPU key)

@@ -1,0 +1,257 @@
+// y = x W^T + b for a few rows of bf16 x (decode-sized steps) on AMX, reading the weight oneDNN
+// reordered for its own GEMMs (onednn_linear.cpp): one copy of the weight serves both.
+//
+// Why: oneDNN's bf16 GEMMs at decode sizes read the weights well below the memory's rate (SmolLM2's
+// 120 layer GEMMs, each layer its own weights, 2-core Xeon with AMX: 13.3-14.1 ms a pass at 1-16
+// rows, 15.2 GB/s), and each call costs ~18 us of its own. These tiles stream the same bytes at
+// 20-30 GB/s (7.1-10.8 ms); from ~64 rows up oneDNN's blocking wins (it reuses each weight tile
+// across more rows), so larger steps stay on it.
+//
+// oneDNN lays a bf16 weight [N, K] out for AMX as blocks of 32 outputs, each k-pair-major: byte
+// offset ((n / 32) * Kp / 2 + k / 2) * 128 + (n % 32) * 4 + (k % 2) * 2, with K padded to Kp (a
+// multiple of 32) and N to a multiple of 32 by zeros: an AMX B tile (16 k-pairs x 16 outputs) is 16
+// rows of 64 bytes at a stride of 128. The layout is oneDNN's choice, not a promise: every (N, K) is
+// checked once by reordering probe matrices through the same op (onednn_amx_layout), and a shape whose
+// layout differs stays on oneDNN.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace at::native {
+// (ATen's accessors of an opaque oneDNN tensor's buffer: exported, declared in a header the wheel
+// does not ship, ATen/native/mkldnn/MKLDNNCommon.h)
+TORCH_API void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor);
+TORCH_API int64_t nbytes_from_mkldnn(const at::Tensor& mkldnn_tensor);
+}  // namespace at::native
+
+namespace tokenmill {
+namespace {
+
+constexpr int64_t kBlockOutputs = 32;  // outputs per oneDNN weight block (two B tiles side by side)
+constexpr int64_t kTileK = 32;         // inputs per tile (16 pairs)
+
+int64_t round_up(int64_t value, int64_t step) { return (value + step - 1) / step * step; }
+
+// Probes (N, K) through oneDNN's reorder: true when its buffer is the layout above, zero-padded.
+// Each probe weight is its output's index (n % 251 + 1) or its input's (k % 251 + 1), both exact in
+// bf16, so every slot of the buffer names the (n, k) it holds, and padding (0) shows as 0. (Checked
+// a few blocks at a time: a vocabulary-sized weight's expected values would not fit in fp32 at once.)
+bool layout_matches(int64_t n, int64_t k) {
+  static const c10::OperatorHandle reorder =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_reorder_linear_weight", "");
+  const int64_t np = round_up(n, kBlockOutputs), kp = round_up(k, kTileK), blocks = np / kBlockOutputs;
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 22) / (kp * kBlockOutputs));  // blocks per check
+  for (const bool by_output : {true, false}) {
+    const at::Tensor index = by_output ? at::arange(n, options).view({n, 1}).expand({n, k})
+                                       : at::arange(k, options).view({1, k}).expand({n, k});
+    torch::jit::Stack stack{(at::remainder(index, 251) + 1).to(at::kBFloat16).contiguous(),
+                            c10::IValue(kOnednnBatchHint)};
+    reorder.callBoxed(&stack);
+    const at::Tensor packed = stack[0].toTensor();
+    if (at::native::nbytes_from_mkldnn(packed) != np * kp * 2) return false;
+    const at::Tensor raw = at::from_blob(at::native::data_ptr_from_mkldnn(packed),
+                                         {blocks, kp / 2, kBlockOutputs, 2}, at::TensorOptions().dtype(at::kBFloat16));
+    const at::Tensor inputs = ((at::arange(kp / 2, options) * 2).view({1, kp / 2, 1, 1}) +
+                               at::arange(2, options).view({1, 1, 1, 2}));
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+      const int64_t count = std::min(chunk, blocks - b0);
+      const at::Tensor outputs = at::arange(b0 * kBlockOutputs, (b0 + count) * kBlockOutputs, options)
+                                     .view({count, 1, kBlockOutputs, 1});
+      const at::Tensor inside = (outputs < n) & (inputs < k);
+      const at::Tensor want = at::where(inside, at::remainder(by_output ? outputs : inputs, 251) + 1,
+                                        at::zeros({}, options));
+      if (!at::equal(raw.narrow(0, b0, count).to(at::kFloat), want.expand({count, kp / 2, kBlockOutputs, 2})))
+        return false;
+    }
+  }
+  return true;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+#define TOKENMILL_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// AMX on this CPU and granted by the kernel (Linux asks each process to request the tile state).
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = edx & (1u << 24), bf16 = edx & (1u << 22), avx512_bf16 = [] {
+      unsigned a = 0, b = 0, c = 0, d = 0;
+      return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+    }();
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return tile && bf16 && avx512_bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums [16 rows x 16 outputs] fp32; 4, 5: x (16 rows x 32 inputs); 6, 7: W (16 pairs x
+// 16 outputs x 2). Every tile 16 rows of 64 bytes.
+TOKENMILL_AMX void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  __asm__ __volatile__("" : : "r"(&config) : "memory");  // (GCC dropped the stores above without it)
+  _tile_loadconfig(&config);
+}
+
+TOKENMILL_AMX void release_tiles() { _tile_release(); }
+
+// Sums of rows [0, 16 * RowTiles) of x (ldx elements a row, Kp inputs) times one block of 32 outputs
+// (`block`: its Kp / 2 pair rows of 128 bytes), into scratch [32 rows][32 outputs] fp32.
+template <int RowTiles>
+TOKENMILL_AMX void block_sums(const at::BFloat16* x, int64_t ldx, const at::BFloat16* block, int64_t tiles,
+                              float* scratch) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (RowTiles == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_stride = ldx * 2;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const at::BFloat16* w = block + t * 16 * 2 * kBlockOutputs;  // 16 pair rows of 32 outputs x 2
+    _tile_loadd(6, w, 128);
+    _tile_loadd(7, w + 32, 128);
+    _tile_loadd(4, x + t * kTileK, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RowTiles == 2) {
+      _tile_loadd(5, x + 16 * ldx + t * kTileK, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, scratch, 128);
+  _tile_stored(1, scratch + 16, 128);
+  if constexpr (RowTiles == 2) {
+    _tile_stored(2, scratch + 16 * 32, 128);
+    _tile_stored(3, scratch + 16 * 32 + 16, 128);
+  }
+}
+
+// out[r, 0:cols] = bf16(sums[r] + bias) for rows r < rows (bias: fp32 or nullptr).
+TOKENMILL_AMX void store_rows(const float* scratch, const float* bias, at::BFloat16* out, int64_t ldo, int64_t rows,
+                              int64_t cols) {
+  const __mmask16 low = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias != nullptr ? _mm512_maskz_loadu_ps(low, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias != nullptr ? _mm512_maskz_loadu_ps(high, bias + 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(scratch + r * 32), b0);
+    const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(scratch + r * 32 + 16), b1);
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    _mm512_mask_storeu_epi16(out + r * ldo, (static_cast<__mmask32>(high) << 16) | low, both);
+  }
+}
+
+#endif  // CPU_CAPABILITY_AVX512
+
+}  // namespace
+
+bool onednn_amx_layout(int64_t n, int64_t k) {
+  static std::mutex mutex;
+  static std::map<std::pair<int64_t, int64_t>, bool> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = known.find({n, k});
+  if (found == known.end()) found = known.emplace(std::make_pair(n, k), layout_matches(n, k)).first;
+  return found->second;
+}
+
+bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kAmxMaxRows &&
+         packed.is_mkldnn() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 2 &&
+         packed.size(1) == x.size(1) && amx_usable() && onednn_amx_layout(packed.size(0), packed.size(1));
+#else
+  (void)x, (void)packed;
+  return false;
+#endif
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_linear_applies(x, packed), "amx_linear: bf16 x [1-", kAmxMaxRows,
+              " rows, K] and a bf16 weight reordered by oneDNN in the blocked layout amx_linear reads, on a CPU "
+              "with AMX");
+#if defined(CPU_CAPABILITY_AVX512)
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  const int64_t kp = round_up(k, kTileK), mp = round_up(m, 16), blocks = round_up(n, kBlockOutputs) / kBlockOutputs;
+  at::Tensor bias_holder;
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "amx_linear: a bias of N values");
+    bias_holder = bias->to(at::kFloat).contiguous();
+    bias_ptr = bias_holder.data_ptr<float>();
+  }
+  // x as whole tiles: a tile reads 16 rows of 32 inputs, so a row count that is not a multiple of 16
+  // or a K that is not one of 32 reads a zero-padded copy (the weight's padding is zero too).
+  const at::Tensor xc = x.contiguous();
+  at::Tensor padded = xc;
+  if (mp != m || kp != k) {
+    padded = at::zeros({mp, kp}, xc.options());
+    padded.narrow(0, 0, m).narrow(1, 0, k).copy_(xc);
+  }
+  at::Tensor out = at::empty({m, n}, xc.options());
+  const at::BFloat16* xp = padded.data_ptr<at::BFloat16>();
+  const auto* weight = static_cast<const at::BFloat16*>(at::native::data_ptr_from_mkldnn(packed));
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t block_elems = kp * kBlockOutputs, tiles = kp / kTileK;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float scratch[32 * 32];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t col = b * kBlockOutputs, cols = std::min(kBlockOutputs, n - col);
+      for (int64_t r = 0; r < mp; r += 32) {
+        if (mp - r > 16)
+          block_sums<2>(xp + r * kp, kp, weight + b * block_elems, tiles, scratch);
+        else
+          block_sums<1>(xp + r * kp, kp, weight + b * block_elems, tiles, scratch);
+        store_rows(scratch, bias_ptr != nullptr ? bias_ptr + col : nullptr, op + r * n + col, n,
+                   std::min<int64_t>(32, m - r), cols);
+      }
+    }
+    release_tiles();
+  });
+  return out;
+#else
+  (void)bias;
+  return at::Tensor();
+#endif
+}
+
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("amx_linear_applies(Tensor x, Tensor packed) -> bool", &tokenmill::amx_linear_applies);
+  m.def("onednn_amx_layout(int n, int k) -> bool", &tokenmill::onednn_amx_layout);
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, MkldnnCPU, m) {
+  m.impl("amx_linear", &tokenmill::amx_linear);
+}
