@@ -111,19 +111,23 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: sums [16 rows x 16 outputs] fp32; 4, 5: x (16 rows x 32 inputs); 6, 7: W (16 pairs x
-// 16 outputs x 2). Every tile 16 rows of 64 bytes.
-TOKENMILL_AMX void configure_tiles() {
+// Tiles 0, 1: sums of x's first rows (up to 16) x 16 outputs each, fp32; 2, 3: of the next rows
+// (up to 16); 4, 5: those rows of x (32 inputs); 6, 7: W (16 pairs x 16 outputs x 2). A tile of fewer
+// than 16 rows reads and writes only those: x needs no padding rows.
+TOKENMILL_AMX void configure_tiles(int first_rows, int second_rows) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  config.rows[0] = config.rows[1] = config.rows[4] = static_cast<uint8_t>(first_rows);
+  if (second_rows > 0) config.rows[2] = config.rows[3] = config.rows[5] = static_cast<uint8_t>(second_rows);
   __asm__ __volatile__("" : : "r"(&config) : "memory");  // (GCC dropped the stores above without it)
   _tile_loadconfig(&config);
 }
 
 TOKENMILL_AMX void release_tiles() { _tile_release(); }
 
-// Sums of rows [0, 16 * RowTiles) of x (ldx elements a row, Kp inputs) times one block of 32 outputs
-// (`block`: its Kp / 2 pair rows of 128 bytes), into scratch [32 rows][32 outputs] fp32.
+// Sums of x's rows (ldx elements a row, Kp inputs; the tiles' rows: up to 16 for one tile, up to 32
+// for two) times one block of 32 outputs (`block`: its Kp / 2 pair rows of 128 bytes), into scratch
+// [32 rows][32 outputs] fp32.
 template <int RowTiles>
 TOKENMILL_AMX void block_sums(const at::BFloat16* x, int64_t ldx, const at::BFloat16* block, int64_t tiles,
                               float* scratch) {
@@ -200,7 +204,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
               "with AMX");
 #if defined(CPU_CAPABILITY_AVX512)
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  const int64_t kp = round_up(k, kTileK), mp = round_up(m, 16), blocks = round_up(n, kBlockOutputs) / kBlockOutputs;
+  const int64_t kp = round_up(k, kTileK), blocks = round_up(n, kBlockOutputs) / kBlockOutputs;
   at::Tensor bias_holder;
   const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -208,32 +212,27 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
     bias_holder = bias->to(at::kFloat).contiguous();
     bias_ptr = bias_holder.data_ptr<float>();
   }
-  // x as whole tiles: a tile reads 16 rows of 32 inputs, so a row count that is not a multiple of 16
-  // or a K that is not one of 32 reads a zero-padded copy (the weight's padding is zero too).
-  const at::Tensor xc = x.contiguous();
-  at::Tensor padded = xc;
-  if (mp != m || kp != k) {
-    padded = at::zeros({mp, kp}, xc.options());
-    padded.narrow(0, 0, m).narrow(1, 0, k).copy_(xc);
-  }
-  at::Tensor out = at::empty({m, n}, xc.options());
-  const at::BFloat16* xp = padded.data_ptr<at::BFloat16>();
+  // x as whole tiles of inputs: a K that is not a multiple of 32 reads a zero-padded copy (the
+  // weight's padding is zero too).
+  at::Tensor xp = x.contiguous();
+  if (kp != k) xp = at::constant_pad_nd(xp, {0, kp - k});
+  at::Tensor out = at::empty({m, n}, xp.options());
+  const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
   const auto* weight = static_cast<const at::BFloat16*>(at::native::data_ptr_from_mkldnn(packed));
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t block_elems = kp * kBlockOutputs, tiles = kp / kTileK;
+  const int first_rows = static_cast<int>(std::min<int64_t>(m, 16)), second_rows = static_cast<int>(m - first_rows);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    configure_tiles(first_rows, second_rows);
     alignas(64) float scratch[32 * 32];
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t col = b * kBlockOutputs, cols = std::min(kBlockOutputs, n - col);
-      for (int64_t r = 0; r < mp; r += 32) {
-        if (mp - r > 16)
-          block_sums<2>(xp + r * kp, kp, weight + b * block_elems, tiles, scratch);
-        else
-          block_sums<1>(xp + r * kp, kp, weight + b * block_elems, tiles, scratch);
-        store_rows(scratch, bias_ptr != nullptr ? bias_ptr + col : nullptr, op + r * n + col, n,
-                   std::min<int64_t>(32, m - r), cols);
-      }
+      const int64_t col = b * kBlockOutputs;
+      if (second_rows > 0)
+        block_sums<2>(xd, kp, weight + b * block_elems, tiles, scratch);
+      else
+        block_sums<1>(xd, kp, weight + b * block_elems, tiles, scratch);
+      store_rows(scratch, bias_ptr != nullptr ? bias_ptr + col : nullptr, op + col, n, m,
+                 std::min(kBlockOutputs, n - col));
     }
     release_tiles();
   });
