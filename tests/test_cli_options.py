@@ -7,6 +7,7 @@ import pytest
 from tokenmill.cli import build_parser
 from tokenmill.deploy.scale import ScaleOptions
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.llm import OFFLINE_DEFAULTS
 from tokenmill.options import from_args
 from tokenmill.server.commands import settings_from_args
 from tokenmill.server.settings import ServerSettings
@@ -17,8 +18,18 @@ from tokenmill.server.settings import ServerSettings
 def test_engine_flag_defaults_are_the_dataclass_defaults(command):
     args = build_parser().parse_args(command)
     config = EngineConfig.from_cli_args(args)
-    expected = EngineConfig(kv_cache_memory="2GiB") if command[0] == "bench" else EngineConfig()
+    expected = EngineConfig(kv_cache_memory="2GiB", **OFFLINE_DEFAULTS) if command[0] == "bench" else EngineConfig()
     assert config == expected
+
+
+def test_the_offline_api_batches_larger_steps_by_default(monkeypatch):
+    """LLM (and the offline benchmarks) default to vLLM's LLM-class step budget on CPU; arguments win."""
+    from tokenmill.engine import llm
+
+    monkeypatch.setattr(llm, "LLMEngine", lambda config, progress: config)
+    assert llm.LLM("m").engine == EngineConfig(model="m", max_num_batched_tokens=4096, max_num_seqs=256)
+    assert llm.LLM("m", max_num_batched_tokens=512).engine.max_num_batched_tokens == 512
+    assert EngineConfig().max_num_batched_tokens == 2048  # the server's
 
 
 def test_server_and_scale_flags(monkeypatch):

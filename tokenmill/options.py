@@ -24,6 +24,11 @@ def option(default: Any, help: str, *, flag: str | None = None, aliases: Iterabl
     return field(default=default, metadata={_KEY: meta})
 
 
+def option_help(cls: type, name: str) -> str:
+    """The help text of `cls`'s option field `name` (for a command that restates it with another default)."""
+    return next(f.metadata[_KEY]["help"] for f in fields(cls) if f.name == name)
+
+
 def _argparse_kwargs(f: Field, meta: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     kwargs = {"help": meta["help"], **meta["argparse"], **override}
     default = kwargs.setdefault("default", f.default)

@@ -706,8 +706,13 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags of the offline benchmarks: --model also takes 'tiny', a bench KV budget;
     --no-progress."""
     from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm import OFFLINE_DEFAULTS
+    from tokenmill.options import option_help
 
-    EngineConfig.add_cli_args(parser, model={
+    offline = {name: {"default": value,
+                      "help": f"{option_help(EngineConfig, name)} (default here: {value}, the offline API's)"}
+               for name, value in OFFLINE_DEFAULTS.items()}
+    EngineConfig.add_cli_args(parser, **offline, model={
         "help": "model directory, 'tiny' for the random tiny Llama (built once in the cache), or default",
     }, kv_cache_memory={
         "default": DEFAULT_KV_CACHE, "help": f"KV cache budget (default here: {DEFAULT_KV_CACHE})",
