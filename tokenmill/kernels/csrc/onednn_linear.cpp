@@ -15,12 +15,12 @@
 
 namespace tokenmill {
 
-// Row counts rounded up to a few buckets: oneDNN builds (JIT-compiles) a primitive per input shape,
-// and a step's token count takes hundreds of values; building one per step per layer cost more than
-// the padding (<= 1/8 extra rows at worst). The same buckets as packed_linear.py's padded_rows.
+// Row counts rounded up to buckets: oneDNN builds (JIT-compiles) a primitive per input shape, and a
+// step's token count takes hundreds of values; building one per step per layer cost more than the
+// padding (<= 1/8 extra rows at worst). The same buckets as packed_linear.py's padded_rows (see there).
 int64_t onednn_padded_rows(int64_t rows) {
   if (rows <= 8) return rows;
-  const int64_t step = rows <= 64 ? 8 : rows <= 256 ? 32 : 128;
+  const int64_t step = rows <= 64 ? 8 : rows <= 512 ? 32 : 64;
   return (rows + step - 1) / step * step;
 }
 
