@@ -6,8 +6,7 @@ import pytest
 
 from tokenmill.cli import build_parser
 from tokenmill.deploy.scale import ScaleOptions
-from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.llm import OFFLINE_DEFAULTS
+from tokenmill.engine.config import OFFLINE_DEFAULTS, EngineConfig
 from tokenmill.options import from_args
 from tokenmill.server.commands import settings_from_args
 from tokenmill.server.settings import ServerSettings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -130,6 +131,59 @@ def test_streamed_text_equals_final_text(tiny_model_dir):
         engine.shutdown()
     assert len(deltas) > 10
     assert "".join(deltas) == final
+
+
+def test_async_engine_loads_and_steps_the_model_on_its_own_thread(tiny_model_dir, monkeypatch):
+    """Only the engine thread opens OpenMP regions: each thread that does gets its own team of
+    workers, and more of them than cores made libgomp sleep between regions (the server's model
+    steps ran 1.5-2x slower). So the engine is built on the thread that steps it."""
+    import threading
+
+    from tokenmill.engine import async_engine
+    from tokenmill.engine.config import EngineConfig
+
+    threads: list[str] = []
+
+    class RecordingEngine(async_engine.LLMEngine):
+        def __init__(self, *args, **kwargs) -> None:
+            threads.append(threading.current_thread().name)
+            super().__init__(*args, **kwargs)
+
+        def step(self):
+            threads.append(threading.current_thread().name)
+            return super().step()
+
+    monkeypatch.setattr(async_engine, "LLMEngine", RecordingEngine)
+    engine = async_engine.AsyncEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="32MiB"), progress=False)
+
+    async def run() -> str:
+        async for out in engine.generate("Once upon a time", SamplingParams(max_tokens=5, ignore_eos=True)):
+            pass
+        return out.outputs[0].text
+
+    try:
+        assert asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(threads) > 1 and set(threads) == {"tokenmill-engine"}
+
+
+def test_async_engine_raises_what_building_its_engine_raised(tmp_path):
+    import threading
+
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(model=str(tmp_path / "no-such-model"))
+    with pytest.raises(Exception) as direct:
+        LLMEngine(config, progress=False)
+    with pytest.raises(type(direct.value), match=re.escape(str(direct.value))):
+        AsyncEngine(config, progress=False)
+    for thread in threading.enumerate():  # (the failed engine's thread ends once it has handed over the error)
+        if thread.name == "tokenmill-engine":
+            thread.join(timeout=10)
+            assert not thread.is_alive()
 
 
 def test_abort_mid_generation_frees_all_blocks(llm):

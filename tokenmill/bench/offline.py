@@ -705,8 +705,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags of the offline benchmarks: --model also takes 'tiny', a bench KV budget;
     --no-progress."""
-    from tokenmill.engine.config import EngineConfig
-    from tokenmill.engine.llm import OFFLINE_DEFAULTS
+    from tokenmill.engine.config import OFFLINE_DEFAULTS, EngineConfig
     from tokenmill.options import option_help
 
     offline = {name: {"default": value,

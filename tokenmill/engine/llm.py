@@ -6,7 +6,7 @@ from typing import Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import OFFLINE_DEFAULTS, EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
@@ -14,13 +14,6 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.lora.registry import LoRAAdapter, LoRARequest
 
 LoRAChoice = LoRARequest | Seq[LoRARequest | None] | None
-
-
-# The offline API's defaults where they differ from the server's (EngineConfig's), as vLLM's LLM class
-# on CPU: all requests are known up front, so larger steps (GEMMs at a better rate) cost no waiting
-# client anything. (SmolLM2, 64 requests of 16-512 + 32-256 tokens, Intel Xeon with AMX, bf16: a
-# 4096-token budget ran 1.02x the 2048 one.)
-OFFLINE_DEFAULTS = {"max_num_batched_tokens": 4096, "max_num_seqs": 256}
 
 
 class LLM:
