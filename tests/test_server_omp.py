@@ -1,5 +1,5 @@
-"""Server processes' OpenMP workers sleep while they wait (tokenmill/server/omp.py), set before torch
-loads; offline keeps libgomp's defaults; an explicit setting always wins."""
+"""Server processes' OpenMP workers spin a bounded while, then sleep (tokenmill/server/omp.py), set
+before torch loads; offline keeps libgomp's defaults; an explicit setting always wins."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tokenmill.server.omp import server_omp_settings
 
 
 def test_settings_fill_in_only_when_neither_is_set() -> None:
-    assert server_omp_settings({}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert server_omp_settings({}) == {"GOMP_SPINCOUNT": "100000"}
     assert server_omp_settings({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
     assert server_omp_settings({"GOMP_SPINCOUNT": "1000"}) == {}
 
@@ -36,7 +36,7 @@ def test_a_server_process_sets_them_before_torch_loads() -> None:
     )
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["PASSIVE", "None", "False"]
+    assert out.split() == ["None", "100000", "False"]
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # an explicit setting wins
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["ACTIVE", "None", "False"]

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "server_omp", False):
         # Server processes share their cores between the engine thread and the HTTP threads: OpenMP
-        # workers sleep while they wait (tokenmill/server/omp.py). Must be set before torch is
+        # workers spin a bounded while, then sleep (tokenmill/server/omp.py). Must be set before torch is
         # imported (building the parser does not import it; tests/test_server_omp.py); an explicit
         # OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
         os.environ.update(server_omp_settings(os.environ))
