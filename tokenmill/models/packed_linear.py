@@ -142,6 +142,9 @@ class OneDnnLinear(PackedLinear):
             probe = torch.empty(1, self.in_features, dtype=torch.bfloat16)
             self.amx_decode = torch.ops.tokenmill.amx_linear_applies(probe, self.packed_weight)
 
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", amx_decode=True" if self.amx_decode else "")
+
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             return torch.ops.tokenmill.onednn_linear(x, self.packed_weight, self.bias)
