@@ -198,20 +198,13 @@ bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed) {
 #endif
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_linear_applies(x, packed), "amx_linear: bf16 x [1-", kAmxMaxRows,
-              " rows, K] and a bf16 weight reordered by oneDNN in the blocked layout amx_linear reads, on a CPU "
-              "with AMX");
+at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed,
+                                const c10::optional<at::Tensor>& bias) {
 #if defined(CPU_CAPABILITY_AVX512)
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   const int64_t kp = round_up(k, kTileK), blocks = round_up(n, kBlockOutputs) / kBlockOutputs;
   at::Tensor bias_holder;
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "amx_linear: a bias of N values");
-    bias_holder = bias->to(at::kFloat).contiguous();
-    bias_ptr = bias_holder.data_ptr<float>();
-  }
+  const float* bias_ptr = bias_data(bias, n, bias_holder, "amx_linear");
   // x as whole tiles of inputs: a K that is not a multiple of 32 reads a zero-padded copy (the
   // weight's padding is zero too).
   at::Tensor xp = x.contiguous();
@@ -238,9 +231,18 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   });
   return out;
 #else
-  (void)bias;
+  (void)x, (void)packed, (void)bias;
+  TORCH_CHECK(false, "amx_linear: tokenmill's kernels are built without AVX-512 here");
   return at::Tensor();
 #endif
+}
+
+// The op: amx_linear_unchecked where it applies, else an error naming what it takes.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_linear_applies(x, packed), "amx_linear: bf16 x [1-", kAmxMaxRows,
+              " rows, K] and a bf16 weight reordered by oneDNN in the blocked layout amx_linear reads, on a CPU "
+              "with AMX");
+  return amx_linear_unchecked(x, packed, bias);
 }
 
 }  // namespace tokenmill

@@ -27,6 +27,9 @@ template <typename T>
 void rope_head(T* x, const T* cos, const T* sin, int64_t rotary);
 
 // packed_linear.cpp (fp32 x; fp32, bf16 or int8 weights)
+// A linear layer's bias as an fp32 pointer (nullptr without one), kept alive by `holder`; `op` names
+// the caller in the error for a bias that is not N floats.
+const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, at::Tensor& holder, const char* op);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t n);
@@ -55,7 +58,8 @@ constexpr int64_t kOnednnBatchHint = 64;
 // amx_linear.cpp: bf16 x [1 to kAmxMaxRows rows, K] times a bf16 weight reordered by oneDNN, on AMX
 constexpr int64_t kAmxMaxRows = 32;
 bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed);
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+// x W^T + b for an (x, packed) that amx_linear_applies to (callers check; the op amx_linear checks too)
+at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 // Whether oneDNN's reorder of a bf16 [n, k] weight is the blocked layout amx_linear reads (probed once per shape).
 bool onednn_amx_layout(int64_t n, int64_t k);
 

@@ -28,7 +28,7 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   TORCH_CHECK(x.dim() == 2, "onednn_linear: x [rows, in_features]");
   if (amx_linear_applies(x, packed)) {
     RECORD_FUNCTION("tokenmill::amx_linear", std::vector<c10::IValue>());
-    return amx_linear(x, packed, bias);
+    return amx_linear_unchecked(x, packed, bias);
   }
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");

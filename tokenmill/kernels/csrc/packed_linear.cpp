@@ -368,15 +368,14 @@ void for_panel_blocks(int64_t m, int64_t k, int64_t panels, Tile&& tile) {
   });
 }
 
-// The bias as an fp32 pointer (nullptr without one), kept alive by `holder`.
+}  // namespace
+
 const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, at::Tensor& holder, const char* op) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
   TORCH_CHECK(bias->numel() == n && bias->is_floating_point(), op, ": a float bias of N values");
   holder = bias->to(at::kFloat).contiguous();
   return holder.data_ptr<float>();
 }
-
-}  // namespace
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   const auto dtype = weight.scalar_type();
