@@ -15,36 +15,29 @@ import time
 
 import torch
 
-from tokenmill.kernels import build
+from amx_linear_vs_onednn import best_pass, layer_weights  # (bench/, next to this script)
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+from tokenmill.kernels import build
 
 
 def suite(label: str) -> None:
-    weights = [[torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k) / k ** 0.5).bfloat16(), 64)
-                for n, k in SHAPES] for _ in range(30)]
+    weights = layer_weights()
     gate_up = torch.randn(64, 2 * 1536).bfloat16()
 
-    def best(fn) -> float:
-        times = []
+    def gemms(x: torch.Tensor, w: torch.Tensor) -> None:
+        torch.ops.tokenmill.onednn_linear(x, w, None)
+
+    def silu() -> float:
+        best = float("inf")
         for _ in range(7):
             start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times) * 1e3
+            for _ in range(300):
+                torch.ops.tokenmill.silu_mul(gate_up)
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
 
-    def gemms(rows: int) -> None:
-        xs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
-        for layer in weights:
-            for (_, k), w in zip(SHAPES, layer):
-                torch.ops.tokenmill.onednn_linear(xs[k], w, None)
-
-    def silu() -> None:
-        for _ in range(300):
-            torch.ops.tokenmill.silu_mul(gate_up)
-
-    print(f"{label:28s} 120 GEMMs x64 {best(lambda: gemms(64)):6.2f} ms, x16 {best(lambda: gemms(16)):6.2f} ms, "
-          f"300 SiLU*up {best(silu):6.2f} ms", flush=True)
+    print(f"{label:28s} 120 GEMMs x64 {best_pass(gemms, weights, 64, 7):6.2f} ms, "
+          f"x16 {best_pass(gemms, weights, 16, 7):6.2f} ms, 300 SiLU*up {silu():6.2f} ms", flush=True)
 
 
 def main() -> None:
