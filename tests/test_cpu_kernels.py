@@ -368,6 +368,53 @@ def test_int8_linear_rows_do_not_depend_on_their_batch():
         assert torch.equal(layer(batch[:size]), alone[:size]), size
 
 
+def _int8_layer(in_features: int, out_features: int, bias: bool, seed: int):
+    from tokenmill.models.quant import WeightOnlyInt8Linear
+
+    gen = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=gen))
+    return WeightOnlyInt8Linear(linear, use_cpu_kernel=True), gen
+
+
+@needs_kernels
+@pytest.mark.parametrize(("in_features", "out_features", "bias"),
+                         [(64, 40, True), (576, 1536, False), (1536, 200, True), (32, 33, False)])
+def test_int8_steps_on_amx_int8_tiles_equal_the_panels(in_features, out_features, bias):
+    """fp32 x of 16 rows and more goes to AMX-int8 tiles where the CPU has them (int16 inputs split
+    into high and low bytes): every row's bits are the panel path's for that row alone."""
+    if not torch.ops.tokenmill.amx_int8_usable():
+        pytest.skip("needs a CPU with AMX-int8 (and tokenmill's AVX-512 kernels)")
+    layer, gen = _int8_layer(in_features, out_features, bias, seed=in_features + out_features)
+    batch = torch.randn(300, in_features, generator=gen)
+    batch[3, : in_features // 2] *= 1000  # one row with far larger groups
+    alone = torch.cat([layer(row[None]) for row in batch])
+    for size in (16, 17, 33, 64, 300):
+        assert torch.equal(layer(batch[:size]), alone[:size]), size
+
+
+@needs_kernels
+@pytest.mark.parametrize(("in_features", "out_features", "bias"), [(64, 40, True), (576, 1536, False), (1536, 200, True)])
+def test_bf16_int8_steps_on_amx_tiles_are_x_times_the_bf16_rounded_weights(in_features, out_features, bias):
+    """bf16 x of 16 rows and more (a bf16 model's batches and prefill chunks) on AMX-bf16 tiles: x
+    times the weights rounded once to bf16 (q * scale), summed in fp32 (from 1,024 rows by oneDNN's
+    GEMM over the same bf16 weights), rounded to bf16: within half a bf16 step of that product."""
+    if not torch.ops.tokenmill.amx_bf16_usable():
+        pytest.skip("needs a CPU with AMX-bf16 (and tokenmill's AVX-512 kernels)")
+    layer, gen = _int8_layer(in_features, out_features, bias, seed=in_features * out_features)
+    weight = layer.dequantized(torch.float32).bfloat16().double()
+    for size in (16, 40, 300, 1024, 1100):
+        x = torch.randn(size, in_features, generator=gen).bfloat16()
+        got = layer(x)
+        assert got.dtype == torch.bfloat16
+        exact = x.double() @ weight.t() + (layer.bias.double() if bias else 0.0)
+        fp32_sums = 1e-6 * (x.double().abs() @ weight.abs().t()) + 1e-6
+        assert bool(((got.double() - exact).abs() <= exact.abs() * 2.0**-8 + fp32_sums).all()), size
+
+
 @needs_kernels
 def test_int8_weights_share_one_buffer():
     """--quantization int8 moves every layer's packed int8 weight and scales into one (huge-page)

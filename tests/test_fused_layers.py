@@ -67,19 +67,22 @@ def test_fused_layers_are_bit_identical_to_the_python_layers(model, quantization
 
 @pytest.mark.skipif(not (detect().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
                     reason="bf16 activations on oneDNN need a CPU with native bf16 (AMX or AVX512-BF16)")
-@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
-def test_bf16_layers_on_onednn_fuse_bit_identically(sharp_tiny_model_dir, cache_dtype, fused_calls):
+@pytest.mark.parametrize(("cache_dtype", "quantization"), [("auto", None), ("int8", None), ("auto", "int8")])
+def test_bf16_layers_on_onednn_fuse_bit_identically(sharp_tiny_model_dir, cache_dtype, quantization, fused_calls):
     """`--dtype bfloat16` where the CPU has native bf16: bf16 activations, the projections on oneDNN
-    (AMX), the layers fused into the native stack, with the same tokens, logprobs and cache bytes as
-    the Python layers (whose norms, RoPE and SiLU*up run as the same bf16 kernels)."""
+    (AMX) or int8 panels, the layers fused into the native stack, with the same tokens, logprobs and
+    cache bytes as the Python layers (whose norms, RoPE and SiLU*up run as the same bf16 kernels)."""
     from tokenmill.models.packed_linear import OneDnnLinear
+    from tokenmill.models.quant import WeightOnlyInt8Linear
 
-    prompts = mixed_prompts(5, 1, 60, seed=13)
+    prompts = mixed_prompts(20, 1, 60, seed=13)  # (20 decodes a step: int8 steps of 16 rows and more on AMX tiles)
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
-    fused = _engine(sharp_tiny_model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype)
-    plain = _engine(sharp_tiny_model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, fused_layers=False)
+    fused = _engine(sharp_tiny_model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, quantization=quantization)
+    plain = _engine(sharp_tiny_model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, quantization=quantization,
+                    fused_layers=False)
     model = fused.engine.model
-    assert fused.engine.dtype == torch.bfloat16 and type(model.layers[0].mlp.down_proj) is OneDnnLinear
+    projection = WeightOnlyInt8Linear if quantization else OneDnnLinear
+    assert fused.engine.dtype == torch.bfloat16 and type(model.layers[0].mlp.down_proj) is projection
     assert model.fused_stack is not None and plain.engine.model.fused_stack is None
     outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
             for llm in (fused, plain)]

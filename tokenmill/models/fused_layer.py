@@ -12,7 +12,8 @@ with optional bias, no q/k norm, SiLU-gated MLP, no tensor parallelism) in fp32 
 projections are on the panel GEMM: fp32 or bf16 panels (`--packed-linear`; bf16 holds the bf16-valued
 weights of a model published in bf16: the kernel widens them back to fp32) or int8 (`--quantization int8`);
 or in bf16 with the four on oneDNN (`--dtype bfloat16` on a CPU with AMX or AVX512-BF16: the same
-bf16 kernels as the Python layer, whose elementwise ops then also run fused).
+bf16 kernels as the Python layer, whose elementwise ops then also run fused) or int8 panels
+(`--dtype bfloat16 --quantization int8`).
 Anything wrapped later (LoRA) makes the layer stand aside. When every layer of the model is fused,
 the model's forward runs them as one C++ loop (FusedStack): one check per step instead of one per
 layer, and no Python between layers (~25 us a layer: Python's loop, module calls, the op's 32 boxed
@@ -129,14 +130,12 @@ def _fusable(layer: LlamaLayer) -> bool:
 
 def _fusable_projection(linear: nn.Module, activations: torch.dtype) -> bool:
     """fp32 activations (the layer's norm weight's dtype): fp32, bf16 or int8 panels; bf16
-    activations: bf16 weights on oneDNN (CPUs with native bf16)."""
+    activations: bf16 weights on oneDNN (CPUs with native bf16), or int8 panels."""
+    if type(linear) is WeightOnlyInt8Linear:
+        return linear.use_cpu_kernel and activations in (torch.float32, torch.bfloat16)
     if activations == torch.bfloat16:
         return type(linear) is OneDnnLinear and linear.native and linear.packed_weight.dtype == torch.bfloat16
-    if activations != torch.float32:
-        return False
-    if type(linear) is PanelLinear:
-        return True
-    return type(linear) is WeightOnlyInt8Linear and linear.use_cpu_kernel
+    return activations == torch.float32 and type(linear) is PanelLinear
 
 
 def _projection_arguments(linear: nn.Module) -> tuple:

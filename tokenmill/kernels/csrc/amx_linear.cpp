@@ -22,7 +22,9 @@
 #include "kernels.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -90,17 +92,28 @@ bool layout_matches(int64_t n, int64_t k) {
 
 #define TOKENMILL_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
-// AMX on this CPU and granted by the kernel (Linux asks each process to request the tile state).
+// cpuid leaf 7's EDX: AMX-TILE (bit 24), AMX-BF16 (22), AMX-INT8 (25).
+unsigned leaf7_edx() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) ? edx : 0;
+}
+
+// The tile state granted to this process (Linux asks each process to request it).
+bool tiles_granted() {
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return granted;
+}
+
+// AMX-BF16 on this CPU and granted.
 bool amx_usable() {
   static const bool usable = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned edx = leaf7_edx();
     const bool tile = edx & (1u << 24), bf16 = edx & (1u << 22), avx512_bf16 = [] {
       unsigned a = 0, b = 0, c = 0, d = 0;
       return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
     }();
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return tile && bf16 && avx512_bf16 && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+    return tile && bf16 && avx512_bf16 && tiles_granted();
   }();
   return usable;
 }
@@ -178,6 +191,28 @@ TOKENMILL_AMX void store_rows(const float* scratch, const float* bias, at::BFloa
 
 }  // namespace
 
+bool amx_bf16_usable() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
+bool amx_int8_usable() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool usable = [] {
+    const char* setting = std::getenv("TOKENMILL_AMX_INT8");
+    if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
+    const unsigned edx = leaf7_edx();
+    return (edx & (1u << 24)) && (edx & (1u << 25)) && tiles_granted();
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
 bool onednn_amx_layout(int64_t n, int64_t k) {
   static std::mutex mutex;
   static std::map<std::pair<int64_t, int64_t>, bool> known;
@@ -237,6 +272,33 @@ at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed,
 #endif
 }
 
+void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
+                     const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias,
+                     at::BFloat16* out, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const int first_rows = static_cast<int>(std::min<int64_t>(m, 16));
+  const int second_rows = static_cast<int>(std::min<int64_t>(m - first_rows, 16));
+  configure_tiles(first_rows, second_rows);
+  alignas(64) float scratch[32 * 32];
+  for (int64_t b = begin; b < end; ++b) {
+    const at::BFloat16* block = block_of(b);
+    const int64_t col = b * kBlockOutputs, cols = std::min(kBlockOutputs, n - col);
+    for (int64_t r = 0; r < m; r += 32) {
+      if (second_rows > 0)
+        block_sums<2>(x + r * kp, kp, block, kp / kTileK, scratch);
+      else
+        block_sums<1>(x + r * kp, kp, block, kp / kTileK, scratch);
+      store_rows(scratch, bias != nullptr ? bias + col : nullptr, out + r * n + col, n, std::min<int64_t>(32, m - r),
+                 cols);
+    }
+  }
+  release_tiles();
+#else
+  (void)x, (void)m, (void)kp, (void)begin, (void)end, (void)block_of, (void)bias, (void)out, (void)n;
+  TORCH_CHECK(false, "amx_bf16_blocks: tokenmill's kernels are built without AVX-512 here");
+#endif
+}
+
 // The op: amx_linear_unchecked where it applies, else an error naming what it takes.
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_linear_applies(x, packed), "amx_linear: bf16 x [1-", kAmxMaxRows,
@@ -251,6 +313,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("amx_linear_applies(Tensor x, Tensor packed) -> bool", &tokenmill::amx_linear_applies);
   m.def("onednn_amx_layout(int n, int k) -> bool", &tokenmill::onednn_amx_layout);
+  m.def("amx_int8_usable() -> bool", &tokenmill::amx_int8_usable);
+  m.def("amx_bf16_usable() -> bool", &tokenmill::amx_bf16_usable);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, MkldnnCPU, m) {

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -40,9 +41,11 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
 // nullptr), on the calling thread, as the ops above compute them; shapes as they check them.
 void packed_linear_rows(const float* x, int64_t m, const at::Tensor& packed, const float* bias, float* out, int64_t n,
                         int64_t begin, int64_t end);
-struct Int8RowScratch {  // a thread's x as int16 pairs and block scales
+struct Int8RowScratch {  // a thread's x as int16 pairs and block scales (and their bytes for AMX tiles)
   std::vector<int16_t> xq;
   std::vector<float> sx;
+  std::vector<int8_t> high;
+  std::vector<uint8_t> low;
 };
 void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed,
                              const at::Tensor& packed_scales, const float* bias, float* out, int64_t n, int64_t begin,
@@ -62,6 +65,18 @@ bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 // Whether oneDNN's reorder of a bf16 [n, k] weight is the blocked layout amx_linear reads (probed once per shape).
 bool onednn_amx_layout(int64_t n, int64_t k);
+// AMX-BF16 tiles on this CPU and granted by the OS.
+bool amx_bf16_usable();
+// x [m, kp] bf16 (rows past 32 padded to whole 32-row chunks; kp a multiple of 32) times blocks
+// [begin, end) of 32 outputs of a weight held as amx_linear reads oneDNN's (block_of(b): block b's
+// kp / 2 pair rows of 32 outputs x 2 inputs, bf16), into out [m, n] bf16 (+ bias, fp32 or nullptr),
+// on the calling thread.
+void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
+                     const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias,
+                     at::BFloat16* out, int64_t n);
+// AMX-int8 tiles on this CPU, granted by the OS, and not turned off (TOKENMILL_AMX_INT8=0): the int8
+// panel GEMM (packed_linear.cpp) then sums steps of 5 rows and more on them.
+bool amx_int8_usable();
 
 // paged_attention.cpp
 void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,

@@ -33,6 +33,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 namespace tokenmill {
 namespace {
 
@@ -337,6 +341,202 @@ inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int
                   p == P - 1 ? cols : kPanel);
 }
 
+// int8 panels on AMX-int8 tiles (CPUs with AMX: Sapphire Rapids and later), from 9 rows up.
+// The same products as int8_panel_tile, summed by the tile unit: each int16 input is split into a
+// signed high byte and an unsigned low byte (x = 256 hi + lo, exactly), tdpbssd sums hi x W and
+// tdpbusd lo x W over a group of 32 inputs, and 256 * hi_sum + lo_sum is the panel path's exact int32
+// block sum, which then enters the fp32 result as it does there: the bits equal the panel path's
+// (tested), a row's result still does not depend on its step. Applies to weights with groups of 32
+// (every K that is a multiple of 32): one group is one tile's depth. The panel's pairs are rearranged
+// into the tile unit's quads (16 columns x 4 inputs a 64-byte row) as each panel is reached, once
+// per block of rows.
+#if defined(CPU_CAPABILITY_AVX512)
+#define TOKENMILL_AMX_INT8 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl")))
+
+constexpr int64_t kAmxGroupPairs = 16;  // a weight group of 32 inputs: one A tile's 32 bytes of depth
+constexpr int64_t kAmxTileRows = 16;
+constexpr int64_t kQuadTileBytes = 8 * 64;  // B tile: 8 rows of 4 inputs x 16 columns
+
+struct AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0, 1: x's high and low bytes (rows x 32 inputs); 2, 3: W's quads for the panel's two halves
+// (8 x 64 bytes); 4-7: int32 sums (rows x 16 columns): hi and lo for half 0, then for half 1.
+TOKENMILL_AMX_INT8 void configure_int8_tiles(int rows) {
+  AmxTileConfig config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = static_cast<uint8_t>(rows);
+  config.bytes_per_row[0] = config.bytes_per_row[1] = 2 * kAmxGroupPairs;
+  config.rows[2] = config.rows[3] = 8;
+  __asm__ __volatile__("" : : "r"(&config) : "memory");  // (keeps the stores above: see amx_linear.cpp)
+  _tile_loadconfig(&config);
+}
+
+// Pair rows (64 bytes each) requested ahead of the one being rearranged or widened: the panels are one stream (the
+// next panel follows this one), which the core's own prefetchers left waiting on memory (16 rows:
+// ~60% of the widening's time in the first use of each load).
+constexpr int64_t kDequantAhead = 64;
+
+// One int8 panel's pairs ([pairs, 2 * kPanel] bytes) as quads, per group and half:
+// quads[g][h][i][4c + t] = W[16h + c, 32g + 4i + t]: pair rows 2i and 2i + 1 of the group, their
+// 16-bit units (one column's pair each) interleaved.
+TOKENMILL_AMX_INT8 void panel_as_quads(const int8_t* panel, int64_t groups, int8_t* quads) {
+  alignas(64) int16_t low_index[32], high_index[32];
+  for (int c = 0; c < 16; ++c) {
+    low_index[2 * c] = static_cast<int16_t>(c), low_index[2 * c + 1] = static_cast<int16_t>(32 + c);
+    high_index[2 * c] = static_cast<int16_t>(16 + c), high_index[2 * c + 1] = static_cast<int16_t>(48 + c);
+  }
+  const __m512i low = _mm512_load_si512(low_index), high = _mm512_load_si512(high_index);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* pairs = panel + g * kAmxGroupPairs * 2 * kPanel;
+    int8_t* out = quads + g * 2 * kQuadTileBytes;
+    for (int64_t i = 0; i < 8; ++i) {
+      __builtin_prefetch(pairs + (2 * i + kDequantAhead) * 2 * kPanel, 0, 2);
+      __builtin_prefetch(pairs + (2 * i + 1 + kDequantAhead) * 2 * kPanel, 0, 2);
+      const __m512i a = _mm512_loadu_si512(pairs + 2 * i * 2 * kPanel);
+      const __m512i b = _mm512_loadu_si512(pairs + (2 * i + 1) * 2 * kPanel);
+      _mm512_store_si512(out + i * 64, _mm512_permutex2var_epi16(a, low, b));
+      _mm512_store_si512(out + kQuadTileBytes + i * 64, _mm512_permutex2var_epi16(a, high, b));
+    }
+  }
+}
+
+// x's int16 inputs [rows, kp] as high (signed) and low (unsigned) bytes, [rows, kp] each.
+TOKENMILL_AMX_INT8 void split_int16(const int16_t* xq, int64_t count, int8_t* high, uint8_t* low) {
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32) {
+    const __m512i v = _mm512_loadu_si512(xq + i);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(high + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + i), _mm512_cvtepi16_epi8(v));
+  }
+  for (; i < count; ++i) high[i] = static_cast<int8_t>(xq[i] >> 8), low[i] = static_cast<uint8_t>(xq[i] & 0xFF);
+}
+
+// out[r, 0:cols] = x[r, :] . W (+ bias) for `rows` rows (up to 16; the tiles hold `tile_rows`) over one
+// panel, from x's bytes (kp a row), its block scales (ldsx a row), the panel's quads and scales.
+TOKENMILL_AMX_INT8 void amx_int8_panel_tile(const int8_t* high, const uint8_t* low, int64_t kp, const float* sx,
+                                            int64_t ldsx, int64_t rows, const int8_t* quads, const Scale* scales,
+                                            int64_t groups, const float* bias, float* out, int64_t ldo,
+                                            int64_t cols) {
+  alignas(64) int32_t sums[4][kAmxTileRows][16];
+  alignas(64) float acc[kAmxTileRows][kPanel] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_loadd(0, high + g * 2 * kAmxGroupPairs, kp);
+    _tile_loadd(1, low + g * 2 * kAmxGroupPairs, kp);
+    _tile_loadd(2, quads + g * 2 * kQuadTileBytes, 64);
+    _tile_loadd(3, quads + g * 2 * kQuadTileBytes + kQuadTileBytes, 64);
+    _tile_dpbssd(4, 0, 2);
+    _tile_dpbusd(5, 1, 2);
+    _tile_dpbssd(6, 0, 3);
+    _tile_dpbusd(7, 1, 3);
+    _tile_stored(4, sums[0], 64);
+    _tile_stored(5, sums[1], 64);
+    _tile_stored(6, sums[2], 64);
+    _tile_stored(7, sums[3], 64);
+    const __m512 s0 = load_as_float(scales + g * kPanel), s1 = load_as_float(scales + g * kPanel + kVec);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 x_scale = _mm512_set1_ps(sx[r * ldsx + g]);
+      const __m512i sum0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][r]), 8),
+                                            _mm512_load_si512(sums[1][r]));
+      const __m512i sum1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[2][r]), 8),
+                                            _mm512_load_si512(sums[3][r]));
+      _mm512_store_ps(acc[r], _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum0), x_scale), s0,
+                                              _mm512_load_ps(acc[r])));
+      _mm512_store_ps(acc[r] + kVec, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum1), x_scale), s1,
+                                                     _mm512_load_ps(acc[r] + kVec)));
+    }
+  }
+  const __mmask16 first = cols >= kVec ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 second = cols >= kPanel ? 0xFFFF : cols <= kVec ? 0 : static_cast<__mmask16>((1u << (cols - kVec)) - 1);
+  const __m512 b0 = bias != nullptr ? _mm512_maskz_loadu_ps(first, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias != nullptr ? _mm512_maskz_loadu_ps(second, bias + kVec) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {  // (+ 0 without a bias, as store_tile adds it)
+    _mm512_mask_storeu_ps(out + r * ldo, first, _mm512_add_ps(_mm512_load_ps(acc[r]), b0));
+    _mm512_mask_storeu_ps(out + r * ldo + kVec, second, _mm512_add_ps(_mm512_load_ps(acc[r] + kVec), b1));
+  }
+}
+
+TOKENMILL_AMX_INT8 void release_int8_tiles() { _tile_release(); }
+
+struct alignas(64) CacheLine {
+  int8_t bytes[64];
+};
+
+// Rows [m0, m0 + rows) of x (split bytes [m + 16 rows, kp] each, the rows past m zero; block scales)
+// times int8 panels [begin, end), on the calling thread.
+void amx_int8_panel_range(const int8_t* high, const uint8_t* low, const float* sxp, const ActivationBlocks& cut,
+                          const int8_t* qp, const Scale* sp, const float* bias_ptr, float* op, int64_t m, int64_t n,
+                          int64_t begin, int64_t end, int64_t m0, int64_t rows) {
+  const int64_t kp = cut.inputs(), blocks = cut.blocks(), groups = cut.groups;
+  thread_local std::vector<CacheLine> quads;
+  quads.resize(static_cast<size_t>(groups * 2 * kQuadTileBytes / 64));
+  int8_t* quad_bytes = quads.data()->bytes;
+  configure_int8_tiles(static_cast<int>(std::min(m, kAmxTileRows)));
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+    panel_as_quads(qp + p * cut.panel_bytes(), groups, quad_bytes);
+    for (int64_t r = m0; r < m0 + rows; r += kAmxTileRows)
+      amx_int8_panel_tile(high + r * kp, low + r * kp, kp, sxp + r * blocks, blocks,
+                          std::min(kAmxTileRows, m0 + rows - r), quad_bytes, sp + p * cut.panel_scales(), groups,
+                          bias_ptr != nullptr ? bias_ptr + col : nullptr, op + r * n + col, n, cols);
+  }
+  release_int8_tiles();
+}
+
+// A bf16 model's int8 steps of 5 rows and more on AMX-bf16 tiles: each panel's int8 weights times
+// their group scales, rounded once to bf16, in amx_linear's block layout (the panel's pair rows,
+// widened), then x's rows times that block (amx_bf16_blocks). x is bf16 already, so nothing of it
+// is lost; the weights take a bf16 rounding (2^-9 of each) on top of int8's. The int8 sums above
+// pay a scaling per group of 32 inputs for every output; these tiles sum all of K in fp32 inside the
+// tile unit: SmolLM2's 120 layer GEMMs at 64 / 2,048 rows, `python bench/amx_int8_vs_panels.py`.
+#define TOKENMILL_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// One int8 panel's (32 columns') weights times their group scales, bf16(q[c, 2j + t] * s[c, j / group_pairs]):
+// as amx_linear's block (KMajor false: block[j][c][t]), or into columns [0, cols) of a [K, N] matrix
+// (KMajor true: block[(2j + t) * ldo + c]).
+template <bool KMajor = false>
+TOKENMILL_AVX512_BF16 void panel_as_bf16(const int8_t* panel, const Scale* scales, const ActivationBlocks& cut,
+                                         at::BFloat16* block, int64_t ldo = 0, int64_t cols = kPanel) {
+  alignas(64) int16_t even_index[32], odd_index[32];  // a pair row's first / second inputs, by column
+  for (int c = 0; c < 32; ++c) even_index[c] = static_cast<int16_t>(2 * c), odd_index[c] = static_cast<int16_t>(2 * c + 1);
+  const __m512i evens = _mm512_load_si512(even_index), odds = _mm512_load_si512(odd_index);
+  const __mmask32 columns = cols >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << cols) - 1);
+  alignas(64) int32_t first_half[16], second_half[16];  // a pair row's 64 values: value e is column e / 2
+  for (int e = 0; e < 16; ++e) first_half[e] = e / 2, second_half[e] = 8 + e / 2;
+  const __m512i first = _mm512_load_si512(first_half), second = _mm512_load_si512(second_half);
+  for (int64_t g = 0; g < cut.groups; ++g) {
+    const __m512 s0 = load_as_float(scales + g * kPanel), s1 = load_as_float(scales + g * kPanel + kVec);
+    const __m512 column_scales[4] = {_mm512_permutexvar_ps(first, s0), _mm512_permutexvar_ps(second, s0),
+                                     _mm512_permutexvar_ps(first, s1), _mm512_permutexvar_ps(second, s1)};
+    for (int64_t j = g * cut.group_pairs; j < (g + 1) * cut.group_pairs; ++j) {
+      __builtin_prefetch(panel + (j + kDequantAhead) * 2 * kPanel, 0, 2);
+      const __m512i w = _mm512_loadu_si512(panel + j * 2 * kPanel);
+      __m512 values[4];
+      values[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w, 0)));
+      values[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w, 1)));
+      values[2] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w, 2)));
+      values[3] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(w, 3)));
+      for (int v = 0; v < 4; ++v) values[v] = _mm512_mul_ps(values[v], column_scales[v]);
+      const __m512i low = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(values[1], values[0]));
+      const __m512i high = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(values[3], values[2]));
+      if constexpr (KMajor) {
+        _mm512_mask_storeu_epi16(block + 2 * j * ldo, columns, _mm512_permutex2var_epi16(low, evens, high));
+        _mm512_mask_storeu_epi16(block + (2 * j + 1) * ldo, columns, _mm512_permutex2var_epi16(low, odds, high));
+      } else {
+        _mm512_storeu_si512(block + j * 2 * kPanel, low);
+        _mm512_storeu_si512(block + j * 2 * kPanel + 32, high);
+      }
+    }
+  }
+}
+#endif  // CPU_CAPABILITY_AVX512
+
 // A matrix of at least this many panels (a vocabulary projection) is shared among the threads in
 // pieces of kPanelsPerPiece, taken as each thread finishes its last, when x is one block of rows.
 // Halves of a 1 ms lm_head left one thread done ~70 us before the other (batch-1 SmolLM2, 2-core
@@ -413,8 +613,14 @@ inline void one_row_panel_groups(const float* x, const W* wp, const float* bias,
 // Rows of x up to this many take int8 panels six at a time, one row after another over each group of
 // panels (the group, 55-150 KB, stays in L2 for the next row): as for one row, six streams draw more
 // of the memory's bandwidth than one panel of a register tile of rows (120 layer GEMMs of SmolLM2,
-// 2 rows: 5.8 ms with 6 streams, 7.8 with 1; 4 rows: 7.7 vs 9.1).
+// 2 rows: 5.8 ms with 6 streams, 7.8 with 1; 4 rows: 7.7 vs 9.1; AVX2 on an AMD EPYC). With AVX-512
+// (a register tile of 12 rows) only one row does: on a 2-core Xeon, `python bench/amx_int8_vs_panels.py`,
+// 2-4 rows took 8.4-10.0 ms row by row and 5.5-5.8 as register tiles.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kInt8RowByRow = 1;
+#else
 constexpr int64_t kInt8RowByRow = 4;
+#endif
 
 // Rows [0, rows) of x (int16 pairs and block scales) times int8 panels [p, end) in groups of P full
 // panels, then of fewer; p ends at the first panel left (none, or a last partial one).
@@ -430,10 +636,120 @@ inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, 
   if constexpr (P > 1) int8_panel_groups<P - 1>(xq, sx, rows, qp, sp, cut, bias, out, n, p, end);
 }
 
-// Rows [m0, m0 + rows) of x (int16 pairs and block scales, m rows in all) times int8 panels [begin, end).
-void int8_panel_range(const int16_t* xqp, const float* sxp, const ActivationBlocks& cut, const int8_t* qp,
-                      const Scale* sp, const float* bias_ptr, float* op, int64_t m, int64_t n, int64_t begin,
-                      int64_t end, int64_t m0, int64_t rows) {
+// Steps of at least this many rows take the AMX tiles where they apply (fp32 x: amx_int8_panel_tile;
+// bf16 x: panel_as_bf16); fewer stay on the panels, which stream the weights at fewer instructions
+// per byte. SmolLM2's 120 layer GEMMs (`python bench/amx_int8_vs_panels.py`, 2-core Xeon), ms a
+// pass: fp32 x, 8 rows 8.5 on the panels, 9.9 on the int8 tiles; 16 rows 15.5-15.7 against
+// 13.5-15.1; bf16 x, 8 rows 10.1 on the bf16 tiles, 12 rows 10.3 against 11.3 on the panels.
+constexpr int64_t kAmxInt8MinRows = 16;
+constexpr int64_t kAmxBf16MinRows = 12;
+
+bool amx_bf16_applies(const at::Tensor& x, const ActivationBlocks& cut, int64_t m) {
+#if defined(CPU_CAPABILITY_AVX512)
+  static_assert(kPanel == 32, "an int8 panel is one of amx_linear's 32-output blocks");
+  return x.scalar_type() == at::kBFloat16 && m >= kAmxBf16MinRows && cut.group_pairs == kAmxGroupPairs &&
+         cut.blocks_per_group == 1 && amx_bf16_usable();
+#else
+  (void)x, (void)cut, (void)m;
+  return false;
+#endif
+}
+
+// From this many rows a bf16 step's int8 weights (of a layer without a bias) are widened to one bf16
+// [K, N] matrix and multiplied by oneDNN's bf16 GEMM (prefill chunks): its blocking reuses a weight tile across more rows than the
+// tiles above (SmolLM2's 120 layer GEMMs at 2,048 rows: 333 ms on those tiles, ~170 on oneDNN's
+// bf16 GEMM, the widening a few ms: `python bench/amx_int8_vs_panels.py`).
+constexpr int64_t kDenseMinRows = 1024;
+
+// out = x W^T (+ bias) for bf16 x [m, K] where amx_bf16_applies (see panel_as_bf16).
+at::Tensor bf16_tiles_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
+                                  const ActivationBlocks& cut, const float* bias_ptr, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), chunks = (m + 31) / 32;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (m >= kDenseMinRows && bias_ptr == nullptr) {  // (with a bias: the tiles, which add it before rounding)
+    at::Tensor weight = at::empty({k, n}, x.options());
+    at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
+    const int8_t* qp = packed.data_ptr<int8_t>();
+    const Scale* sp = packed_scales.data_ptr<Scale>();
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        panel_as_bf16<true>(qp + p * cut.panel_bytes(), sp + p * cut.panel_scales(), cut, wp + p * kPanel, n,
+                            std::min(kPanel, n - p * kPanel));
+    });
+    return at::matmul(x, weight);
+  }
+#endif
+  at::Tensor xp = x.contiguous();
+  if (m > 32 && m % 32 != 0) xp = at::constant_pad_nd(xp, {0, 0, 0, chunks * 32 - m});  // whole 32-row chunks
+  at::Tensor out = at::empty({m, n}, x.options());
+#if defined(CPU_CAPABILITY_AVX512)
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  const Scale* sp = packed_scales.data_ptr<Scale>();
+  const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<CacheLine> lines;
+    lines.resize(static_cast<size_t>(k * kPanel * 2 / 64));
+    auto* block = reinterpret_cast<at::BFloat16*>(lines.data());
+    amx_bf16_blocks(xd, m, k, begin, end, [&](int64_t p) {
+      panel_as_bf16(qp + p * cut.panel_bytes(), sp + p * cut.panel_scales(), cut, block);
+      return static_cast<const at::BFloat16*>(block);
+    }, bias_ptr, op, n);
+  });
+#endif
+  return out;
+}
+
+
+// x's int16 inputs as the AMX tiles read them (high and low bytes), or none: the panel path.
+struct SplitInputs {
+  const int8_t* high = nullptr;
+  const uint8_t* low = nullptr;
+};
+
+bool amx_int8_applies(const ActivationBlocks& cut, int64_t m) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return m >= kAmxInt8MinRows && cut.group_pairs == kAmxGroupPairs && cut.blocks_per_group == 1 && amx_int8_usable();
+#else
+  (void)cut, (void)m;
+  return false;
+#endif
+}
+
+// x's m rows of int16 inputs (kp a row) split into `high` and `low` for the AMX tiles, with 16 zero
+// rows after them (a tile of 16 rows starting at any row reads inside the buffers); none where the
+// tiles do not apply. `parallel`: split on torch's threads (else on the calling one).
+SplitInputs split_for_amx(const int16_t* xq, const ActivationBlocks& cut, int64_t m, std::vector<int8_t>& high,
+                          std::vector<uint8_t>& low, bool parallel) {
+  if (!amx_int8_applies(cut, m)) return {};
+#if defined(CPU_CAPABILITY_AVX512)
+  const int64_t kp = cut.inputs();
+  high.resize(static_cast<size_t>((m + kAmxTileRows) * kp));
+  low.resize(high.size());
+  std::fill(high.begin() + m * kp, high.end(), 0);
+  std::fill(low.begin() + m * kp, low.end(), 0);
+  auto split = [&](int64_t r0, int64_t r1) {
+    split_int16(xq + r0 * kp, (r1 - r0) * kp, high.data() + r0 * kp, low.data() + r0 * kp);
+  };
+  if (parallel)
+    at::parallel_for(0, m, 64, split);
+  else
+    split(0, m);
+#endif
+  return {high.data(), low.data()};
+}
+
+// Rows [m0, m0 + rows) of x (int16 pairs and block scales, m rows in all; `split` where the AMX tiles
+// apply) times int8 panels [begin, end).
+void int8_panel_range(const int16_t* xqp, const float* sxp, SplitInputs split, const ActivationBlocks& cut,
+                      const int8_t* qp, const Scale* sp, const float* bias_ptr, float* op, int64_t m, int64_t n,
+                      int64_t begin, int64_t end, int64_t m0, int64_t rows) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (split.high != nullptr) {
+    amx_int8_panel_range(split.high, split.low, sxp, cut, qp, sp, bias_ptr, op, m, n, begin, end, m0, rows);
+    return;
+  }
+#endif
   const int64_t kp = cut.inputs(), blocks = cut.blocks();
   int64_t p = begin;
   if (m <= kInt8RowByRow) int8_panel_groups<kOneRowPanels>(xqp, sxp, m, qp, sp, cut, bias_ptr, op, n, p, end);
@@ -541,7 +857,12 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
   const ActivationBlocks cut(k, packed_scales.size(1));
   at::Tensor bias_holder;
   const float* bias_ptr = bias_data(bias, n, bias_holder, "packed_int8_linear");
-  const at::Tensor xc = x.reshape({-1, k}).to(at::kFloat).contiguous();  // (a bf16 model's activations too)
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  const at::Tensor x2d = x.reshape({-1, k});
+  if (n > 0 && amx_bf16_applies(x2d, cut, x2d.size(0)))
+    return bf16_tiles_int8_linear(x2d, packed, packed_scales, cut, bias_ptr, n).view(shape);
+  const at::Tensor xc = x2d.to(at::kFloat).contiguous();  // (a bf16 model's activations too)
   const int64_t m = xc.size(0), kp = cut.inputs();
   at::Tensor out = at::empty({m, n}, xc.options());
   if (m > 0 && n > 0) {
@@ -555,15 +876,16 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
     int16_t* xqp = xq.data();
     float* sxp = sx.data();
     at::parallel_for(0, m, 64, [&](int64_t r0, int64_t r1) { quantize_activations(xp, k, cut, r0, r1, xqp, sxp); });
+    thread_local std::vector<int8_t> high;
+    thread_local std::vector<uint8_t> low;
+    const SplitInputs split = split_for_amx(xqp, cut, m, high, low, true);
     const int8_t* qp = packed.data_ptr<int8_t>();
     const Scale* sp = packed_scales.data_ptr<Scale>();
     float* op = out.data_ptr<float>();
     for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
-      int8_panel_range(xqp, sxp, cut, qp, sp, bias_ptr, op, m, n, begin, end, m0, rows);
+      int8_panel_range(xqp, sxp, split, cut, qp, sp, bias_ptr, op, m, n, begin, end, m0, rows);
     });
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
   return out.view(shape).to(x.scalar_type());
 }
 
@@ -583,7 +905,8 @@ void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
   scratch.xq.resize(static_cast<size_t>(m * cut.inputs()));
   scratch.sx.resize(static_cast<size_t>(m * cut.blocks()));
   quantize_activations(x, k, cut, 0, m, scratch.xq.data(), scratch.sx.data());
-  int8_panel_range(scratch.xq.data(), scratch.sx.data(), cut, packed.data_ptr<int8_t>(),
+  const SplitInputs split = split_for_amx(scratch.xq.data(), cut, m, scratch.high, scratch.low, false);
+  int8_panel_range(scratch.xq.data(), scratch.sx.data(), split, cut, packed.data_ptr<int8_t>(),
                    packed_scales.data_ptr<Scale>(), bias, out, m, n, begin, end, 0, m);
 }
 
