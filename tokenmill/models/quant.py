@@ -17,7 +17,11 @@ tokens depend on its batch): teacher-forced top-1 agreement with fp32 on SmolLM2
 On CPU the product runs on tokenmill's panel GEMM (`tokenmill.kernels`, packed_linear.cpp: 1 byte per
 weight streamed, multiplied with the activations rounded to int16 per group (under 1/65534 of the
 group's largest value: far finer than bf16) in exact int32 sums, fp32 across groups); without it (no
-compiler, a GPU) the weight is widened to the activation dtype per call.
+compiler, a GPU) the weight is widened to the activation dtype per call. On CPUs with AMX, larger
+steps run on its tiles from the same packed weight: an fp32 model's (16 rows and more) as the same
+int32 sums on AMX-int8 (the same bits), a bf16 model's (12 rows and more) as the weights widened to
+bf16 (q * scale, rounded once) on AMX-bf16, its activations being bf16 already
+(bench/amx_int8_vs_panels.py).
 MoE expert weights are split into one linear per expert first and quantized the same way; MoE
 routers are not linear layers and stay in the model dtype (int8 routing would pick other experts).
 """
