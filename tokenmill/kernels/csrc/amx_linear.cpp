@@ -118,17 +118,11 @@ bool amx_usable() {
   return usable;
 }
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0, 1: sums of x's first rows (up to 16) x 16 outputs each, fp32; 2, 3: of the next rows
 // (up to 16); 4, 5: those rows of x (32 inputs); 6, 7: W (16 pairs x 16 outputs x 2). A tile of fewer
 // than 16 rows reads and writes only those: x needs no padding rows.
 TOKENMILL_AMX void configure_tiles(int first_rows, int second_rows) {
-  TileConfig config;
+  AmxTileConfig config;
   for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
   config.rows[0] = config.rows[1] = config.rows[4] = static_cast<uint8_t>(first_rows);
   if (second_rows > 0) config.rows[2] = config.rows[3] = config.rows[5] = static_cast<uint8_t>(second_rows);

@@ -65,6 +65,12 @@ bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed);
 at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 // Whether oneDNN's reorder of a bf16 [n, k] weight is the blocked layout amx_linear reads (probed once per shape).
 bool onednn_amx_layout(int64_t n, int64_t k);
+// An AMX tile configuration (palette 1), as _tile_loadconfig reads it: bytes a row and rows per tile.
+struct AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
 // AMX-BF16 tiles on this CPU and granted by the OS.
 bool amx_bf16_usable();
 // x [m, kp] bf16 (rows past 32 padded to whole 32-row chunks; kp a multiple of 32) times blocks

@@ -341,7 +341,7 @@ inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int
                   p == P - 1 ? cols : kPanel);
 }
 
-// int8 panels on AMX-int8 tiles (CPUs with AMX: Sapphire Rapids and later), from 9 rows up.
+// int8 panels on AMX-int8 tiles (CPUs with AMX: Sapphire Rapids and later) for fp32 x, from 16 rows.
 // The same products as int8_panel_tile, summed by the tile unit: each int16 input is split into a
 // signed high byte and an unsigned low byte (x = 256 hi + lo, exactly), tdpbssd sums hi x W and
 // tdpbusd lo x W over a group of 32 inputs, and 256 * hi_sum + lo_sum is the panel path's exact int32
@@ -357,12 +357,6 @@ constexpr int64_t kAmxGroupPairs = 16;  // a weight group of 32 inputs: one A ti
 constexpr int64_t kAmxTileRows = 16;
 constexpr int64_t kQuadTileBytes = 8 * 64;  // B tile: 8 rows of 4 inputs x 16 columns
 
-struct AmxTileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0, 1: x's high and low bytes (rows x 32 inputs); 2, 3: W's quads for the panel's two halves
 // (8 x 64 bytes); 4-7: int32 sums (rows x 16 columns): hi and lo for half 0, then for half 1.
 TOKENMILL_AMX_INT8 void configure_int8_tiles(int rows) {
@@ -374,9 +368,9 @@ TOKENMILL_AMX_INT8 void configure_int8_tiles(int rows) {
   _tile_loadconfig(&config);
 }
 
-// Pair rows (64 bytes each) requested ahead of the one being rearranged or widened: the panels are one stream (the
-// next panel follows this one), which the core's own prefetchers left waiting on memory (16 rows:
-// ~60% of the widening's time in the first use of each load).
+// Pair rows (64 bytes each) requested ahead of the one being rearranged or widened: a thread's
+// panels are one stream (the next panel follows this one), which the core's own prefetchers left
+// waiting on memory (16 rows: ~60% of the widening's time in the first use of each load).
 constexpr int64_t kDequantAhead = 64;
 
 // One int8 panel's pairs ([pairs, 2 * kPanel] bytes) as quads, per group and half:
@@ -453,7 +447,8 @@ TOKENMILL_AMX_INT8 void amx_int8_panel_tile(const int8_t* high, const uint8_t* l
     }
   }
   const __mmask16 first = cols >= kVec ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 second = cols >= kPanel ? 0xFFFF : cols <= kVec ? 0 : static_cast<__mmask16>((1u << (cols - kVec)) - 1);
+  const __mmask16 second =
+      cols >= kPanel ? 0xFFFF : cols <= kVec ? 0 : static_cast<__mmask16>((1u << (cols - kVec)) - 1);
   const __m512 b0 = bias != nullptr ? _mm512_maskz_loadu_ps(first, bias) : _mm512_setzero_ps();
   const __m512 b1 = bias != nullptr ? _mm512_maskz_loadu_ps(second, bias + kVec) : _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r) {  // (+ 0 without a bias, as store_tile adds it)
@@ -489,7 +484,7 @@ void amx_int8_panel_range(const int8_t* high, const uint8_t* low, const float* s
   release_int8_tiles();
 }
 
-// A bf16 model's int8 steps of 5 rows and more on AMX-bf16 tiles: each panel's int8 weights times
+// A bf16 model's int8 steps of 12 rows and more on AMX-bf16 tiles: each panel's int8 weights times
 // their group scales, rounded once to bf16, in amx_linear's block layout (the panel's pair rows,
 // widened), then x's rows times that block (amx_bf16_blocks). x is bf16 already, so nothing of it
 // is lost; the weights take a bf16 rounding (2^-9 of each) on top of int8's. The int8 sums above
@@ -504,7 +499,8 @@ template <bool KMajor = false>
 TOKENMILL_AVX512_BF16 void panel_as_bf16(const int8_t* panel, const Scale* scales, const ActivationBlocks& cut,
                                          at::BFloat16* block, int64_t ldo = 0, int64_t cols = kPanel) {
   alignas(64) int16_t even_index[32], odd_index[32];  // a pair row's first / second inputs, by column
-  for (int c = 0; c < 32; ++c) even_index[c] = static_cast<int16_t>(2 * c), odd_index[c] = static_cast<int16_t>(2 * c + 1);
+  for (int c = 0; c < 32; ++c)
+    even_index[c] = static_cast<int16_t>(2 * c), odd_index[c] = static_cast<int16_t>(2 * c + 1);
   const __m512i evens = _mm512_load_si512(even_index), odds = _mm512_load_si512(odd_index);
   const __mmask32 columns = cols >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << cols) - 1);
   alignas(64) int32_t first_half[16], second_half[16];  // a pair row's 64 values: value e is column e / 2
@@ -656,9 +652,9 @@ bool amx_bf16_applies(const at::Tensor& x, const ActivationBlocks& cut, int64_t 
 }
 
 // From this many rows a bf16 step's int8 weights (of a layer without a bias) are widened to one bf16
-// [K, N] matrix and multiplied by oneDNN's bf16 GEMM (prefill chunks): its blocking reuses a weight tile across more rows than the
-// tiles above (SmolLM2's 120 layer GEMMs at 2,048 rows: 333 ms on those tiles, ~170 on oneDNN's
-// bf16 GEMM, the widening a few ms: `python bench/amx_int8_vs_panels.py`).
+// [K, N] matrix and multiplied by oneDNN's bf16 GEMM (prefill chunks): its blocking reuses a weight
+// tile across more rows than the tiles above (SmolLM2's 120 layer GEMMs at 2,048 rows: 333 ms on
+// those tiles, ~170-200 on oneDNN's bf16 GEMM with the widening: `python bench/amx_int8_vs_panels.py`).
 constexpr int64_t kDenseMinRows = 1024;
 
 // out = x W^T (+ bias) for bf16 x [m, K] where amx_bf16_applies (see panel_as_bf16).
@@ -699,7 +695,6 @@ at::Tensor bf16_tiles_int8_linear(const at::Tensor& x, const at::Tensor& packed,
 #endif
   return out;
 }
-
 
 // x's int16 inputs as the AMX tiles read them (high and low bytes), or none: the panel path.
 struct SplitInputs {
