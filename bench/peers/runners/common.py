@@ -18,6 +18,8 @@ def parser(engine: str) -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--kv-cache", default="compute", choices=["compute", "int8"],
                    help="KV cache precision: the compute precision, or 8-bit integers with scales")
+    p.add_argument("--weights", default="compute", choices=["compute", "int8"],
+                   help="weight precision: the compute precision, or 8-bit integers with scales")
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--out", required=True, help="result JSON path")
     return p
@@ -41,9 +43,11 @@ class Timer:
 
 
 def write_result(out: str, engine: str, precision: str, output_tokens: int, wall_s: float, requested: int,
-                 kv_cache: str, **extra) -> None:
-    """`kv_cache`: the KV cache precision the engine really ran with, in its own words (e.g. f32, u8)."""
-    result = {"engine": engine, "precision": precision, "kv_cache": kv_cache, "output_tokens": output_tokens,
+                 kv_cache: str, weights: str | None = None, **extra) -> None:
+    """`kv_cache`: the KV cache precision the engine really ran with, in its own words (e.g. f32, u8);
+    `weights`: the 8-bit weight format it ran with (None: weights in the compute precision)."""
+    result = {"engine": engine, "precision": precision, "kv_cache": kv_cache, "weights": weights,
+              "output_tokens": output_tokens,
               "wall_s": wall_s,
               "output_tok_s": output_tokens / wall_s, "requested_tokens": requested, **extra}
     Path(out).write_text(json.dumps(result, indent=2))

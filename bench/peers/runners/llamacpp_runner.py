@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Timer, load_workload, max_len, parser, wait_until_ok, write_result  # noqa: E402
 
 
-def convert(model: str, script: Path, gguf: Path, precision: str, python: str) -> None:
+def convert(model: str, script: Path, gguf: Path, outtype: str, python: str) -> None:
     if gguf.exists():
         return
     gguf.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([python, str(script), model, "--outtype", "bf16" if precision == "bf16" else "f32",
+    subprocess.run([python, str(script), model, "--outtype", outtype,
                     "--outfile", str(gguf)], check=True, env=env)
 
 
@@ -51,7 +51,9 @@ def main() -> None:
     p.add_argument("--no-repack", action="store_true", help="pass --no-repack to llama-server")
     args = p.parse_args()
     workload = load_workload(args.workload)
-    convert(args.model, Path(args.convert_script), Path(args.gguf), args.precision, args.convert_python)
+    # The weights in the compute precision, or q8_0 (--weights int8: blocks of 32 with an f16 scale).
+    outtype = "q8_0" if args.weights == "int8" else "bf16" if args.precision == "bf16" else "f32"
+    convert(args.model, Path(args.convert_script), Path(args.gguf), outtype, args.convert_python)
     port = free_port()
     slots = len(workload)
     command = [args.server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
@@ -81,7 +83,7 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     write_result(args.out, "llama.cpp", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload),
-                 kv_cache=kv_cache, slots=slots)
+                 kv_cache=kv_cache, weights="q8_0, blocks of 32" if args.weights == "int8" else None, slots=slots)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """OpenVINO GenAI's ContinuousBatchingPipeline on the workload (inside its own virtualenv).
 
 The HF model is exported once with optimum-intel (`optimum-cli export openvino`, fp16 weights for
-bf16 compute, fp32 for fp32) into --export-dir; compute precision is the CPU plugin's
+bf16 compute, fp32 for fp32; --weights int8: NNCF's int8 weight compression, optimum's
+`--weight-format int8`, per output channel) into --export-dir; compute precision is the CPU plugin's
 INFERENCE_PRECISION_HINT. The KV cache precision is set explicitly (KV_CACHE_PRECISION): the compute
 precision, or u8 (the plugin's own default on recent releases) for --kv-cache int8. On a CPU
 without native bf16 (no BF16 in the plugin's OPTIMIZATION_CAPABILITIES: AVX2-only CPUs) the plugin
@@ -19,12 +20,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Timer, load_workload, parser, write_result  # noqa: E402
 
 
-def export(model: str, target: Path, precision: str) -> None:
+def export(model: str, target: Path, precision: str, weights: str) -> None:
     if (target / "openvino_model.xml").exists():
         return
     cli = Path(sys.executable).parent / "optimum-cli"
+    weight_format = "int8" if weights == "int8" else "fp16" if precision == "bf16" else "fp32"
     subprocess.run([str(cli), "export", "openvino", "--model", model, "--task", "text-generation-with-past",
-                    "--weight-format", "fp16" if precision == "bf16" else "fp32", str(target)], check=True)
+                    "--weight-format", weight_format, str(target)], check=True)
 
 
 def main() -> None:
@@ -36,7 +38,7 @@ def main() -> None:
     import openvino as ov
     import openvino_genai as ov_genai
 
-    export(args.model, Path(args.export_dir), args.precision)
+    export(args.model, Path(args.export_dir), args.precision, args.weights)
     workload = load_workload(args.workload)
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = args.kv_cache_gib
@@ -61,7 +63,8 @@ def main() -> None:
         results = pipe.generate(inputs, [config(r["output_len"]) for r in workload])
     tokens = sum(len(r.m_generation_ids[0]) for r in results)
     write_result(args.out, "openvino-genai", args.precision, tokens, t.seconds,
-                 sum(r["output_len"] for r in workload), kv_cache=kv_cache)
+                 sum(r["output_len"] for r in workload), kv_cache=kv_cache,
+                 weights="int8, per channel (NNCF)" if args.weights == "int8" else None)
 
 
 if __name__ == "__main__":
