@@ -242,21 +242,9 @@ at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed,
   const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
   const auto* weight = static_cast<const at::BFloat16*>(at::native::data_ptr_from_mkldnn(packed));
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t block_elems = kp * kBlockOutputs, tiles = kp / kTileK;
-  const int first_rows = static_cast<int>(std::min<int64_t>(m, 16)), second_rows = static_cast<int>(m - first_rows);
+  const int64_t block_elems = kp * kBlockOutputs;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles(first_rows, second_rows);
-    alignas(64) float scratch[32 * 32];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t col = b * kBlockOutputs;
-      if (second_rows > 0)
-        block_sums<2>(xd, kp, weight + b * block_elems, tiles, scratch);
-      else
-        block_sums<1>(xd, kp, weight + b * block_elems, tiles, scratch);
-      store_rows(scratch, bias_ptr != nullptr ? bias_ptr + col : nullptr, op + col, n, m,
-                 std::min(kBlockOutputs, n - col));
-    }
-    release_tiles();
+    amx_bf16_blocks(xd, m, kp, begin, end, [&](int64_t b) { return weight + b * block_elems; }, bias_ptr, op, n);
   });
   return out;
 #else

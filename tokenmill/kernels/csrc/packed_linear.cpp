@@ -640,13 +640,21 @@ inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, 
 constexpr int64_t kAmxInt8MinRows = 16;
 constexpr int64_t kAmxBf16MinRows = 12;
 
-bool amx_bf16_applies(const at::Tensor& x, const ActivationBlocks& cut, int64_t m) {
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether the weight's groups are the tiles' depth: groups of 32 inputs, one activation block each.
+bool groups_are_tile_deep(const ActivationBlocks& cut) {
+  return cut.group_pairs == kAmxGroupPairs && cut.blocks_per_group == 1;
+}
+#endif
+
+// x [m, K] a bf16 model's activations, on the AMX-bf16 tiles (see panel_as_bf16)?
+bool amx_bf16_applies(const at::Tensor& x, const ActivationBlocks& cut) {
 #if defined(CPU_CAPABILITY_AVX512)
   static_assert(kPanel == 32, "an int8 panel is one of amx_linear's 32-output blocks");
-  return x.scalar_type() == at::kBFloat16 && m >= kAmxBf16MinRows && cut.group_pairs == kAmxGroupPairs &&
-         cut.blocks_per_group == 1 && amx_bf16_usable();
+  return x.scalar_type() == at::kBFloat16 && x.size(0) >= kAmxBf16MinRows && groups_are_tile_deep(cut) &&
+         amx_bf16_usable();
 #else
-  (void)x, (void)cut, (void)m;
+  (void)x, (void)cut;
   return false;
 #endif
 }
@@ -704,7 +712,7 @@ struct SplitInputs {
 
 bool amx_int8_applies(const ActivationBlocks& cut, int64_t m) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return m >= kAmxInt8MinRows && cut.group_pairs == kAmxGroupPairs && cut.blocks_per_group == 1 && amx_int8_usable();
+  return m >= kAmxInt8MinRows && groups_are_tile_deep(cut) && amx_int8_usable();
 #else
   (void)cut, (void)m;
   return false;
@@ -855,7 +863,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   const at::Tensor x2d = x.reshape({-1, k});
-  if (n > 0 && amx_bf16_applies(x2d, cut, x2d.size(0)))
+  if (n > 0 && amx_bf16_applies(x2d, cut))
     return bf16_tiles_int8_linear(x2d, packed, packed_scales, cut, bias_ptr, n).view(shape);
   const at::Tensor xc = x2d.to(at::kFloat).contiguous();  // (a bf16 model's activations too)
   const int64_t m = xc.size(0), kp = cut.inputs();
