@@ -65,8 +65,12 @@ def test_fused_layers_are_bit_identical_to_the_python_layers(model, quantization
     assert run_staggered(fused, prompts, staggered) == run_staggered(plain, prompts, staggered)
 
 
-@pytest.mark.skipif(not (detect().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-                    reason="bf16 activations on oneDNN need a CPU with native bf16 (AMX or AVX512-BF16)")
+def _native_bf16() -> bool:
+    return detect().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.skipif(not _native_bf16(), reason="bf16 activations on oneDNN need a CPU with native bf16 (AMX or "
+                    "AVX512-BF16)")
 @pytest.mark.parametrize(("cache_dtype", "quantization"), [("auto", None), ("int8", None), ("auto", "int8")])
 def test_bf16_layers_on_onednn_fuse_bit_identically(sharp_tiny_model_dir, cache_dtype, quantization, fused_calls):
     """`--dtype bfloat16` where the CPU has native bf16: bf16 activations, the projections on oneDNN
@@ -130,27 +134,46 @@ def test_a_fully_fused_model_runs_its_layers_as_one_native_loop(sharp_tiny_model
 
 
 @pytest.mark.parametrize("sequences", [1, 3])
-@pytest.mark.parametrize(("model", "quantization", "cache_dtype"),
-                         [("sharp_tiny_model_dir", None, "auto"), ("sharp_tiny_model_dir", "int8", "auto"),
-                          ("sharp_tiny_model_dir", None, "bfloat16"), ("sharp_tiny_model_dir", "int8", "int8"),
-                          ("tiny_qwen2_dir", "int8", "auto"), ("tiny_qwen2_window_dir", None, "auto"),
-                          ("tiny_mistral_dir", None, "auto")])
-def test_small_steps_run_every_layer_in_one_parallel_region(model, quantization, cache_dtype, sequences, request):
+@pytest.mark.parametrize(("model", "quantization", "cache_dtype", "dtype"),
+                         [("sharp_tiny_model_dir", None, "auto", "float32"),
+                          ("sharp_tiny_model_dir", "int8", "auto", "float32"),
+                          ("sharp_tiny_model_dir", None, "bfloat16", "float32"),
+                          ("sharp_tiny_model_dir", "int8", "int8", "float32"),
+                          ("tiny_qwen2_dir", "int8", "auto", "float32"),
+                          ("tiny_qwen2_window_dir", None, "auto", "float32"),
+                          ("tiny_mistral_dir", None, "auto", "float32"),
+                          ("sharp_tiny_model_dir", None, "auto", "bfloat16"),
+                          ("sharp_tiny_model_dir", "int8", "auto", "bfloat16"),
+                          ("tiny_qwen2_dir", None, "int8", "bfloat16"),
+                          ("tiny_qwen2_window_dir", "int8", "auto", "bfloat16")])
+def test_small_steps_run_every_layer_in_one_parallel_region(model, quantization, cache_dtype, dtype, sequences,
+                                                            request):
     """Decode steps of one or a few sequences (up to 6 tokens) take FusedStack's one-region path,
     the threads sharing each GEMM's panels, the RoPE and cache writes by token and head and the
     attention's items: the same tokens, logprobs and cache bytes to the last bit as the Python
     layers. Contexts past one 128-key chunk (attention items split and merged), qkv bias (Qwen2), a
     window on every layer (Mistral) or on some (Qwen2: one attention plan per window), fp32/bf16/int8
-    caches, fp32 and int8 weights."""
+    caches, fp32 and int8 weights. bf16 activations (`--dtype bfloat16`, a CPU with native bf16): bf16
+    rows between the ops as the layer path's tensors, the projections on AMX tiles (a oneDNN weight's
+    32-output blocks shared among the threads; CPUs with AMX) or int8 panels (each thread's columns
+    rounded to bf16 once)."""
+    if dtype == "bfloat16" and not _native_bf16():
+        pytest.skip("bf16 activations need a CPU with native bf16 (AMX or AVX512-BF16)")
     model_dir = request.getfixturevalue(model)
     prompts = mixed_prompts(sequences, 130, 150, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
-    fused = _engine(model_dir, quantization=quantization, kv_cache_dtype=cache_dtype)
-    plain = _engine(model_dir, quantization=quantization, kv_cache_dtype=cache_dtype, fused_layers=False)
+    fused = _engine(model_dir, quantization=quantization, kv_cache_dtype=cache_dtype, dtype=dtype)
+    plain = _engine(model_dir, quantization=quantization, kv_cache_dtype=cache_dtype, dtype=dtype, fused_layers=False)
+    assert fused.engine.dtype == getattr(torch, dtype)
     outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
             for llm in (fused, plain)]
     assert outs[0] == outs[1]
-    assert fused.engine.model.fused_stack.native.region_steps() >= params.max_tokens - 1  # every decode step
+    regions = fused.engine.model.fused_stack.native.region_steps()
+    # (bf16 projections on oneDNN take the region where amx_linear computes them: CPUs with AMX)
+    if dtype == "float32" or quantization or torch.ops.tokenmill.amx_bf16_usable():
+        assert regions >= params.max_tokens - 1  # every decode step
+    else:
+        assert regions == 0
     assert torch.equal(fused.engine.kv_cache.data, plain.engine.kv_cache.data)
 
 

@@ -216,22 +216,39 @@ bool onednn_amx_layout(int64_t n, int64_t k) {
   return found->second;
 }
 
-bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed) {
+bool amx_linear_takes(int64_t rows, const at::Tensor& packed) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kAmxMaxRows &&
-         packed.is_mkldnn() && packed.scalar_type() == at::kBFloat16 && packed.dim() == 2 &&
-         packed.size(1) == x.size(1) && amx_usable() && onednn_amx_layout(packed.size(0), packed.size(1));
+  return rows >= 1 && rows <= kAmxMaxRows && packed.is_mkldnn() && packed.scalar_type() == at::kBFloat16 &&
+         packed.dim() == 2 && amx_usable() && onednn_amx_layout(packed.size(0), packed.size(1));
 #else
-  (void)x, (void)packed;
+  (void)rows, (void)packed;
   return false;
+#endif
+}
+
+bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed) {
+  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && amx_linear_takes(x.size(0), packed) &&
+         packed.size(1) == x.size(1);
+}
+
+int64_t amx_linear_blocks(const at::Tensor& packed) { return round_up(packed.size(0), kBlockOutputs) / kBlockOutputs; }
+
+void amx_linear_rows(const at::BFloat16* x, int64_t m, const at::Tensor& packed, const float* bias, at::BFloat16* out,
+                     int64_t begin, int64_t end) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const int64_t n = packed.size(0), kp = round_up(packed.size(1), kTileK), block_elems = kp * kBlockOutputs;
+  const auto* weight = static_cast<const at::BFloat16*>(at::native::data_ptr_from_mkldnn(packed));
+  amx_bf16_blocks(x, m, kp, begin, end, [&](int64_t b) { return weight + b * block_elems; }, bias, out, n);
+#else
+  (void)x, (void)m, (void)packed, (void)bias, (void)out, (void)begin, (void)end;
+  TORCH_CHECK(false, "amx_linear_rows: tokenmill's kernels are built without AVX-512 here");
 #endif
 }
 
 at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed,
                                 const c10::optional<at::Tensor>& bias) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  const int64_t kp = round_up(k, kTileK), blocks = round_up(n, kBlockOutputs) / kBlockOutputs;
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0), kp = round_up(k, kTileK);
   at::Tensor bias_holder;
   const float* bias_ptr = bias_data(bias, n, bias_holder, "amx_linear");
   // x as whole tiles of inputs: a K that is not a multiple of 32 reads a zero-padded copy (the
@@ -240,11 +257,9 @@ at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed,
   if (kp != k) xp = at::constant_pad_nd(xp, {0, kp - k});
   at::Tensor out = at::empty({m, n}, xp.options());
   const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
-  const auto* weight = static_cast<const at::BFloat16*>(at::native::data_ptr_from_mkldnn(packed));
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t block_elems = kp * kBlockOutputs;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    amx_bf16_blocks(xd, m, kp, begin, end, [&](int64_t b) { return weight + b * block_elems; }, bias_ptr, op, n);
+  at::parallel_for(0, amx_linear_blocks(packed), 1, [&](int64_t begin, int64_t end) {
+    amx_linear_rows(xd, m, packed, bias_ptr, op, begin, end);
   });
   return out;
 #else

@@ -42,7 +42,9 @@ struct Projection {
 
   bool int8() const { return scales.has_value() && scales->defined(); }
   bool onednn() const { return weight.is_mkldnn(); }
-  const char* op_name() const { return int8() ? "tokenmill::packed_int8_linear" : "tokenmill::packed_linear"; }
+  const char* op_name() const {
+    return onednn() ? "tokenmill::amx_linear" : int8() ? "tokenmill::packed_int8_linear" : "tokenmill::packed_linear";
+  }
 };
 
 // x W^T + b on a projection's weight. (The profiler scopes, here and below, name the kernels as
@@ -169,10 +171,23 @@ void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& r
     write(rows.data_ptr<at::BFloat16>());
 }
 
-// dst += src, the residual adds: a plain loop over contiguous fp32 or bf16 rows (bf16: the fp32 sum
-// rounded once, as torch adds bf16) where TensorIterator's add took ~1-2 us a call at batch-1, twice
-// a layer. Addition commutes (proj + x rounds as x + proj), so the bits are the Python layer's. One
-// thread below 128K elements (a decode batch: elementwise.cpp's kLightMinWork says why).
+// d[i] += s[i] over [begin, end), the residual adds: fp32, or bf16 (the fp32 sum rounded once, as
+// torch adds bf16). Addition commutes (proj + x rounds as x + proj), so the bits are the Python layer's.
+template <typename T>
+void add_into(T* d, const T* s, int64_t begin, int64_t end) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t i = begin; i < end; ++i) d[i] += s[i];
+  } else {
+    int64_t i = begin;
+    for (; i + tokenmill::kVec <= end; i += tokenmill::kVec)
+      tokenmill::store_as(tokenmill::load_bf16(d + i) + tokenmill::load_bf16(s + i), d + i);
+    for (; i < end; ++i) d[i] = at::BFloat16(static_cast<float>(d[i]) + static_cast<float>(s[i]));
+  }
+}
+
+// dst += src over contiguous fp32 or bf16 rows (add_into) where TensorIterator's add took ~1-2 us a
+// call at batch-1, twice a layer. One thread below 128K elements (a decode batch: elementwise.cpp's
+// kLightMinWork says why).
 void add_residual(at::Tensor& dst, const at::Tensor& src) {
   const auto dtype = dst.scalar_type();
   if ((dtype != at::kFloat && dtype != at::kBFloat16) || src.scalar_type() != dtype || !dst.is_contiguous() ||
@@ -180,22 +195,16 @@ void add_residual(at::Tensor& dst, const at::Tensor& src) {
     dst.add_(src);
     return;
   }
-  if (dtype == at::kFloat) {
-    float* d = dst.data_ptr<float>();
-    const float* s = src.data_ptr<float>();
-    at::parallel_for(0, dst.numel(), int64_t{1} << 17, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) d[i] += s[i];
-    });
-    return;
-  }
-  at::BFloat16* d = dst.data_ptr<at::BFloat16>();
-  const at::BFloat16* s = src.data_ptr<at::BFloat16>();
-  at::parallel_for(0, dst.numel(), int64_t{1} << 17, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    for (; i + tokenmill::kVec <= end; i += tokenmill::kVec)
-      tokenmill::store_as(tokenmill::load_bf16(d + i) + tokenmill::load_bf16(s + i), d + i);
-    for (; i < end; ++i) d[i] = at::BFloat16(static_cast<float>(d[i]) + static_cast<float>(s[i]));
-  });
+  auto add = [&](auto type) {
+    using T = decltype(type);
+    T* d = dst.data_ptr<T>();
+    const T* s = src.data_ptr<T>();
+    at::parallel_for(0, dst.numel(), int64_t{1} << 17, [&](int64_t begin, int64_t end) { add_into(d, s, begin, end); });
+  };
+  if (dtype == at::kFloat)
+    add(float{});
+  else
+    add(at::BFloat16{});
 }
 
 at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& w, const at::Tensor& cos, const at::Tensor& sin,
@@ -300,17 +309,55 @@ inline void phase(int64_t tid, const char* name, Fn&& fn) {
   fn();
 }
 
-// One projection of m rows on the calling thread: its share of the panels (as at::parallel_for
-// shares them among `team` threads) of out [m, N]; an int8 one quantizes x in the thread's scratch.
+// [begin, end) of `count` items that thread `tid` of `team` takes: contiguous shares, as
+// at::parallel_for deals them (empty past the last).
+std::pair<int64_t, int64_t> share_of(int64_t count, int64_t tid, int64_t team) {
+  const int64_t chunk = (count + team - 1) / team, begin = std::min(count, tid * chunk);
+  return {begin, std::min(count, begin + chunk)};
+}
+
+// One projection of m fp32 rows on the calling thread: its share of the panels of out [m, N]; an
+// int8 one quantizes x in the thread's scratch.
 void project_rows(const Projection& p, const float* bias, const float* x, int64_t m, int64_t k, float* out, int64_t n,
                   int64_t tid, int64_t team, tokenmill::Int8RowScratch& scratch) {
-  const int64_t panels = p.weight.size(0), chunk = (panels + team - 1) / team;
-  const int64_t begin = tid * chunk, end = std::min(panels, begin + chunk);
+  const auto [begin, end] = share_of(p.weight.size(0), tid, team);
   if (begin >= end) return;
   if (p.int8())
     tokenmill::packed_int8_linear_rows(x, m, k, p.weight, *p.scales, bias, out, n, begin, end, scratch);
   else
     tokenmill::packed_linear_rows(x, m, p.weight, bias, out, n, begin, end);
+}
+
+// A thread's own buffers in the one-region stack, kept across steps.
+struct RegionScratch {
+  tokenmill::Int8RowScratch int8;
+  std::vector<float> wide;  // bf16 rows widened to fp32 for a panel projection
+};
+
+// One projection of m rows of T on the calling thread, its share of out [m, N] of T, as the layer
+// path's op computes it: fp32 x on the panels (project_rows); bf16 x on a oneDNN weight's 32-output
+// blocks as amx_linear runs them; bf16 x on panels (int8, or bf16 weights) widened to fp32 as
+// packed_(int8_)linear widen it, summed into `wide_out` [m, N] (fp32, shared) and this thread's
+// columns rounded to bf16 once, bias included, as the op's .to(bf16) rounds them.
+template <typename T>
+void project_share(const Projection& p, const float* bias, const T* x, int64_t m, int64_t k, T* out, int64_t n,
+                   float* wide_out, int64_t tid, int64_t team, RegionScratch& scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    (void)wide_out;
+    project_rows(p, bias, x, m, k, out, n, tid, team, scratch.int8);
+  } else {
+    if (p.onednn()) {
+      const auto [begin, end] = share_of(tokenmill::amx_linear_blocks(p.weight), tid, team);
+      if (begin < end) tokenmill::amx_linear_rows(x, m, p.weight, bias, out, begin, end);
+      return;
+    }
+    scratch.wide.assign(x, x + m * k);
+    project_rows(p, bias, scratch.wide.data(), m, k, wide_out, n, tid, team, scratch.int8);
+    const auto [begin, end] = share_of(p.weight.size(0), tid, team);
+    const int64_t first = std::min(n, begin * tokenmill::kPanel), last = std::min(n, end * tokenmill::kPanel);
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t c = first; c < last; ++c) out[r * n + c] = at::BFloat16(wide_out[r * n + c]);
+  }
 }
 
 // Every decoder layer of a model, held once (tokenmill.models.fused_layer.FusedStack): a step's
@@ -324,13 +371,16 @@ void project_rows(const Projection& p, const float* bias, const float* x, int64_
 // a barrier after each shared phase. The layer-by-layer path opens ~8 parallel regions a layer
 // (fork ~1.7 us, join ~2 us on the 2-core EPYC) and allocates ~8 tensors, and its GEMMs' checks and
 // views cost ~2 us each more. The same kernels' arithmetic on the same inputs: the bits are the
-// layer-by-layer path's (tests/test_fused_layers.py).
+// layer-by-layer path's (tests/test_fused_layers.py). fp32 or bf16 rows (a bf16 model: its oneDNN
+// weights on amx_linear's tiles, or int8 panels): batch-1 SmolLM2 at bf16 ~18 -> ~14 ms a step,
+// bf16 with int8 weights ~9 -> ~6.5 ms (2-core Xeon with AMX).
 struct DecoderStack : torch::CustomClassHolder {
   static constexpr int64_t kTensors = 14, kInts = 4, kFloats = 3;  // per layer (see the constructor)
   std::vector<LayerWeights> layers;
   std::vector<std::array<at::Tensor, 4>> biases;  // per layer: qkv, o, gate_up, down biases in fp32 (or undefined)
   // Steps of up to this many tokens run in one region: at most one block of rows of the panel GEMM
-  // (kTileM: 6 on AVX2), whose row tiles do not depend on K.
+  // (kTileM: 6 on AVX2), whose row tiles do not depend on K; and below the 12 (bf16) and 16 (fp32)
+  // rows from which packed_int8_linear sums on AMX tiles, so the region's int8 panels are the op's.
   static constexpr int64_t kRegionRows = 6;
   int64_t region_steps = 0;  // steps that took forward_in_one_region (what a test can ask: region_steps())
 
@@ -378,7 +428,9 @@ struct DecoderStack : torch::CustomClassHolder {
     at::Tensor hidden;
     if (fits_one_region(x, positions, cos_table, sin_table, k_caches, v_caches, slot_mapping)) {
       ++region_steps;
-      hidden = forward_in_one_region(x, positions, cos_table, sin_table, k_caches, v_caches, step);
+      hidden = x.scalar_type() == at::kFloat
+                   ? forward_in_one_region<float>(x, positions, cos_table, sin_table, k_caches, v_caches, step)
+                   : forward_in_one_region<at::BFloat16>(x, positions, cos_table, sin_table, k_caches, v_caches, step);
     } else {
       // (in x's dtype, as the Python model's _rope_at rounds them for a bf16 model)
       const at::Tensor cos = cos_table.index_select(0, positions).to(x.scalar_type());
@@ -393,13 +445,17 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
  private:
-  // Whether the step is up to kRegionRows fp32 tokens over caches write_head writes, every layer of
-  // one shape and on tokenmill's panels (oneDNN runs its own threads).
+  // Whether the step is up to kRegionRows fp32 or bf16 tokens over caches write_head writes, every
+  // layer of one shape, its norms in x's dtype and each projection one the region computes as the
+  // layer path does (project_share): panels under fp32 x (oneDNN runs its own threads); under bf16
+  // x, int8 or bf16 panels, or a oneDNN weight amx_linear takes whole tiles of (K a multiple of 32).
   bool fits_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                        const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
                        const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const {
-    if (layers.empty() || x.dim() != 2 || x.size(0) < 1 || x.size(0) > kRegionRows || x.scalar_type() != at::kFloat ||
-        !x.is_contiguous() || slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != x.size(0) ||
+    const auto dtype = x.scalar_type();
+    if (layers.empty() || x.dim() != 2 || x.size(0) < 1 || x.size(0) > kRegionRows ||
+        (dtype != at::kFloat && dtype != at::kBFloat16) || !x.is_contiguous() ||
+        slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != x.size(0) ||
         !slot_mapping.is_contiguous() || positions.scalar_type() != at::kLong || !positions.is_contiguous())
       return false;
     const at::Tensor& k0 = k_caches[0];
@@ -409,24 +465,35 @@ struct DecoderStack : torch::CustomClassHolder {
     if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
         !sin.is_contiguous() || rotary % 2 != 0 || rotary > head_dim)
       return false;
+    auto computes = [&](const Projection& p) {
+      if (dtype == at::kFloat) return !p.onednn();
+      if (p.onednn()) return p.weight.size(1) % 32 == 0 && tokenmill::amx_linear_takes(x.size(0), p.weight);
+      return p.int8() || p.weight.scalar_type() == at::kBFloat16;
+    };
     const LayerWeights& first = layers[0];
     for (size_t l = 0; l < layers.size(); ++l) {
       const LayerWeights& w = layers[l];
       if (w.heads != first.heads || w.kv_heads != first.kv_heads || w.intermediate != first.intermediate ||
-          w.qkv.onednn() || w.o.onednn() || w.gate_up.onednn() || w.down.onednn() ||
-          !writes_heads(k_caches[l], w.kv_heads, head_dim) || !writes_heads(v_caches[l], w.kv_heads, head_dim) ||
-          k_caches[l].scalar_type() != k0.scalar_type() || v_caches[l].scalar_type() != k0.scalar_type() ||
-          k_caches[l].sizes() != k0.sizes() || v_caches[l].sizes() != k0.sizes())
+          w.input_norm.scalar_type() != dtype || w.post_norm.scalar_type() != dtype || !w.input_norm.is_contiguous() ||
+          !w.post_norm.is_contiguous() || !computes(w.qkv) || !computes(w.o) || !computes(w.gate_up) ||
+          !computes(w.down) || !writes_heads(k_caches[l], w.kv_heads, head_dim) ||
+          !writes_heads(v_caches[l], w.kv_heads, head_dim) || k_caches[l].scalar_type() != k0.scalar_type() ||
+          v_caches[l].scalar_type() != k0.scalar_type() || k_caches[l].sizes() != k0.sizes() ||
+          v_caches[l].sizes() != k0.sizes())
         return false;
     }
     return true;
   }
 
-  // (cos, sin: the RoPE tables, read at each token's position: gathering them first took two
-  // index_select calls, ~25 us a batch-1 step cold)
+  // The layers in one parallel region for T = x's dtype (fp32 or bf16: the buffers between the ops
+  // hold T, as the layer path's tensors do). (cos, sin: the RoPE tables, read at each token's
+  // position: gathering them first took two index_select calls, ~25 us a batch-1 step cold; a bf16
+  // step rounds its tokens' rows to bf16 first, as the Python model's _rope_at does.)
+  template <typename T>
   at::Tensor forward_in_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                                    const at::Tensor& sin, std::vector<at::Tensor>& k_caches,
                                    std::vector<at::Tensor>& v_caches, const StepInputs& step) {
+    constexpr bool kBf16 = std::is_same_v<T, at::BFloat16>;
     const LayerWeights& first = layers[0];
     const int64_t m = x.size(0), hidden = x.size(1), head_dim = cache_head_dim(k_caches[0]);
     const int64_t heads = first.heads, kv_heads = first.kv_heads, inter = first.intermediate;
@@ -445,6 +512,25 @@ struct DecoderStack : torch::CustomClassHolder {
     at::Tensor gate_up = at::empty({m, 2 * inter}, options);
     at::Tensor projected = at::empty({m, hidden}, options);  // the o and down GEMMs' output, in turn
     at::Tensor result = at::empty({m, hidden}, options);
+    // bf16 panel projections' fp32 sums (project_share)
+    std::vector<float> wide_out(kBf16 ? static_cast<size_t>(m * std::max(qkv_size, 2 * inter)) : 0);
+    // each token's RoPE rows as the rotation reads them: the tables' rows, or those rounded to bf16
+    std::vector<T> token_cos, token_sin;
+    if constexpr (kBf16) {
+      token_cos.resize(static_cast<size_t>(m * rotary));
+      token_sin.resize(static_cast<size_t>(m * rotary));
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t i = 0; i < rotary; ++i) {
+          token_cos[t * rotary + i] = T(cos.data_ptr<float>()[position[t] * rotary + i]);
+          token_sin[t * rotary + i] = T(sin.data_ptr<float>()[position[t] * rotary + i]);
+        }
+    }
+    auto rope_rows = [&](int64_t t, const at::Tensor& table, const std::vector<T>& rounded) -> const T* {
+      if constexpr (kBf16)
+        return rounded.data() + t * rotary;
+      else
+        return table.data_ptr<float>() + position[t] * rotary;
+    };
     // The attention's work: one plan per window (the same for every layer that shares it).
     const int64_t threads = at::get_num_threads();
     std::vector<std::pair<int64_t, std::shared_ptr<const tokenmill::AttentionWork>>> plans;
@@ -466,39 +552,35 @@ struct DecoderStack : torch::CustomClassHolder {
     std::vector<float> partials(static_cast<size_t>(partial_floats));
     std::unique_ptr<std::atomic<int64_t>[]> next_item(new std::atomic<int64_t>[layers.size()]);
     for (size_t l = 0; l < layers.size(); ++l) next_item[l].store(0);
-    const int64_t row_floats = std::max({hidden, inter, q_size});
-    float* qkv_ptr = qkv.data_ptr<float>();
-    float* queries_ptr = queries.data_ptr<float>();
-    float* attended_ptr = attended.data_ptr<float>();
-    float* gate_up_ptr = gate_up.data_ptr<float>();
-    float* projected_ptr = projected.data_ptr<float>();
-    const float* cos_ptr = cos.data_ptr<float>();
-    const float* sin_ptr = sin.data_ptr<float>();
+    const int64_t row_values = std::max({hidden, inter, q_size});
+    T* qkv_ptr = qkv.data_ptr<T>();
+    T* queries_ptr = queries.data_ptr<T>();
+    T* attended_ptr = attended.data_ptr<T>();
+    T* gate_up_ptr = gate_up.data_ptr<T>();
+    T* projected_ptr = projected.data_ptr<T>();
+    float* wide_ptr = wide_out.data();
     auto bias = [](const at::Tensor& b) { return b.defined() ? b.data_ptr<float>() : nullptr; };
     SpinBarrier barrier;  // (after each shared phase)
-    auto add_rows = [&](float* dst, const float* src) {
-      for (int64_t i = 0; i < m * hidden; ++i) dst[i] += src[i];
-    };
-    auto norm_rows = [&](const float* h, const at::Tensor& weight, double eps, float* out) {
+    auto norm_rows = [&](const T* h, const at::Tensor& weight, double eps, T* out) {
       for (int64_t t = 0; t < m; ++t)
-        tokenmill::rms_norm_row(h + t * hidden, weight.data_ptr<float>(), hidden, static_cast<float>(eps), out + t * hidden);
+        tokenmill::rms_norm_row(h + t * hidden, weight.data_ptr<T>(), hidden, static_cast<float>(eps), out + t * hidden);
     };
 
 #pragma omp parallel num_threads(threads)
     {
       const int64_t tid = omp_get_thread_num(), team = omp_get_num_threads();
-      thread_local std::vector<float> own_hidden, own_rows;  // this thread's hidden rows and norm/SiLU output
-      thread_local tokenmill::Int8RowScratch scratch;
-      own_hidden.assign(x.data_ptr<float>(), x.data_ptr<float>() + m * hidden);
-      own_rows.resize(static_cast<size_t>(m * row_floats));
-      float* h = own_hidden.data();
-      float* rows = own_rows.data();
+      thread_local std::vector<T> own_hidden, own_rows;  // this thread's hidden rows and norm/SiLU output
+      thread_local RegionScratch scratch;
+      own_hidden.assign(x.data_ptr<T>(), x.data_ptr<T>() + m * hidden);
+      own_rows.resize(static_cast<size_t>(m * row_values));
+      T* h = own_hidden.data();
+      T* rows = own_rows.data();
       for (size_t l = 0; l < layers.size(); ++l) {
         const LayerWeights& w = layers[l];
         const auto& b = biases[l];
         phase(tid, "tokenmill::rms_norm", [&] { norm_rows(h, w.input_norm, w.eps, rows); });
         phase(tid, w.qkv.op_name(), [&] {
-          project_rows(w.qkv, bias(b[0]), rows, m, hidden, qkv_ptr, qkv_size, tid, team, scratch);
+          project_share(w.qkv, bias(b[0]), rows, m, hidden, qkv_ptr, qkv_size, wide_ptr, tid, team, scratch);
           barrier.wait(team);
         });
         phase(tid, "tokenmill::rope_", [&] {
@@ -506,16 +588,16 @@ struct DecoderStack : torch::CustomClassHolder {
           // K and V into the caches), dealt round the threads
           for (int64_t i = tid; i < m * (heads + kv_heads); i += team) {
             const int64_t t = i / (heads + kv_heads), head = i % (heads + kv_heads);
-            const float* c = cos_ptr + position[t] * rotary;
-            const float* s = sin_ptr + position[t] * rotary;
-            float* token = qkv_ptr + t * qkv_size;
+            const T* c = rope_rows(t, cos, token_cos);
+            const T* s = rope_rows(t, sin, token_sin);
+            T* token = qkv_ptr + t * qkv_size;
             if (head < heads) {
-              float* q = queries_ptr + (t * heads + head) * head_dim;
-              std::memcpy(q, token + head * head_dim, head_dim * sizeof(float));
+              T* q = queries_ptr + (t * heads + head) * head_dim;
+              std::memcpy(q, token + head * head_dim, head_dim * sizeof(T));
               tokenmill::rope_head(q, c, s, rotary);
               continue;
             }
-            float* k = token + q_size + (head - heads) * head_dim;
+            T* k = token + q_size + (head - heads) * head_dim;
             tokenmill::rope_head(k, c, s, rotary);
             write_head(k_caches[l], slots[t], head - heads, k);
             write_head(v_caches[l], slots[t], head - heads, k + kv_size);
@@ -530,32 +612,31 @@ struct DecoderStack : torch::CustomClassHolder {
           const int64_t merges = tokenmill::attention_merges(work);
           if (merges > 0) {
             barrier.wait(team);
-            const int64_t share = (merges + team - 1) / team;
-            tokenmill::merge_partials(work, attended_ptr, partials.data(), std::min(merges, tid * share),
-                                      std::min(merges, (tid + 1) * share));
+            const auto [begin, end] = share_of(merges, tid, team);
+            tokenmill::merge_partials(work, attended_ptr, partials.data(), begin, end);
           }
           barrier.wait(team);
         }); });
         phase(tid, w.o.op_name(), [&] {
-          project_rows(w.o, bias(b[1]), attended_ptr, m, q_size, projected_ptr, hidden, tid, team, scratch);
+          project_share(w.o, bias(b[1]), attended_ptr, m, q_size, projected_ptr, hidden, wide_ptr, tid, team, scratch);
           barrier.wait(team);
         });
-        add_rows(h, projected_ptr);
+        add_into(h, projected_ptr, 0, m * hidden);
         phase(tid, "tokenmill::rms_norm", [&] { norm_rows(h, w.post_norm, w.eps, rows); });
         phase(tid, w.gate_up.op_name(), [&] {
-          project_rows(w.gate_up, bias(b[2]), rows, m, hidden, gate_up_ptr, 2 * inter, tid, team, scratch);
+          project_share(w.gate_up, bias(b[2]), rows, m, hidden, gate_up_ptr, 2 * inter, wide_ptr, tid, team, scratch);
           barrier.wait(team);
         });
         phase(tid, "tokenmill::silu_mul", [&] {
           for (int64_t t = 0; t < m; ++t) tokenmill::silu_mul_row(gate_up_ptr + t * 2 * inter, inter, rows + t * inter);
         });
         phase(tid, w.down.op_name(), [&] {
-          project_rows(w.down, bias(b[3]), rows, m, inter, projected_ptr, hidden, tid, team, scratch);
+          project_share(w.down, bias(b[3]), rows, m, inter, projected_ptr, hidden, wide_ptr, tid, team, scratch);
           barrier.wait(team);
         });
-        add_rows(h, projected_ptr);
+        add_into(h, projected_ptr, 0, m * hidden);
       }
-      if (tid == 0) std::memcpy(result.data_ptr<float>(), h, m * hidden * sizeof(float));
+      if (tid == 0) std::memcpy(result.data_ptr<T>(), h, m * hidden * sizeof(T));
     }
     return result;
   }

@@ -61,6 +61,14 @@ constexpr int64_t kOnednnBatchHint = 64;
 // amx_linear.cpp: bf16 x [1 to kAmxMaxRows rows, K] times a bf16 weight reordered by oneDNN, on AMX
 constexpr int64_t kAmxMaxRows = 32;
 bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed);
+// Whether amx_linear takes `rows` bf16 rows of packed.size(1) inputs on this weight (amx_linear_applies, x unseen).
+bool amx_linear_takes(int64_t rows, const at::Tensor& packed);
+// amx_linear in parts, for callers with their own threads: its N outputs in blocks of 32
+// (amx_linear_blocks), blocks [begin, end) of them on the calling thread (amx_linear_rows: x [m, Kp]
+// bf16, K zero-padded to a multiple of 32; bias fp32 or nullptr; out [m, N] bf16).
+int64_t amx_linear_blocks(const at::Tensor& packed);
+void amx_linear_rows(const at::BFloat16* x, int64_t m, const at::Tensor& packed, const float* bias, at::BFloat16* out,
+                     int64_t begin, int64_t end);
 // x W^T + b for an (x, packed) that amx_linear_applies to (callers check; the op amx_linear checks too)
 at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 // Whether oneDNN's reorder of a bf16 [n, k] weight is the blocked layout amx_linear reads (probed once per shape).

@@ -40,8 +40,6 @@
 namespace tokenmill {
 namespace {
 
-// Output columns per panel: two vectors, so a row of the register tile is two accumulators.
-constexpr int64_t kPanel = 2 * kVec;
 // Rows of x per register tile: 2 accumulators each, plus the panel's 2 vectors and one broadcast,
 // within AVX2's 16 (6 rows) or AVX-512's 32 (12 rows) vector registers.
 #if defined(CPU_CAPABILITY_AVX512)

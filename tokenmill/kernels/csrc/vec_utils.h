@@ -13,6 +13,9 @@ namespace tokenmill {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
+// Output columns per panel of a packed weight (packed_linear.cpp): two vectors, so a row of the
+// register tile is two accumulators.
+constexpr int64_t kPanel = 2 * kVec;
 // Rows (query heads x queries, or weight rows) whose dot products share one load of the other operand.
 constexpr int kRowGroup = 4;
 
