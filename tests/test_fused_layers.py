@@ -157,9 +157,23 @@ def test_small_steps_run_every_layer_in_one_parallel_region(model, quantization,
     rows between the ops as the layer path's tensors, the projections on AMX tiles (a oneDNN weight's
     32-output blocks shared among the threads; CPUs with AMX) or int8 panels (each thread's columns
     rounded to bf16 once)."""
+    _check_one_region(request.getfixturevalue(model), quantization, cache_dtype, dtype, sequences,
+                      dtype == "float32" or quantization is not None or torch.ops.tokenmill.amx_bf16_usable())
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
+def test_bf16_decode_batches_on_amx_tiles_run_in_one_region_up_to_32_rows(sharp_tiny_model_dir, cache_dtype):
+    """A bf16 stack whose projections are all on amx_linear's tiles takes decode steps of up to 32
+    tokens in the region (panels stop at 6): 20 sequences decoding, the same bits as the Python
+    layers. Without AMX (an AVX2 build, or a CPU with AVX512-BF16 only) the steps stay layer by layer."""
+    _check_one_region(sharp_tiny_model_dir, None, cache_dtype, "bfloat16", 20, torch.ops.tokenmill.amx_bf16_usable())
+
+
+def _check_one_region(model_dir, quantization, cache_dtype, dtype, sequences, on_region: bool) -> None:
+    """fused and Python layers: the same tokens, logprobs and cache bytes; every decode step of the
+    fused engine in the one region (on_region) or none of them."""
     if dtype == "bfloat16" and not _native_bf16():
         pytest.skip("bf16 activations need a CPU with native bf16 (AMX or AVX512-BF16)")
-    model_dir = request.getfixturevalue(model)
     prompts = mixed_prompts(sequences, 130, 150, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
     fused = _engine(model_dir, quantization=quantization, kv_cache_dtype=cache_dtype, dtype=dtype)
@@ -169,8 +183,7 @@ def test_small_steps_run_every_layer_in_one_parallel_region(model, quantization,
             for llm in (fused, plain)]
     assert outs[0] == outs[1]
     regions = fused.engine.model.fused_stack.native.region_steps()
-    # (bf16 projections on oneDNN take the region where amx_linear computes them: CPUs with AMX)
-    if dtype == "float32" or quantization or torch.ops.tokenmill.amx_bf16_usable():
+    if on_region:
         assert regions >= params.max_tokens - 1  # every decode step
     else:
         assert regions == 0

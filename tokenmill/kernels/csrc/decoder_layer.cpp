@@ -378,9 +378,11 @@ struct DecoderStack : torch::CustomClassHolder {
   static constexpr int64_t kTensors = 14, kInts = 4, kFloats = 3;  // per layer (see the constructor)
   std::vector<LayerWeights> layers;
   std::vector<std::array<at::Tensor, 4>> biases;  // per layer: qkv, o, gate_up, down biases in fp32 (or undefined)
-  // Steps of up to this many tokens run in one region: at most one block of rows of the panel GEMM
-  // (kTileM: 6 on AVX2), whose row tiles do not depend on K; and below the 12 (bf16) and 16 (fp32)
-  // rows from which packed_int8_linear sums on AMX tiles, so the region's int8 panels are the op's.
+  // Steps of up to this many tokens run in one region where a projection is on panels: at most one
+  // block of rows of the panel GEMM (kTileM: 6 on AVX2), whose row tiles do not depend on K; and
+  // below the 12 (bf16) and 16 (fp32) rows from which packed_int8_linear sums on AMX tiles, so the
+  // region's int8 panels are the op's. A bf16 stack on amx_linear's tiles alone takes up to
+  // kAmxMaxRows (32): decode batches of a few streams too.
   static constexpr int64_t kRegionRows = 6;
   int64_t region_steps = 0;  // steps that took forward_in_one_region (what a test can ask: region_steps())
 
@@ -445,7 +447,7 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
  private:
-  // Whether the step is up to kRegionRows fp32 or bf16 tokens over caches write_head writes, every
+  // Whether the step is fp32 or bf16 tokens (see kRegionRows for how many) over caches write_head writes, every
   // layer of one shape, its norms in x's dtype and each projection one the region computes as the
   // layer path does (project_share): panels under fp32 x (oneDNN runs its own threads); under bf16
   // x, int8 or bf16 panels, or a oneDNN weight amx_linear takes whole tiles of (K a multiple of 32).
@@ -453,7 +455,7 @@ struct DecoderStack : torch::CustomClassHolder {
                        const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
                        const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const {
     const auto dtype = x.scalar_type();
-    if (layers.empty() || x.dim() != 2 || x.size(0) < 1 || x.size(0) > kRegionRows ||
+    if (layers.empty() || x.dim() != 2 || x.size(0) < 1 || x.size(0) > tokenmill::kAmxMaxRows ||
         (dtype != at::kFloat && dtype != at::kBFloat16) || !x.is_contiguous() ||
         slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != x.size(0) ||
         !slot_mapping.is_contiguous() || positions.scalar_type() != at::kLong || !positions.is_contiguous())
@@ -465,10 +467,11 @@ struct DecoderStack : torch::CustomClassHolder {
     if (cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat || !cos.is_contiguous() ||
         !sin.is_contiguous() || rotary % 2 != 0 || rotary > head_dim)
       return false;
+    const int64_t m = x.size(0);
     auto computes = [&](const Projection& p) {
-      if (dtype == at::kFloat) return !p.onednn();
-      if (p.onednn()) return p.weight.size(1) % 32 == 0 && tokenmill::amx_linear_takes(x.size(0), p.weight);
-      return p.int8() || p.weight.scalar_type() == at::kBFloat16;
+      if (p.onednn())
+        return dtype == at::kBFloat16 && p.weight.size(1) % 32 == 0 && tokenmill::amx_linear_takes(m, p.weight);
+      return m <= kRegionRows && (dtype == at::kFloat || p.int8() || p.weight.scalar_type() == at::kBFloat16);
     };
     const LayerWeights& first = layers[0];
     for (size_t l = 0; l < layers.size(); ++l) {
