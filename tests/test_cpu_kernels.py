@@ -803,6 +803,23 @@ def test_fused_rope_rotates_q_and_k_in_place_like_apply_rope(head_dim, rotary):
 
 
 @needs_kernels
+def test_bf16_silu_mul_gives_the_bf16_ops_bits_for_every_bf16_gate():
+    """bf16 SiLU(gate) * up takes a faster exp than fp32's (ATen's exp_u20, ~25% of a prefill's
+    SiLU*up time): its few ulps of fp32 never reach the bf16 rounding, checked for every finite bf16
+    gate value (and ups of both signs, so the product rounds too), rows on and off the vector width."""
+    from transformers.activations import ACT2FN
+
+    bits = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = bits[torch.isfinite(bits.float())]
+    for width in (16, 7):
+        gate = gates[: gates.numel() - gates.numel() % width].view(-1, width)
+        for up_value in (1.0, -3.25):
+            up = torch.full_like(gate, up_value)
+            got = torch.ops.tokenmill.silu_mul(torch.cat([gate, up], dim=1))
+            assert torch.equal(got, ACT2FN["silu"](gate) * up)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dim", [7, 64, 576])
 def test_bf16_elementwise_kernels_round_where_the_bf16_ops_round(dim):
     """bf16 rows through the fused kernels: computed in fp32 and rounded to bf16 where each unfused
