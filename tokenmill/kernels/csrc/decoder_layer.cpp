@@ -447,10 +447,11 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
  private:
-  // Whether the step is fp32 or bf16 tokens (see kRegionRows for how many) over caches write_head writes, every
-  // layer of one shape, its norms in x's dtype and each projection one the region computes as the
-  // layer path does (project_share): panels under fp32 x (oneDNN runs its own threads); under bf16
-  // x, int8 or bf16 panels, or a oneDNN weight amx_linear takes whole tiles of (K a multiple of 32).
+  // Whether the step is fp32 or bf16 tokens (kRegionRows says how many) over caches write_head
+  // writes, every layer of one shape, its norms in x's dtype and each projection one the region
+  // computes as the layer path does (project_share): panels under fp32 x (oneDNN runs its own
+  // threads); under bf16 x, int8 or bf16 panels, or a oneDNN weight amx_linear takes whole tiles of
+  // (K a multiple of 32).
   bool fits_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                        const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
                        const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const {
@@ -516,7 +517,7 @@ struct DecoderStack : torch::CustomClassHolder {
     at::Tensor projected = at::empty({m, hidden}, options);  // the o and down GEMMs' output, in turn
     at::Tensor result = at::empty({m, hidden}, options);
     // bf16 panel projections' fp32 sums (project_share)
-    std::vector<float> wide_out(kBf16 ? static_cast<size_t>(m * std::max(qkv_size, 2 * inter)) : 0);
+    std::vector<float> wide_out(kBf16 ? static_cast<size_t>(m * std::max({qkv_size, 2 * inter, hidden})) : 0);
     // each token's RoPE rows as the rotation reads them: the tables' rows, or those rounded to bf16
     std::vector<T> token_cos, token_sin;
     if constexpr (kBf16) {
@@ -566,7 +567,8 @@ struct DecoderStack : torch::CustomClassHolder {
     SpinBarrier barrier;  // (after each shared phase)
     auto norm_rows = [&](const T* h, const at::Tensor& weight, double eps, T* out) {
       for (int64_t t = 0; t < m; ++t)
-        tokenmill::rms_norm_row(h + t * hidden, weight.data_ptr<T>(), hidden, static_cast<float>(eps), out + t * hidden);
+        tokenmill::rms_norm_row(h + t * hidden, weight.data_ptr<T>(), hidden, static_cast<float>(eps),
+                                out + t * hidden);
     };
 
 #pragma omp parallel num_threads(threads)
