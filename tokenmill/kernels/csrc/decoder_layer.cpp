@@ -39,6 +39,10 @@ using OptTensor = c10::optional<at::Tensor>;
 struct Projection {
   at::Tensor weight;
   OptTensor scales, bias;
+  // A bf16 weight in oneDNN's AMX layout with whole tiles of inputs (K a multiple of 32), which
+  // amx_linear's tiles take: probed once by DecoderStack's constructor (the layout probe takes a
+  // lock), read by its one-region check every step.
+  bool amx_tiles = false;
 
   bool int8() const { return scales.has_value() && scales->defined(); }
   bool onednn() const { return weight.is_mkldnn(); }
@@ -402,7 +406,11 @@ struct DecoderStack : torch::CustomClassHolder {
     auto tensor = [&](int64_t i) -> OptTensor { return tensors.get(i); };
     for (int64_t l = 0; l < count; ++l) {
       const int64_t t = l * kTensors;
-      auto projection = [&](int64_t first) { return Projection{*tensor(t + first), tensor(t + first + 1), tensor(t + first + 2)}; };
+      auto projection = [&](int64_t first) {
+        Projection p{*tensor(t + first), tensor(t + first + 1), tensor(t + first + 2)};
+        p.amx_tiles = p.onednn() && p.weight.size(1) % 32 == 0 && tokenmill::amx_linear_takes(1, p.weight);
+        return p;
+      };
       layers.push_back({*tensor(t), *tensor(t + 1), floats[l * kFloats], projection(2), projection(5), projection(8),
                         projection(11), ints[l * kInts], ints[l * kInts + 1], ints[l * kInts + 2],
                         floats[l * kFloats + 1], ints[l * kInts + 3], floats[l * kFloats + 2]});
@@ -470,8 +478,7 @@ struct DecoderStack : torch::CustomClassHolder {
       return false;
     const int64_t m = x.size(0);
     auto computes = [&](const Projection& p) {
-      if (p.onednn())
-        return dtype == at::kBFloat16 && p.weight.size(1) % 32 == 0 && tokenmill::amx_linear_takes(m, p.weight);
+      if (p.onednn()) return dtype == at::kBFloat16 && p.amx_tiles && m <= tokenmill::kAmxMaxRows;
       return m <= kRegionRows && (dtype == at::kFloat || p.int8() || p.weight.scalar_type() == at::kBFloat16);
     };
     const LayerWeights& first = layers[0];
@@ -518,23 +525,25 @@ struct DecoderStack : torch::CustomClassHolder {
     at::Tensor result = at::empty({m, hidden}, options);
     // bf16 panel projections' fp32 sums (project_share)
     std::vector<float> wide_out(kBf16 ? static_cast<size_t>(m * std::max({qkv_size, 2 * inter, hidden})) : 0);
-    // each token's RoPE rows as the rotation reads them: the tables' rows, or those rounded to bf16
-    std::vector<T> token_cos, token_sin;
+    // each token's RoPE rows as the rotation reads them: the tables' rows, or (bf16) those rounded
+    std::vector<T> rounded_cos, rounded_sin;
+    std::vector<const T*> cos_of(static_cast<size_t>(m)), sin_of(static_cast<size_t>(m));
+    const float* cos_table = cos.data_ptr<float>();
+    const float* sin_table = sin.data_ptr<float>();
     if constexpr (kBf16) {
-      token_cos.resize(static_cast<size_t>(m * rotary));
-      token_sin.resize(static_cast<size_t>(m * rotary));
-      for (int64_t t = 0; t < m; ++t)
+      rounded_cos.assign(static_cast<size_t>(m * rotary), T(0.f));
+      rounded_sin.assign(static_cast<size_t>(m * rotary), T(0.f));
+      for (int64_t t = 0; t < m; ++t) {
         for (int64_t i = 0; i < rotary; ++i) {
-          token_cos[t * rotary + i] = T(cos.data_ptr<float>()[position[t] * rotary + i]);
-          token_sin[t * rotary + i] = T(sin.data_ptr<float>()[position[t] * rotary + i]);
+          rounded_cos[t * rotary + i] = T(cos_table[position[t] * rotary + i]);
+          rounded_sin[t * rotary + i] = T(sin_table[position[t] * rotary + i]);
         }
+        cos_of[t] = rounded_cos.data() + t * rotary, sin_of[t] = rounded_sin.data() + t * rotary;
+      }
+    } else {
+      for (int64_t t = 0; t < m; ++t)
+        cos_of[t] = cos_table + position[t] * rotary, sin_of[t] = sin_table + position[t] * rotary;
     }
-    auto rope_rows = [&](int64_t t, const at::Tensor& table, const std::vector<T>& rounded) -> const T* {
-      if constexpr (kBf16)
-        return rounded.data() + t * rotary;
-      else
-        return table.data_ptr<float>() + position[t] * rotary;
-    };
     // The attention's work: one plan per window (the same for every layer that shares it).
     const int64_t threads = at::get_num_threads();
     std::vector<std::pair<int64_t, std::shared_ptr<const tokenmill::AttentionWork>>> plans;
@@ -593,8 +602,8 @@ struct DecoderStack : torch::CustomClassHolder {
           // K and V into the caches), dealt round the threads
           for (int64_t i = tid; i < m * (heads + kv_heads); i += team) {
             const int64_t t = i / (heads + kv_heads), head = i % (heads + kv_heads);
-            const T* c = rope_rows(t, cos, token_cos);
-            const T* s = rope_rows(t, sin, token_sin);
+            const T* c = cos_of[t];
+            const T* s = sin_of[t];
             T* token = qkv_ptr + t * qkv_size;
             if (head < heads) {
               T* q = queries_ptr + (t * heads + head) * head_dim;
