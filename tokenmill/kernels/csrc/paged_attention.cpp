@@ -212,6 +212,13 @@ inline void dot_lanes(const float* q, const K* k, int64_t runtime_dim, Vec* out)
   for (int r = 0; r < N; ++r) out[r] = acc[r];
 }
 
+// Makes v hold at least n elements. Never shrinks: the sizes change chunk by chunk, and a resize that
+// grows fills every element it adds (a chunk's staged V rows: tens of KB a chunk, refilled each time).
+template <typename V>
+inline void grow(std::vector<V>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+}
+
 // Per-thread scratch, kept across work items.
 struct Scratch {
   std::vector<float> floats;
@@ -235,6 +242,28 @@ inline void copy_row(const void* src, void* dst, int64_t bytes) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + b), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + b)));
 #endif
   if (b < bytes) std::memcpy(to + b, from + b, static_cast<size_t>(bytes - b));
+}
+
+// dst[d] = T(src[d] * scale) for d < dim, vectorised for fp32 and bf16 rows (the scalar
+// conversion's roundings: an fp32 product, then to nearest even).
+template <typename T>
+inline void store_scaled_row(const float* src, float scale, T* dst, int64_t dim) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    const Vec factor(scale);
+    for (; d + kVec <= dim; d += kVec) store_as(Vec::loadu(src + d) * factor, dst + d);
+  }
+  for (; d < dim; ++d) dst[d] = static_cast<T>(src[d] * scale);
+}
+
+// dst[d] = float(src[d]) for d < dim (vectorised for fp32 and bf16 rows).
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t dim) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    for (; d + kVec <= dim; d += kVec) load_as_float(src + d).store(dst + d);
+  }
+  for (; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
 // The in-order pass below requests each K and V slot row kPrefetchAhead keys ahead: its first line
@@ -272,7 +301,7 @@ void dots_in_memory_order(const C* k_cache, const C* v_cache, const int64_t* off
   const int64_t rows = kv_heads * head_rows;
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(C));
   const int64_t slot_bytes = kv_heads * head_stride * static_cast<int64_t>(sizeof(C));
-  lanes.resize(static_cast<size_t>(rows));
+  grow(lanes, rows);
   Vec* lane = lanes.data();
   for (int64_t j = 0; j < keys; ++j) {
     const int64_t a = j + kPrefetchAhead;
@@ -373,24 +402,23 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
   const int64_t key_lo = item.key_lo, key_hi = item.key_hi, keys = key_hi - key_lo;
   const int64_t dim = p.dim;
 
-  scratch.offsets.resize(static_cast<size_t>(keys));
+  grow(scratch.offsets, keys);
   int64_t* offsets = scratch.offsets.data();
   key_offsets(p, block_tables, item.seq, item.kv_head, key_lo, key_hi, offsets);
 
   // Floats: q rows, accumulators, converted K/V rows of one tile, then scores [rows, keys].
   constexpr int64_t tile = kKeyTile > kValueTile ? kKeyTile : kValueTile;  // (keys converted at once)
-  scratch.floats.resize(static_cast<size_t>(2 * rows * dim + tile * dim + rows * keys));
+  grow(scratch.floats, 2 * rows * dim + tile * dim + rows * keys);
   float* q_f = scratch.floats.data();
   float* acc = q_f + rows * dim;
   float* converted = acc + rows * dim;
   float* scores = converted + tile * dim;
   std::vector<const float*>& q_rows = scratch.q_rows;
   std::vector<float*>& acc_rows = scratch.acc_rows;
-  q_rows.resize(static_cast<size_t>(rows));
-  acc_rows.resize(static_cast<size_t>(rows));
+  grow(q_rows, rows);
+  grow(acc_rows, rows);
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + map.offset(r, first_row);
-    for (int64_t d = 0; d < dim; ++d) q_f[r * dim + d] = static_cast<float>(src[d]);
+    widen_row(q + map.offset(r, first_row), q_f + r * dim, dim);
     q_rows[r] = q_f + r * dim;
     acc_rows[r] = acc + r * dim;
   }
@@ -402,7 +430,7 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
   C* staged = nullptr;
   if constexpr (std::is_same_v<RowOf<C>, C>) {
     if (item.num_queries == 1 && item.num_kv_heads > 1 && dim % kVec == 0) {
-      scratch.stage.resize(static_cast<size_t>((keys * item.num_kv_heads * dim * sizeof(C) + 3) / 4));
+      grow(scratch.stage, (keys * item.num_kv_heads * dim * sizeof(C) + 3) / 4);
       staged = reinterpret_cast<C*>(scratch.stage.data());
       // (head_dim 64 and 128 at compile time: the loops over a row unrolled; 64 decodes over a bf16
       // cache, Intel Xeon with AMX: 1.07 -> 1.03-1.05 ms a call, in L3 on one thread 1.34 -> 1.26)
@@ -435,8 +463,8 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
   const float neg_inf = -std::numeric_limits<float>::infinity();
   std::vector<float>& row_sum = scratch.row_sum;
   std::vector<float>& row_max = scratch.row_max;
-  row_sum.resize(static_cast<size_t>(rows));
-  row_max.resize(static_cast<size_t>(rows));
+  grow(row_sum, rows);
+  grow(row_max, rows);
   for (int64_t r = 0; r < rows; ++r) {
     float* srow = scores + r * keys;
     const int64_t pos = first_pos + map.query_of(r);
@@ -490,7 +518,7 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
   const int64_t* v_offsets = offsets;
   int64_t v_head_stride = p.head_stride;
   if (staged != nullptr) {
-    scratch.stage_offsets.resize(static_cast<size_t>(keys));
+    grow(scratch.stage_offsets, keys);
     for (int64_t j = 0; j < keys; ++j) scratch.stage_offsets[j] = j * dim;
     v_rows = staged;
     v_offsets = scratch.stage_offsets.data();
@@ -511,9 +539,7 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + map.offset(r, first_row);
-    const float inv = 1.f / row_sum[r];
-    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc_rows[r][d] * inv);
+    store_scaled_row(acc_rows[r], 1.f / row_sum[r], out + map.offset(r, first_row), dim);
   }
 }
 
@@ -538,9 +564,7 @@ void merge_chunks(const WorkItem& first, int64_t chunks, const float* base, T* o
       sum += w * part[rows * dim + rows + r];
       for (int64_t d = 0; d < dim; ++d) row[d] += w * part[r * dim + d];
     }
-    T* dst = out + map.offset(r, query_start[first.seq] + first.first_query);
-    const float inv = 1.f / sum;
-    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(row[d] * inv);
+    store_scaled_row(row.data(), 1.f / sum, out + map.offset(r, query_start[first.seq] + first.first_query), dim);
   }
 }
 
@@ -566,7 +590,7 @@ void attend_item(const WorkItem& item, const T* q, const C* k_cache, const C* v_
     return;
   }
   const int64_t stride = partial_floats(ItemRows(item, p).rows, p.dim);
-  scratch.partials.resize(static_cast<size_t>(chunks * stride));
+  grow(scratch.partials, chunks * stride);
   WorkItem part = item;
   int64_t c = 0;
   int64_t chunk_next[kPrefetchAhead];
