@@ -1,6 +1,6 @@
 """tokenmill's AMX tiles (`tokenmill::amx_linear`, decode-sized bf16 steps) against oneDNN's bf16 GEMM
 on the same reordered weights: SmolLM2's 120 layer GEMMs, each layer its own weights (from DRAM, as in
-a model step), ms a pass (best of 9) at 1-64 rows. `onednn_linear` takes the AMX path up to 32 rows
+a model step), ms a pass (best of 9) at 1-96 rows. `onednn_linear` takes the AMX path up to 64 rows
 where the CPU has AMX; `mkldnn::_linear_pointwise` is oneDNN alone.
 
     python bench/amx_linear_vs_onednn.py
@@ -45,7 +45,7 @@ def main() -> None:
     amx = torch.ops.tokenmill.amx_linear_applies(torch.ones(1, 576, dtype=torch.bfloat16), weights[0][0])
     print(f"AMX path here: {amx}; weights {sum(n * k for n, k in SHAPES) * LAYERS * 2 / 1e6:.1f} MB")
     print("rows  tokenmill onednn_linear ms  oneDNN alone ms")
-    for rows in (1, 8, 16, 32, 64):
+    for rows in (1, 8, 16, 32, 48, 64, 96):
         ours = best_pass(lambda x, w: torch.ops.tokenmill.onednn_linear(x, w, None), weights, rows)
         theirs = best_pass(lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), weights, rows)
         print(f"{rows:4d}  {ours:27.2f}  {theirs:15.2f}")

@@ -958,16 +958,17 @@ def test_the_cpp_onednn_reorder_expects_the_python_batch_hint():
 @needs_amx
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (100, 70), (33, 64), (33, 40)])
 def test_amx_linear_gives_onednns_bits_at_decode_sizes(out_features, in_features):
-    """Decode-sized bf16 steps on AMX read oneDNN's reordered weight with tokenmill's tiles: the same
-    sums in the same order, so the same bits as oneDNN's GEMM (and both close to fp32's product), with
-    and without a bias, for shapes that are not whole tiles; larger steps stay on oneDNN. (Under 64
-    inputs oneDNN sums some rows in another order: an ulp apart at times.)"""
+    """Decode-sized bf16 steps on AMX read oneDNN's reordered weight with tokenmill's tiles: up to 32
+    rows the same sums in the same order, so the same bits as oneDNN's GEMM (and both close to fp32's
+    product), with and without a bias, for shapes that are not whole tiles; 33-64 rows are chunks of
+    32 (each row's bits whatever the step's row count; oneDNN blocks them otherwise: close); larger
+    steps stay on oneDNN. (Under 64 inputs oneDNN sums some rows in another order: an ulp apart.)"""
     gen = torch.Generator().manual_seed(out_features)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
     assert torch.ops.tokenmill.onednn_amx_layout(out_features, in_features)
-    for rows in (1, 2, 7, 16, 17, 31, 32):
+    for rows in (1, 2, 7, 16, 17, 31, 32, 33, 48, 63, 64):  # (past 32: chunks of 32 rows, the last padded)
         x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
         assert torch.ops.tokenmill.amx_linear_applies(x, packed)
         for b in (None, bias):
@@ -975,19 +976,23 @@ def test_amx_linear_gives_onednns_bits_at_decode_sizes(out_features, in_features
             onednn = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
             exact = x.float() @ weight.float().T + (0 if b is None else b.float())
             tolerance = {"rtol": 2 ** -7, "atol": 2 ** -7 * exact.abs().max().item()}
-            if b is None and in_features >= 64:
+            if rows > 32:  # (oneDNN's own blocking changes past 32 rows; ours is the same for every row count)
+                parts = [torch.ops.tokenmill.amx_linear(x[:32], packed, b), torch.ops.tokenmill.amx_linear(x[32:], packed, b)]
+                assert torch.equal(got, torch.cat(parts))
+                torch.testing.assert_close(got, onednn, **tolerance)
+            elif b is None and in_features >= 64:
                 assert torch.equal(got, onednn)
             else:  # (oneDNN adds some blocks' bias before the last rounding of the sums: an ulp apart at times)
                 torch.testing.assert_close(got, onednn, **tolerance)
             assert torch.equal(torch.ops.tokenmill.onednn_linear(x, packed, b), got)
             torch.testing.assert_close(got.float(), exact, **tolerance)
-    assert not torch.ops.tokenmill.amx_linear_applies(torch.ones(33, in_features, dtype=torch.bfloat16), packed)
+    assert not torch.ops.tokenmill.amx_linear_applies(torch.ones(65, in_features, dtype=torch.bfloat16), packed)
 
 
 @needs_amx
 def test_amx_linear_refuses_what_it_cannot_read():
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(64, 64, dtype=torch.bfloat16), 64)
-    for x in (torch.ones(1, 64), torch.ones(33, 64, dtype=torch.bfloat16), torch.ones(1, 32, dtype=torch.bfloat16)):
+    for x in (torch.ones(1, 64), torch.ones(65, 64, dtype=torch.bfloat16), torch.ones(1, 32, dtype=torch.bfloat16)):
         assert not torch.ops.tokenmill.amx_linear_applies(x, packed)
         with pytest.raises(RuntimeError, match="amx_linear: bf16 x"):
             torch.ops.tokenmill.amx_linear(x, packed, None)

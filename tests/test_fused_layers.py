@@ -162,11 +162,16 @@ def test_small_steps_run_every_layer_in_one_parallel_region(model, quantization,
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
-def test_bf16_decode_batches_on_amx_tiles_run_in_one_region_up_to_32_rows(sharp_tiny_model_dir, cache_dtype):
-    """A bf16 stack whose projections are all on amx_linear's tiles takes decode steps of up to 32
-    tokens in the region (panels stop at 6): 20 sequences decoding, the same bits as the Python
-    layers. Without AMX (an AVX2 build, or a CPU with AVX512-BF16 only) the steps stay layer by layer."""
-    _check_one_region(sharp_tiny_model_dir, None, cache_dtype, "bfloat16", 20, torch.ops.tokenmill.amx_bf16_usable())
+@pytest.mark.parametrize("sequences", [20, 48])
+def test_bf16_decode_batches_on_amx_tiles_run_in_one_region_up_to_64_rows(sharp_tiny_model_dir, cache_dtype,
+                                                                           sequences):
+    """A bf16 stack whose projections are all on amx_linear's tiles takes decode steps of up to 64
+    tokens in the region (panels stop at 6): 20 or 48 sequences decoding (48: a last chunk of 16 rows
+    after 32, its tiles reading the buffers' padding rows), the same bits as the Python layers (whose
+    amx_linear pads its rows the same way). Without AMX (an AVX2 build, or a CPU with AVX512-BF16
+    only) the steps stay layer by layer."""
+    _check_one_region(sharp_tiny_model_dir, None, cache_dtype, "bfloat16", sequences,
+                      torch.ops.tokenmill.amx_bf16_usable())
 
 
 def _check_one_region(model_dir, quantization, cache_dtype, dtype, sequences, on_region: bool) -> None:

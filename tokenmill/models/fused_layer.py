@@ -17,7 +17,7 @@ bf16 kernels as the Python layer, whose elementwise ops then also run fused) or 
 Anything wrapped later (LoRA) makes the layer stand aside. When every layer of the model is fused,
 the model's forward runs them as one C++ loop (FusedStack): one check per step instead of one per
 layer, and no Python between layers (~25 us a layer: Python's loop, module calls, the op's 32 boxed
-arguments). A step of up to 6 tokens (batch-1 and small-batch decode; up to 32 for a bf16 model whose
+arguments). A step of up to 6 tokens (batch-1 and small-batch decode; up to 64 for a bf16 model whose
 projections are all on AMX tiles), fp32 or bf16, runs every layer in one parallel region, the
 threads sharing each GEMM's panels or AMX blocks, the RoPE and cache writes and the attention's
 items and meeting at a barrier after each (no fork/join, allocation or op checks per kernel:

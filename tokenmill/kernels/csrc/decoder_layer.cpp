@@ -386,7 +386,7 @@ struct DecoderStack : torch::CustomClassHolder {
   // block of rows of the panel GEMM (kTileM: 6 on AVX2), whose row tiles do not depend on K; and
   // below the 12 (bf16) and 16 (fp32) rows from which packed_int8_linear sums on AMX tiles, so the
   // region's int8 panels are the op's. A bf16 stack on amx_linear's tiles alone takes up to
-  // kAmxMaxRows (32): decode batches of a few streams too.
+  // kAmxMaxRows (64): decode batches of dozens of streams too.
   static constexpr int64_t kRegionRows = 6;
   int64_t region_steps = 0;  // steps that took forward_in_one_region (what a test can ask: region_steps())
 
@@ -519,7 +519,8 @@ struct DecoderStack : torch::CustomClassHolder {
     const auto options = x.options();
     at::Tensor qkv = at::empty({m, qkv_size}, options);
     at::Tensor queries = at::empty({m, heads, head_dim}, options);  // q after RoPE, as the attention reads it
-    at::Tensor attended = at::empty({m, heads, head_dim}, options);
+    // (the o projection's input: amx_linear_rows reads whole 32-row chunks past 32 rows)
+    at::Tensor attended = at::empty({tokenmill::amx_padded_rows(m), heads, head_dim}, options);
     at::Tensor gate_up = at::empty({m, 2 * inter}, options);
     at::Tensor projected = at::empty({m, hidden}, options);  // the o and down GEMMs' output, in turn
     at::Tensor result = at::empty({m, hidden}, options);
@@ -553,7 +554,7 @@ struct DecoderStack : torch::CustomClassHolder {
       auto found = std::find_if(plans.begin(), plans.end(), [&](const auto& e) { return e.first == layers[l].window; });
       if (found == plans.end()) {
         plans.emplace_back(layers[l].window,
-                           tokenmill::plan_paged_attention(queries, k_caches[l], v_caches[l], attended,
+                           tokenmill::plan_paged_attention(queries, k_caches[l], v_caches[l], attended.narrow(0, 0, m),
                                                            step.query_start, step.query_lens, step.block_tables,
                                                            step.context_lens, step.block_size, layers[l].window,
                                                            threads));
@@ -586,7 +587,7 @@ struct DecoderStack : torch::CustomClassHolder {
       thread_local std::vector<T> own_hidden, own_rows;  // this thread's hidden rows and norm/SiLU output
       thread_local RegionScratch scratch;
       own_hidden.assign(x.data_ptr<T>(), x.data_ptr<T>() + m * hidden);
-      own_rows.resize(static_cast<size_t>(m * row_values));
+      own_rows.resize(static_cast<size_t>(tokenmill::amx_padded_rows(m) * row_values));  // (as `attended`)
       T* h = own_hidden.data();
       T* rows = own_rows.data();
       for (size_t l = 0; l < layers.size(); ++l) {

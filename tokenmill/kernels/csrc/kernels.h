@@ -59,13 +59,17 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 constexpr int64_t kOnednnBatchHint = 64;
 
 // amx_linear.cpp: bf16 x [1 to kAmxMaxRows rows, K] times a bf16 weight reordered by oneDNN, on AMX
-constexpr int64_t kAmxMaxRows = 32;
+constexpr int64_t kAmxMaxRows = 64;
+// The rows an x buffer of m rows holds for amx_linear_rows: past 32, whole chunks of 32 (the tiles of
+// a step's last chunk read 32 rows; what they compute past m is dropped).
+inline int64_t amx_padded_rows(int64_t m) { return m <= 32 ? m : (m + 31) / 32 * 32; }
 bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed);
 // Whether amx_linear takes `rows` bf16 rows of packed.size(1) inputs on this weight (amx_linear_applies, x unseen).
 bool amx_linear_takes(int64_t rows, const at::Tensor& packed);
 // amx_linear in parts, for callers with their own threads: its N outputs in blocks of 32
 // (amx_linear_blocks), blocks [begin, end) of them on the calling thread (amx_linear_rows: x [m, Kp]
-// bf16, K zero-padded to a multiple of 32; bias fp32 or nullptr; out [m, N] bf16).
+// bf16 in a buffer of amx_padded_rows(m) rows, K zero-padded to a multiple of 32; bias fp32 or
+// nullptr; out [m, N] bf16).
 int64_t amx_linear_blocks(const at::Tensor& packed);
 void amx_linear_rows(const at::BFloat16* x, int64_t m, const at::Tensor& packed, const float* bias, at::BFloat16* out,
                      int64_t begin, int64_t end);
