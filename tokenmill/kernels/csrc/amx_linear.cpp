@@ -252,8 +252,8 @@ at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed,
   at::Tensor bias_holder;
   const float* bias_ptr = bias_data(bias, n, bias_holder, "amx_linear");
   // x as whole tiles of inputs: a K that is not a multiple of 32 reads a zero-padded copy (the
-  // weight's padding is zero too).
-  // Past 32 rows, whole chunks of 32 (amx_padded_rows).
+  // weight's padding is zero too), as does a step past 32 rows that is not whole chunks of 32
+  // (amx_padded_rows).
   at::Tensor xp = x.contiguous();
   if (kp != k || amx_padded_rows(m) != m) xp = at::constant_pad_nd(xp, {0, kp - k, 0, amx_padded_rows(m) - m});
   at::Tensor out = at::empty({m, n}, xp.options());
