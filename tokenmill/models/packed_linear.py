@@ -17,8 +17,9 @@ Two packings replace it, chosen by the weight's dtype:
 - bf16 on CPUs with native bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinear`):
   oneDNN with the weight reordered into its blocked layout (AMX / AVX512-BF16). On AMX CPUs, steps
   of up to 64 rows (decode) read that same weight with tokenmill's AMX tiles instead
-  (kernels/csrc/amx_linear.cpp: bit-identical to oneDNN's results, ~1.3x its speed up to 32 rows,
-  ~1.05-1.1x at 48-64).
+  (kernels/csrc/amx_linear.cpp: up to 32 rows bit-identical to oneDNN's results at ~1.3x its speed;
+  33-64 rows as chunks of 32, each row's bits those it has in any step, close to oneDNN's own
+  blocking of those rows, ~1.05-1.1x its speed).
 
 Either way the math stays in the weight's dtype with fp32 accumulation; only the blocking and the
 order of the sums differ, like any other BLAS. MoE expert weights are not nn.Linear modules and
