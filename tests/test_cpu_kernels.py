@@ -675,13 +675,14 @@ def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim, dtype):
         with pytest.raises(RuntimeError, match="outside"):
             embedding(torch.tensor([vocab + 40]))
         dequantized = head.dequantized(torch.float32)
-        # (each group's scale is its largest magnitude / 127 rounded up to bf16, and its int8 rows
-        # are the table's to within half that step)
+        # (each group's scale is a bf16 value from its largest magnitude / 127, rounded up, to twice
+        # that (the least-error one: tests/test_int8_scales.py), and its int8 rows are the table's to
+        # within half that step)
         exact = table.abs().amax(dim=1, keepdim=True) / 127 if dim % 32 else \
             table.view(vocab, -1, 32).abs().amax(dim=-1) / 127
         scales = head.quantized()[1].float()
         assert head.quantized()[1].dtype == torch.bfloat16
-        assert (scales >= exact).all() and (scales <= exact * (1 + 2**-7)).all()
+        assert (scales >= exact).all() and (scales <= 2 * exact * (1 + 2**-7)).all()
         step = scales.repeat_interleave(dim // scales.shape[1], dim=1)
         assert ((dequantized - table).abs() <= step / 2 + 1e-6).all()
 
