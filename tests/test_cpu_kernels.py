@@ -997,3 +997,61 @@ def test_amx_linear_refuses_what_it_cannot_read():
         assert not torch.ops.tokenmill.amx_linear_applies(x, packed)
         with pytest.raises(RuntimeError, match="amx_linear: bf16 x"):
             torch.ops.tokenmill.amx_linear(x, packed, None)
+
+
+@needs_amx
+@pytest.mark.parametrize("out_features, in_features", [(1000, 576), (100, 70)])
+def test_amx_logits_are_amx_linears_sums_unrounded(out_features, in_features):
+    """A bf16 head's logits on AMX: the tiles' fp32 sums as amx_linear rounds them to bf16 (the same
+    bits once rounded), for any row count (past 64: every 32-row chunk the same as alone), with a
+    bias, and within fp32 summation of the exact product."""
+    gen = torch.Generator().manual_seed(in_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    for rows in (1, 17, 32, 48, 64, 100):
+        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+        assert torch.ops.tokenmill.amx_logits_applies(x, packed)
+        for b in (None, bias):
+            logits = torch.ops.tokenmill.amx_logits(x, packed, b)
+            assert logits.dtype == torch.float32 and logits.shape == (rows, out_features)
+            exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+            torch.testing.assert_close(logits.double(), exact, rtol=1e-5, atol=1e-5)
+            assert (logits != logits.to(torch.bfloat16).float()).any()  # not rounded to bf16
+            if rows <= 64:
+                assert torch.equal(logits.to(torch.bfloat16), torch.ops.tokenmill.amx_linear(x, packed, b))
+            else:
+                assert torch.equal(logits[64:], torch.ops.tokenmill.amx_logits(x[64:], packed, b))
+    with pytest.raises(RuntimeError, match="amx_logits: bf16 x"):
+        torch.ops.tokenmill.amx_logits(torch.ones(2, in_features), packed, None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_and_panel_logits_are_the_linears_sums_unrounded(dtype):
+    """An int8 head's and a panel head's logits: the fp32 sums packed_int8_linear / packed_linear round
+    to x's dtype (the same bits once rounded; equal for fp32 x), at sizes that take the panels, the
+    AMX-int8 or AMX-bf16 tiles where the CPU has them, and the int8 head's dense prefill size."""
+    from tokenmill.models.quant import quantize_weight
+
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(200, 96, generator=gen) / 10
+    qweight, scales = quantize_weight(weight, 32)
+    q8 = torch.ops.tokenmill.pack_int8_weight(qweight)
+    s8 = torch.ops.tokenmill.pack_linear_weight(scales)
+    panels = torch.ops.tokenmill.pack_linear_weight(weight.to(dtype))
+    for rows in (1, 5, 12, 16, 40, 1024):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        pairs = [(torch.ops.tokenmill.packed_int8_logits(x, q8, s8, None, 200),
+                  torch.ops.tokenmill.packed_int8_linear(x, q8, s8, None, 200))]
+        if rows < 1024:
+            pairs.append((torch.ops.tokenmill.packed_logits(x, panels, None, 200),
+                          torch.ops.tokenmill.packed_linear(x, panels, None, 200)))
+        for logits, linear in pairs:
+            assert logits.dtype == torch.float32 and logits.shape == (rows, 200)
+            if dtype == torch.float32 or rows < 1024:  # (bf16 at 1,024 rows: oneDNN's dense GEMM, its own order)
+                assert torch.equal(logits.to(dtype), linear)
+            else:
+                torch.testing.assert_close(logits.to(dtype), linear, rtol=2 ** -7, atol=2 ** -7)
+            if dtype == torch.bfloat16:
+                assert (logits != logits.to(torch.bfloat16).float()).any()

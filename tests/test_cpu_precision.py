@@ -135,3 +135,30 @@ def test_bf16_without_native_bf16_is_bf16_weights_and_cache_in_fp32_arithmetic(m
     outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine_llm.generate(prompts, params)]
             for engine_llm in (llm, reference)]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_bf16_logits_are_the_heads_fp32_sums(sharp_tiny_model_dir, quantization):
+    """`--dtype bfloat16` on CPU (and with int8 weights): the logits are the head's fp32 sums, not
+    rounded to bf16 first (bf16 logits tie and swap near-equal tokens), whatever the CPU computes the
+    model in. (A bf16 head on oneDNN without AMX tiles is the exception: oneDNN rounds its output.)"""
+    from safetensors.torch import load_file
+
+    from tokenmill import LLM
+    from tokenmill.models.packed_linear import OneDnnLinear
+
+    llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="16MiB", dtype="bfloat16",
+              quantization=quantization)
+    model = llm.engine.model
+    head = model.lm_head
+    weights = load_file(str(next(sharp_tiny_model_dir.glob("*.safetensors"))))
+    weight = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight")).bfloat16().double()
+    if quantization:
+        weight = head.dequantized(torch.float64)
+    hidden = torch.randn(9, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(llm.engine.dtype)
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    tolerance = 1e-3 if quantization else 1e-4  # (int8's panels take x rounded to int16 per group of 32)
+    torch.testing.assert_close(logits.double(), hidden.double() @ weight.T, rtol=tolerance, atol=tolerance)
+    if not (isinstance(head, OneDnnLinear) and not head.amx_decode):
+        assert (logits != logits.bfloat16().float()).any()

@@ -81,6 +81,11 @@ class PackedLinear(nn.Module):
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 x W^T (+ b) of x [rows, in_features] (a vocabulary projection): where the kernel sums
+        in fp32 anyway, its sums as they are, not rounded to x's dtype first."""
+        return self.forward_rows(x).float()
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -105,6 +110,9 @@ class PanelLinear(PackedLinear):
 
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.tokenmill.packed_linear(x, self.packed_weight, self.bias, self.out_features)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tokenmill.packed_logits(x, self.packed_weight, self.bias, self.out_features)
 
 
 class PanelEmbedding(nn.Module):
@@ -155,6 +163,13 @@ class OneDnnLinear(PackedLinear):
         if padded != rows:
             x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")[:rows]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        # (oneDNN's bf16 GEMM rounds its output to bf16: on AVX512-BF16 CPUs without AMX the logits
+        # are those, widened)
+        if self.amx_decode:
+            return torch.ops.tokenmill.amx_logits(x, self.packed_weight, self.bias)
+        return super().logits(x)
 
 
 def packing_for(weight: torch.Tensor) -> type[PackedLinear] | None:

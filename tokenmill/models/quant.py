@@ -137,6 +137,13 @@ class WeightOnlyInt8Linear(nn.Module):
         out = nn.functional.linear(x, self.dequantized(x.dtype))
         return out + self.bias if self.bias is not None else out
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of x [rows, in_features] (this layer as a vocabulary projection): on CPU the
+        kernel's fp32 sums, not rounded to x's dtype first."""
+        if self.use_cpu_kernel:
+            return torch.ops.tokenmill.packed_int8_logits(x, self.qweight, self.scales, self.bias, self.out_features)
+        return self(x).float()
+
 
 def quantize_model(model: nn.Module, method: str) -> None:
     if method != "int8":

@@ -166,7 +166,8 @@ TOKENMILL_AMX void block_sums(const at::BFloat16* x, int64_t ldx, const at::BFlo
   }
 }
 
-// out[r, 0:cols] = bf16(sums[r] + bias) for rows r < rows (bias: fp32 or nullptr).
+// out[r, 0:cols] = sums[r] + bias for rows r < rows (bias: fp32 or nullptr), rounded to bf16 or
+// kept fp32 (logits: `amx_logits`).
 TOKENMILL_AMX void store_rows(const float* scratch, const float* bias, at::BFloat16* out, int64_t ldo, int64_t rows,
                               int64_t cols) {
   const __mmask16 low = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
@@ -179,6 +180,42 @@ TOKENMILL_AMX void store_rows(const float* scratch, const float* bias, at::BFloa
     const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
     _mm512_mask_storeu_epi16(out + r * ldo, (static_cast<__mmask32>(high) << 16) | low, both);
   }
+}
+
+TOKENMILL_AMX void store_rows(const float* scratch, const float* bias, float* out, int64_t ldo, int64_t rows,
+                              int64_t cols) {
+  const __mmask16 low = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 b0 = bias != nullptr ? _mm512_maskz_loadu_ps(low, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias != nullptr ? _mm512_maskz_loadu_ps(high, bias + 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    _mm512_mask_storeu_ps(out + r * ldo, low, _mm512_add_ps(_mm512_loadu_ps(scratch + r * 32), b0));
+    _mm512_mask_storeu_ps(out + r * ldo + 16, high, _mm512_add_ps(_mm512_loadu_ps(scratch + r * 32 + 16), b1));
+  }
+}
+
+// amx_bf16_blocks for either output dtype.
+template <typename Out>
+TOKENMILL_AMX void bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
+                               const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias,
+                               Out* out, int64_t n) {
+  const int first_rows = static_cast<int>(std::min<int64_t>(m, 16));
+  const int second_rows = static_cast<int>(std::min<int64_t>(m - first_rows, 16));
+  configure_tiles(first_rows, second_rows);
+  alignas(64) float scratch[32 * 32];
+  for (int64_t b = begin; b < end; ++b) {
+    const at::BFloat16* block = block_of(b);
+    const int64_t col = b * kBlockOutputs, cols = std::min(kBlockOutputs, n - col);
+    for (int64_t r = 0; r < m; r += 32) {
+      if (second_rows > 0)
+        block_sums<2>(x + r * kp, kp, block, kp / kTileK, scratch);
+      else
+        block_sums<1>(x + r * kp, kp, block, kp / kTileK, scratch);
+      store_rows(scratch, bias != nullptr ? bias + col : nullptr, out + r * n + col, n, std::min<int64_t>(32, m - r),
+                 cols);
+    }
+  }
+  release_tiles();
 }
 
 #endif  // CPU_CAPABILITY_AVX512
@@ -274,26 +311,51 @@ void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin
                      const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias,
                      at::BFloat16* out, int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const int first_rows = static_cast<int>(std::min<int64_t>(m, 16));
-  const int second_rows = static_cast<int>(std::min<int64_t>(m - first_rows, 16));
-  configure_tiles(first_rows, second_rows);
-  alignas(64) float scratch[32 * 32];
-  for (int64_t b = begin; b < end; ++b) {
-    const at::BFloat16* block = block_of(b);
-    const int64_t col = b * kBlockOutputs, cols = std::min(kBlockOutputs, n - col);
-    for (int64_t r = 0; r < m; r += 32) {
-      if (second_rows > 0)
-        block_sums<2>(x + r * kp, kp, block, kp / kTileK, scratch);
-      else
-        block_sums<1>(x + r * kp, kp, block, kp / kTileK, scratch);
-      store_rows(scratch, bias != nullptr ? bias + col : nullptr, out + r * n + col, n, std::min<int64_t>(32, m - r),
-                 cols);
-    }
-  }
-  release_tiles();
+  bf16_blocks(x, m, kp, begin, end, block_of, bias, out, n);
 #else
   (void)x, (void)m, (void)kp, (void)begin, (void)end, (void)block_of, (void)bias, (void)out, (void)n;
   TORCH_CHECK(false, "amx_bf16_blocks: tokenmill's kernels are built without AVX-512 here");
+#endif
+}
+
+void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
+                     const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias, float* out,
+                     int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  bf16_blocks(x, m, kp, begin, end, block_of, bias, out, n);
+#else
+  (void)x, (void)m, (void)kp, (void)begin, (void)end, (void)block_of, (void)bias, (void)out, (void)n;
+  TORCH_CHECK(false, "amx_bf16_blocks: tokenmill's kernels are built without AVX-512 here");
+#endif
+}
+
+bool amx_logits_applies(const at::Tensor& x, const at::Tensor& packed) {
+  return x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 && amx_linear_takes(1, packed) &&
+         packed.size(1) == x.size(1);
+}
+
+at::Tensor amx_logits(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(amx_logits_applies(x, packed), "amx_logits: bf16 x [rows, K] and a bf16 weight reordered by oneDNN "
+              "in the blocked layout amx_linear reads, on a CPU with AMX");
+#if defined(CPU_CAPABILITY_AVX512)
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0), kp = round_up(k, kTileK);
+  at::Tensor bias_holder;
+  const float* bias_ptr = bias_data(bias, n, bias_holder, "amx_logits");
+  at::Tensor xp = x.contiguous();
+  if (kp != k || amx_padded_rows(m) != m) xp = at::constant_pad_nd(xp, {0, kp - k, 0, amx_padded_rows(m) - m});
+  at::Tensor out = at::empty({m, n}, xp.options().dtype(at::kFloat));
+  const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
+  const auto* weight = static_cast<const at::BFloat16*>(at::native::data_ptr_from_mkldnn(packed));
+  const int64_t block_elems = kp * kBlockOutputs;
+  float* op = out.data_ptr<float>();
+  // (any row count: each weight block is read once, for every 32-row chunk of x in turn)
+  at::parallel_for(0, amx_linear_blocks(packed), 1, [&](int64_t begin, int64_t end) {
+    amx_bf16_blocks(xd, m, kp, begin, end, [&](int64_t b) { return weight + b * block_elems; }, bias_ptr, op, n);
+  });
+  return out;
+#else
+  (void)bias;
+  return at::Tensor();
 #endif
 }
 
@@ -309,6 +371,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("amx_logits(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("amx_logits_applies(Tensor x, Tensor packed) -> bool", &tokenmill::amx_logits_applies);
   m.def("amx_linear_applies(Tensor x, Tensor packed) -> bool", &tokenmill::amx_linear_applies);
   m.def("onednn_amx_layout(int n, int k) -> bool", &tokenmill::onednn_amx_layout);
   m.def("amx_int8_usable() -> bool", &tokenmill::amx_int8_usable);
@@ -317,4 +381,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 
 TORCH_LIBRARY_IMPL(tokenmill, MkldnnCPU, m) {
   m.impl("amx_linear", &tokenmill::amx_linear);
+  m.impl("amx_logits", &tokenmill::amx_logits);
 }

@@ -92,6 +92,10 @@ bool amx_bf16_usable();
 void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
                      const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias,
                      at::BFloat16* out, int64_t n);
+// The same into fp32 out (nothing rounded after the tiles' fp32 sums).
+void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
+                     const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias, float* out,
+                     int64_t n);
 // AMX-int8 tiles on this CPU, granted by the OS, and not turned off (TOKENMILL_AMX_INT8=0): the int8
 // panel GEMM (packed_linear.cpp) then sums fp32 steps of 16 rows and more on them.
 bool amx_int8_usable();

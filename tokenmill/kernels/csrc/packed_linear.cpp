@@ -663,12 +663,14 @@ bool amx_bf16_applies(const at::Tensor& x, const ActivationBlocks& cut) {
 // those tiles, ~170-200 on oneDNN's bf16 GEMM with the widening: `python bench/amx_int8_vs_panels.py`).
 constexpr int64_t kDenseMinRows = 1024;
 
-// out = x W^T (+ bias) for bf16 x [m, K] where amx_bf16_applies (see panel_as_bf16).
+// out = x W^T (+ bias) for bf16 x [m, K] where amx_bf16_applies (see panel_as_bf16), bf16 or fp32
+// (`fp32_out`: logits, the tiles' fp32 sums as they are).
 at::Tensor bf16_tiles_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
-                                  const ActivationBlocks& cut, const float* bias_ptr, int64_t n) {
+                                  const ActivationBlocks& cut, const float* bias_ptr, int64_t n, bool fp32_out) {
   const int64_t m = x.size(0), k = x.size(1), chunks = (m + 31) / 32;
 #if defined(CPU_CAPABILITY_AVX512)
-  if (m >= kDenseMinRows && bias_ptr == nullptr) {  // (with a bias: the tiles, which add it before rounding)
+  // (with a bias, or fp32 out: the tiles, which add it before rounding, or do not round)
+  if (m >= kDenseMinRows && bias_ptr == nullptr && !fp32_out) {
     at::Tensor weight = at::empty({k, n}, x.options());
     at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
     const int8_t* qp = packed.data_ptr<int8_t>();
@@ -683,20 +685,23 @@ at::Tensor bf16_tiles_int8_linear(const at::Tensor& x, const at::Tensor& packed,
 #endif
   at::Tensor xp = x.contiguous();
   if (m > 32 && m % 32 != 0) xp = at::constant_pad_nd(xp, {0, 0, 0, chunks * 32 - m});  // whole 32-row chunks
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(CPU_CAPABILITY_AVX512)
   const int8_t* qp = packed.data_ptr<int8_t>();
   const Scale* sp = packed_scales.data_ptr<Scale>();
   const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<CacheLine> lines;
     lines.resize(static_cast<size_t>(k * kPanel * 2 / 64));
     auto* block = reinterpret_cast<at::BFloat16*>(lines.data());
-    amx_bf16_blocks(xd, m, k, begin, end, [&](int64_t p) {
+    const auto block_of = [&](int64_t p) {
       panel_as_bf16(qp + p * cut.panel_bytes(), sp + p * cut.panel_scales(), cut, block);
       return static_cast<const at::BFloat16*>(block);
-    }, bias_ptr, op, n);
+    };
+    if (fp32_out)
+      amx_bf16_blocks(xd, m, k, begin, end, block_of, bias_ptr, out.data_ptr<float>(), n);
+    else
+      amx_bf16_blocks(xd, m, k, begin, end, block_of, bias_ptr, out.data_ptr<at::BFloat16>(), n);
   });
 #endif
   return out;
@@ -804,8 +809,11 @@ void panel_gemm(const float* xp, const W* wp, const float* bias_ptr, float* op, 
 
 }  // namespace
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t n) {
+namespace {
+
+// x W^T (+ bias) in x's dtype, or fp32 with `fp32_out`.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                        int64_t n, bool fp32_out) {
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || (bf16 && x.is_floating_point())),
               "packed_linear: a CPU x [M, K], fp32 (or any float over bf16 weights)");
@@ -828,7 +836,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
       panel_gemm(xc.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, out.data_ptr<float>(), m, k, n,
                  packed.size(0));
   }
-  return out.to(x.scalar_type());
+  return fp32_out ? out : out.to(x.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t n) {
+  return panel_linear(x, packed, bias, n, false);
+}
+
+// Logits of a head on panels (fp32, or bf16 on CPUs without native bf16): fp32, whatever x's dtype.
+at::Tensor packed_logits(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t n) {
+  return panel_linear(x, packed, bias, n, true);
 }
 
 at::Tensor pack_int8_weight(const at::Tensor& weight) {
@@ -842,8 +863,11 @@ at::Tensor pack_int8_weight(const at::Tensor& weight) {
   return padded.view({panels, kPanel, pairs, 2}).permute({0, 2, 1, 3}).contiguous().view({panels, pairs, 2 * kPanel});
 }
 
-at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
-                              const c10::optional<at::Tensor>& bias, int64_t n) {
+namespace {
+
+// x W^T (+ bias) in x's dtype, or fp32 with `fp32_out` (nothing rounded after the sums).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
+                       const c10::optional<at::Tensor>& bias, int64_t n, bool fp32_out) {
   TORCH_CHECK(x.device().is_cpu() && x.is_floating_point() && x.dim() >= 1, "packed_int8_linear: a float CPU x [..., K]");
   const int64_t k = x.size(-1), panels = packed.dim() == 3 ? packed.size(0) : 0;
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == 2 * kPanel &&
@@ -862,7 +886,7 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
   shape.back() = n;
   const at::Tensor x2d = x.reshape({-1, k});
   if (n > 0 && amx_bf16_applies(x2d, cut))
-    return bf16_tiles_int8_linear(x2d, packed, packed_scales, cut, bias_ptr, n).view(shape);
+    return bf16_tiles_int8_linear(x2d, packed, packed_scales, cut, bias_ptr, n, fp32_out).view(shape);
   const at::Tensor xc = x2d.to(at::kFloat).contiguous();  // (a bf16 model's activations too)
   const int64_t m = xc.size(0), kp = cut.inputs();
   at::Tensor out = at::empty({m, n}, xc.options());
@@ -887,7 +911,20 @@ at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, con
       int8_panel_range(xqp, sxp, split, cut, qp, sp, bias_ptr, op, m, n, begin, end, m0, rows);
     });
   }
-  return out.view(shape).to(x.scalar_type());
+  return fp32_out ? out.view(shape) : out.view(shape).to(x.scalar_type());
+}
+
+}  // namespace
+
+at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
+                              const c10::optional<at::Tensor>& bias, int64_t n) {
+  return int8_linear(x, packed, packed_scales, bias, n, false);
+}
+
+// Logits of a bf16 (or fp32) model's int8 head: fp32, whatever x's dtype.
+at::Tensor packed_int8_logits(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
+                              const c10::optional<at::Tensor>& bias, int64_t n) {
+  return int8_linear(x, packed, packed_scales, bias, n, true);
 }
 
 void packed_linear_rows(const float* x, int64_t m, const at::Tensor& packed, const float* bias, float* out, int64_t n,
@@ -963,15 +1000,19 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear_panel_width() -> int", []() -> int64_t { return tokenmill::kPanel; });  // no tensor: every backend
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("packed_logits(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("pack_int8_weight(Tensor weight) -> Tensor");
   m.def("packed_int8_linear(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int n) -> Tensor");
+  m.def("packed_int8_logits(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int n) -> Tensor");
   m.def("packed_int8_rows(Tensor ids, Tensor packed, Tensor packed_scales, int k, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("pack_linear_weight", &tokenmill::pack_linear_weight);
   m.impl("packed_linear", &tokenmill::packed_linear);
+  m.impl("packed_logits", &tokenmill::packed_logits);
   m.impl("pack_int8_weight", &tokenmill::pack_int8_weight);
   m.impl("packed_int8_linear", &tokenmill::packed_int8_linear);
+  m.impl("packed_int8_logits", &tokenmill::packed_int8_logits);
   m.impl("packed_int8_rows", &tokenmill::packed_int8_rows);
 }
