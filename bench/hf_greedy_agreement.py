@@ -6,7 +6,8 @@ Prompts are stretches (16-200 tokens) of the agreement text (`tokenmill bench ag
 documentation); every request runs greedy for --tokens tokens (ignore_eos) on tokenmill (`LLM`) and
 on transformers (`generate`, one prompt at a time, no padding). Prints how many sequences are
 identical and the share of tokens before each sequence's first difference; with --control, the
-same for HF at --dtype against HF in fp32 (how far that dtype alone moves greedy tokens).
+same for HF at --dtype against HF in fp32 (how far that dtype alone moves greedy tokens) and for
+tokenmill at --dtype against HF in fp32.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--control", action="store_true", help="also HF at --dtype against HF in fp32")
+    parser.add_argument("--control", action="store_true",
+                        help="also HF at --dtype, and tokenmill at --dtype, against HF in fp32")
     args = parser.parse_args()
     model_dir = str(default_model_dir())
     ids = AutoTokenizer.from_pretrained(model_dir)(reference_text())["input_ids"]
@@ -57,6 +59,7 @@ def main() -> None:
     if args.control:
         fp32 = hf_greedy(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), prompts, args.tokens)
         print(f"HF {args.dtype} vs HF float32: {agreement(hf, fp32, args.tokens)}")
+        print(f"tokenmill {args.dtype} vs HF float32: {agreement(ours, fp32, args.tokens)}")
 
 
 if __name__ == "__main__":
