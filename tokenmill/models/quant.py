@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32
 SCALE_CANDIDATES = 128  # bf16 scales tried per group: from round-to-nearest's up to twice it (group_scales)
-_SEARCH_CHUNK = 1 << 14  # groups searched at once by the torch version
+# Groups searched at once by the torch version: on a GPU large chunks (a 7B model's 2e8 groups in
+# ~200 chunks of 128 candidates), on a CPU without tokenmill's kernels chunks that stay in cache.
+_CPU_SEARCH_CHUNK, _GPU_SEARCH_CHUNK = 1 << 14, 1 << 20
 _KEPT_WITHOUT_KERNELS = ("lm_head",)  # linear layers (by attribute name) kept in the model dtype there
 
 
@@ -73,8 +75,9 @@ def group_scales(groups: torch.Tensor, candidates: int = SCALE_CANDIDATES) -> to
     if cpu_kernels_available(groups.device):
         return torch.ops.tokenmill.int8_group_scales(groups.contiguous(), candidates)
     scales = torch.empty(groups.shape[0], dtype=torch.bfloat16, device=groups.device)
-    for start in range(0, groups.shape[0], _SEARCH_CHUNK):
-        g = groups[start:start + _SEARCH_CHUNK]
+    chunk = _CPU_SEARCH_CHUNK if groups.device.type == "cpu" else _GPU_SEARCH_CHUNK
+    for start in range(0, groups.shape[0], chunk):
+        g = groups[start:start + chunk]
         first = round_up_to_bf16(g.abs().amax(dim=-1).clamp(min=1e-8) / 127.0).view(torch.int16)
         best_error = torch.full(first.shape, float("inf"), device=g.device)
         best = first.view(torch.bfloat16)
@@ -86,7 +89,7 @@ def group_scales(groups: torch.Tensor, candidates: int = SCALE_CANDIDATES) -> to
             better = error < best_error
             best_error = torch.where(better, error, best_error)
             best = torch.where(better, scale, best)
-        scales[start:start + _SEARCH_CHUNK] = best
+        scales[start:start + chunk] = best
     return scales
 
 
