@@ -27,6 +27,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -168,7 +169,8 @@ TOKENMILL_AMX void block_sums(const at::BFloat16* x, int64_t ldx, const at::BFlo
 
 // out[r, 0:cols] = sums[r] + bias for rows r < rows (bias: fp32 or nullptr), rounded to bf16 or
 // kept fp32 (logits: `amx_logits`).
-TOKENMILL_AMX void store_rows(const float* scratch, const float* bias, at::BFloat16* out, int64_t ldo, int64_t rows,
+template <typename Out>
+TOKENMILL_AMX void store_rows(const float* scratch, const float* bias, Out* out, int64_t ldo, int64_t rows,
                               int64_t cols) {
   const __mmask16 low = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
   const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
@@ -177,20 +179,13 @@ TOKENMILL_AMX void store_rows(const float* scratch, const float* bias, at::BFloa
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 lo = _mm512_add_ps(_mm512_loadu_ps(scratch + r * 32), b0);
     const __m512 hi = _mm512_add_ps(_mm512_loadu_ps(scratch + r * 32 + 16), b1);
-    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-    _mm512_mask_storeu_epi16(out + r * ldo, (static_cast<__mmask32>(high) << 16) | low, both);
-  }
-}
-
-TOKENMILL_AMX void store_rows(const float* scratch, const float* bias, float* out, int64_t ldo, int64_t rows,
-                              int64_t cols) {
-  const __mmask16 low = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-  const __mmask16 high = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-  const __m512 b0 = bias != nullptr ? _mm512_maskz_loadu_ps(low, bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias != nullptr ? _mm512_maskz_loadu_ps(high, bias + 16) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < rows; ++r) {
-    _mm512_mask_storeu_ps(out + r * ldo, low, _mm512_add_ps(_mm512_loadu_ps(scratch + r * 32), b0));
-    _mm512_mask_storeu_ps(out + r * ldo + 16, high, _mm512_add_ps(_mm512_loadu_ps(scratch + r * 32 + 16), b1));
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm512_mask_storeu_ps(out + r * ldo, low, lo);
+      _mm512_mask_storeu_ps(out + r * ldo + 16, high, hi);
+    } else {
+      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_mask_storeu_epi16(out + r * ldo, (static_cast<__mmask32>(high) << 16) | low, both);
+    }
   }
 }
 
@@ -307,9 +302,12 @@ at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed,
 #endif
 }
 
-void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
-                     const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias,
-                     at::BFloat16* out, int64_t n) {
+namespace {
+
+template <typename Out>
+void bf16_blocks_here(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
+                      const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias, Out* out,
+                      int64_t n) {
 #if defined(CPU_CAPABILITY_AVX512)
   bf16_blocks(x, m, kp, begin, end, block_of, bias, out, n);
 #else
@@ -318,15 +316,18 @@ void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin
 #endif
 }
 
+}  // namespace
+
+void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
+                     const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias,
+                     at::BFloat16* out, int64_t n) {
+  bf16_blocks_here(x, m, kp, begin, end, block_of, bias, out, n);
+}
+
 void amx_bf16_blocks(const at::BFloat16* x, int64_t m, int64_t kp, int64_t begin, int64_t end,
                      const std::function<const at::BFloat16*(int64_t)>& block_of, const float* bias, float* out,
                      int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  bf16_blocks(x, m, kp, begin, end, block_of, bias, out, n);
-#else
-  (void)x, (void)m, (void)kp, (void)begin, (void)end, (void)block_of, (void)bias, (void)out, (void)n;
-  TORCH_CHECK(false, "amx_bf16_blocks: tokenmill's kernels are built without AVX-512 here");
-#endif
+  bf16_blocks_here(x, m, kp, begin, end, block_of, bias, out, n);
 }
 
 bool amx_logits_applies(const at::Tensor& x, const at::Tensor& packed) {
