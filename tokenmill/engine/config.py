@@ -30,7 +30,11 @@ class EngineConfig:
                         "bfloat16 on a CPU without native bf16: bf16 weights and KV cache, fp32 arithmetic",
                         choices=["auto", "float32", "float16", "bfloat16"])
     device: str = option("auto", "where to run; auto picks CUDA when available", choices=["auto", "cpu", "cuda"])
-    quantization: str | None = option(None, "weight-only quantization of the linear layers", choices=["int8"])
+    quantization: str | None = option(
+        None, "weight-only quantization of the linear layers: int8 in groups of 32 inputs, each group's bf16 scale "
+        "the least-error one; activations stay in --dtype (SmolLM2 on an AMX CPU, teacher-forced top-1 agreement: "
+        "--dtype float32 99.0%% with fp32 and 98.1%% with the bf16 model; --dtype bfloat16 97.5%% with bf16, faster "
+        "on large batches)", choices=["int8"])
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_dtype: str = option(
         "auto", "dtype of the KV cache: auto = the model's; bfloat16/float16 under an fp32 model halve the "
