@@ -130,11 +130,12 @@ def main() -> None:
         reference = top1(weight_sets["bf16 (the checkpoint rounded to bf16)"], True, fp32_logits)
         for label, weights in weight_sets.items():
             got = reference if label.startswith("bf16") else top1(weights, True, fp32_logits)
-            rows.append({"logits": "fp32" if fp32_logits else "bf16", "weights": label,
-                         "with_bf16": float((got == reference).float().mean()),
-                         "with_fp32": float((got == fp32).float().mean())})
-            print(f"{rows[-1]['logits']} logits | {label:40s} | with the bf16 model {100 * rows[-1]['with_bf16']:6.2f}% "
-                  f"| with fp32 {100 * rows[-1]['with_fp32']:6.2f}%", flush=True)
+            row = {"logits": "fp32" if fp32_logits else "bf16", "weights": label,
+                   "with_bf16": float((got == reference).float().mean()),
+                   "with_fp32": float((got == fp32).float().mean())}
+            rows.append(row)
+            print(f"{row['logits']} logits | {label:40s} | with the bf16 model {100 * row['with_bf16']:6.2f}% "
+                  f"| with fp32 {100 * row['with_fp32']:6.2f}%", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"text": TEXT_SOURCE, "tokens": args.tokens, "chunk": args.chunk, "rows": rows}, f, indent=2)

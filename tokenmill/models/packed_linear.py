@@ -82,8 +82,8 @@ class PackedLinear(nn.Module):
         raise NotImplementedError
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 x W^T (+ b) of x [rows, in_features] (a vocabulary projection): where the kernel sums
-        in fp32 anyway, its sums as they are, not rounded to x's dtype first."""
+        """fp32 x W^T (+ b) of x [rows, in_features] (a vocabulary projection): the layer's output
+        widened; a layer whose kernel sums in fp32 returns those sums, not rounded to x's dtype first."""
         return self.forward_rows(x).float()
 
     def extra_repr(self) -> str:

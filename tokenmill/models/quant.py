@@ -6,8 +6,9 @@ model dtype. On tokenmill's CPU kernels that includes the lm_head, the largest m
 streams (SmolLM2: 57 MB in bf16, 30 MB in int8 with its scales), and an embedding tied to it reads
 its rows from the int8 head (Int8Embedding: one copy). Its groups of 32 keep the head as close as
 bf16 did: teacher-forced top-1 agreement on SmolLM2 98.29% with fp32 either way (`tokenmill bench
-agreement`, bench/README.md); least-error scales (`group_scales`) took the whole model to 99.02%. Without the kernels (a GPU) the head stays in the model dtype: there
-int8 weights are widened on every call, which would cost a vocabulary-sized matrix per step.
+agreement`, bench/README.md); least-error scales (`group_scales`) took the whole model to 99.02%.
+Without the kernels (a GPU) the head stays in the model dtype: there int8 weights are widened on
+every call, which would cost a vocabulary-sized matrix per step.
 
 Why not w8a8 (torch.ao dynamic quantization, the previous CPU path): its activations are quantized
 per tensor, over the whole batch, so one outlier token costs every row its precision (and a request's
