@@ -277,29 +277,43 @@ void amx_linear_rows(const at::BFloat16* x, int64_t m, const at::Tensor& packed,
 #endif
 }
 
-at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed,
-                                const c10::optional<at::Tensor>& bias) {
+namespace {
+
+// x W^T (+ bias) on the tiles into a new [m, N] tensor of Out (bf16: rounded; fp32: the tiles' sums),
+// any row count: each weight block is read once, for every 32-row chunk of x in turn.
+template <typename Out>
+at::Tensor amx_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       const char* op) {
 #if defined(CPU_CAPABILITY_AVX512)
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0), kp = round_up(k, kTileK);
   at::Tensor bias_holder;
-  const float* bias_ptr = bias_data(bias, n, bias_holder, "amx_linear");
+  const float* bias_ptr = bias_data(bias, n, bias_holder, op);
   // x as whole tiles of inputs: a K that is not a multiple of 32 reads a zero-padded copy (the
   // weight's padding is zero too), as does a step past 32 rows that is not whole chunks of 32
   // (amx_padded_rows).
   at::Tensor xp = x.contiguous();
   if (kp != k || amx_padded_rows(m) != m) xp = at::constant_pad_nd(xp, {0, kp - k, 0, amx_padded_rows(m) - m});
-  at::Tensor out = at::empty({m, n}, xp.options());
+  at::Tensor out = at::empty({m, n}, xp.options().dtype(c10::CppTypeToScalarType<Out>::value));
   const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const auto* weight = static_cast<const at::BFloat16*>(at::native::data_ptr_from_mkldnn(packed));
+  const int64_t block_elems = kp * kBlockOutputs;
+  Out* od = out.data_ptr<Out>();
   at::parallel_for(0, amx_linear_blocks(packed), 1, [&](int64_t begin, int64_t end) {
-    amx_linear_rows(xd, m, packed, bias_ptr, op, begin, end);
+    amx_bf16_blocks(xd, m, kp, begin, end, [&](int64_t b) { return weight + b * block_elems; }, bias_ptr, od, n);
   });
   return out;
 #else
   (void)x, (void)packed, (void)bias;
-  TORCH_CHECK(false, "amx_linear: tokenmill's kernels are built without AVX-512 here");
+  TORCH_CHECK(false, op, ": tokenmill's kernels are built without AVX-512 here");
   return at::Tensor();
 #endif
+}
+
+}  // namespace
+
+at::Tensor amx_linear_unchecked(const at::Tensor& x, const at::Tensor& packed,
+                                const c10::optional<at::Tensor>& bias) {
+  return amx_product<at::BFloat16>(x, packed, bias, "amx_linear");
 }
 
 namespace {
@@ -338,26 +352,7 @@ bool amx_logits_applies(const at::Tensor& x, const at::Tensor& packed) {
 at::Tensor amx_logits(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(amx_logits_applies(x, packed), "amx_logits: bf16 x [rows, K] and a bf16 weight reordered by oneDNN "
               "in the blocked layout amx_linear reads, on a CPU with AMX");
-#if defined(CPU_CAPABILITY_AVX512)
-  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0), kp = round_up(k, kTileK);
-  at::Tensor bias_holder;
-  const float* bias_ptr = bias_data(bias, n, bias_holder, "amx_logits");
-  at::Tensor xp = x.contiguous();
-  if (kp != k || amx_padded_rows(m) != m) xp = at::constant_pad_nd(xp, {0, kp - k, 0, amx_padded_rows(m) - m});
-  at::Tensor out = at::empty({m, n}, xp.options().dtype(at::kFloat));
-  const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
-  const auto* weight = static_cast<const at::BFloat16*>(at::native::data_ptr_from_mkldnn(packed));
-  const int64_t block_elems = kp * kBlockOutputs;
-  float* op = out.data_ptr<float>();
-  // (any row count: each weight block is read once, for every 32-row chunk of x in turn)
-  at::parallel_for(0, amx_linear_blocks(packed), 1, [&](int64_t begin, int64_t end) {
-    amx_bf16_blocks(xd, m, kp, begin, end, [&](int64_t b) { return weight + b * block_elems; }, bias_ptr, op, n);
-  });
-  return out;
-#else
-  (void)bias;
-  return at::Tensor();
-#endif
+  return amx_product<float>(x, packed, bias, "amx_logits");
 }
 
 // The op: amx_linear_unchecked where it applies, else an error naming what it takes.
