@@ -20,17 +20,17 @@ import torch
 from tokenmill.kernels import build
 
 sys.path.insert(0, os.path.dirname(__file__))
-from amx_linear_vs_onednn import LAYERS, SHAPES, best_pass, layer_weights  # noqa: E402
+from amx_linear_vs_onednn import LAYERS, SHAPES, best_pass, layer_weights
 
 ROWS = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def int8_layer_weights() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each layer's four weights as tokenmill's int8 layers pack them (groups of 32, bf16 scales)."""
-    from tokenmill.models.quant import GROUP_SIZE, quantize_weight
+    from tokenmill.models.layers.quant import GROUP_SIZE, quantize_weight
 
     def packed(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q, scales = quantize_weight(torch.randn(n, k) / k ** 0.5, GROUP_SIZE)
+        q, scales = quantize_weight(torch.randn(n, k) / k**0.5, GROUP_SIZE)
         return torch.ops.tokenmill.pack_int8_weight(q), torch.ops.tokenmill.pack_linear_weight(scales)
 
     return [[packed(n, k) for n, k in SHAPES] for _ in range(LAYERS)]
@@ -54,14 +54,25 @@ def main() -> None:
         print(json.dumps(int8_passes()))
         return
     amx = torch.ops.tokenmill.amx_int8_usable()
-    panels = json.loads(subprocess.run([sys.executable, __file__, "--int8-only"], check=True, capture_output=True,
-                                       text=True, env={**os.environ, "TOKENMILL_AMX_INT8": "0"}).stdout)
+    panels = json.loads(
+        subprocess.run(
+            [sys.executable, __file__, "--int8-only"],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TOKENMILL_AMX_INT8": "0"},
+        ).stdout
+    )
     tiles, bf16_tiles = int8_passes(), int8_passes(torch.bfloat16)
     bf16 = layer_weights()
-    print(f"AMX-int8 tiles here: {amx}; int8 weights {sum(n * k for n, k in SHAPES) * LAYERS * 1.0625 / 1e6:.1f} MB "
-          f"with scales, bf16 {sum(n * k for n, k in SHAPES) * LAYERS * 2 / 1e6:.1f} MB")
+    print(
+        f"AMX-int8 tiles here: {amx}; int8 weights {sum(n * k for n, k in SHAPES) * LAYERS * 1.0625 / 1e6:.1f} MB "
+        f"with scales, bf16 {sum(n * k for n, k in SHAPES) * LAYERS * 2 / 1e6:.1f} MB"
+    )
     print("ms a pass; int8 x fp32: panels only (TOKENMILL_AMX_INT8=0) / as dispatched (AMX-int8 tiles from 16 rows);")
-    print("int8 x bf16 as dispatched (panels, bf16 tiles from 12 rows, oneDNN from 1,024); bf16 weights on onednn_linear")
+    print(
+        "int8 x bf16 as dispatched (panels, bf16 tiles from 12 rows, oneDNN from 1,024); bf16 weights on onednn_linear"
+    )
     print("rows  int8 fp32 panels  int8 fp32  int8 bf16  bf16 weights")
     for rows in ROWS:
         onednn = best_pass(lambda x, w: torch.ops.tokenmill.onednn_linear(x, w, None), bf16, rows, repeats=5)

@@ -20,8 +20,10 @@ LAYERS = 30
 
 def layer_weights() -> list[list[torch.Tensor]]:
     """Each layer's four bf16 weights, random, reordered by oneDNN as OneDnnLinear reorders them."""
-    return [[torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k) / k ** 0.5).bfloat16(), 64)
-             for n, k in SHAPES] for _ in range(LAYERS)]
+    return [
+        [torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k) / k**0.5).bfloat16(), 64) for n, k in SHAPES]
+        for _ in range(LAYERS)
+    ]
 
 
 def best_pass(gemm, weights: list[list[torch.Tensor]], rows: int, repeats: int = 9) -> float:

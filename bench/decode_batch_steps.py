@@ -21,15 +21,24 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32], help="sequences decoding at once")
     parser.add_argument("--steps", type=int, default=40, help="decode steps per batch (tokens per sequence)")
     args = parser.parse_args()
-    llm = LLM(None, progress=False, dtype=args.dtype, quantization=args.quantization, max_num_batched_tokens=2048,
-              max_num_seqs=128)
+    llm = LLM(
+        None,
+        progress=False,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        max_num_batched_tokens=2048,
+        max_num_seqs=128,
+    )
     engine = llm.engine
     rng = np.random.default_rng(0)
     results = []
     for batch in args.batches:
         for i in range(batch):
-            engine.add_request(f"{batch}-{i}", rng.integers(100, 40000, size=200).tolist(),
-                               SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True))
+            engine.add_request(
+                f"{batch}-{i}",
+                rng.integers(100, 40000, size=200).tolist(),
+                SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True),
+            )
         while engine.scheduler.waiting:  # the prompts' prefill
             engine.step()
         times = []

@@ -34,7 +34,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
 import shutil, sys
 from pathlib import Path
 from transformers import AutoTokenizer
-from tokenmill.models.hub import default_model_dir
+from tokenmill.models.model_loader.hub import default_model_dir
 dest = Path(sys.argv[1])
 AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(dest / "tokenizer")
 shutil.copy(Path(default_model_dir()) / "config.json", dest / "smollm2-shape" / "config.json")
@@ -77,7 +77,7 @@ start=$(date +%s)
 
 echo "== correctness tests on CUDA"
 set +e
-timeout 270 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs --durations=10 tests/test_gpu.py > "$out/pytest.log" 2>&1
+timeout 270 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs --durations=10 tests/gpu/test_gpu.py > "$out/pytest.log" 2>&1
 tests_rc=$?
 set -e
 grep -E "^(FAILED|ERROR)|passed|failed|error|skipped" "$out/pytest.log" | tail -n 40 || true

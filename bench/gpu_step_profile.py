@@ -58,8 +58,13 @@ def run_steps(llm: LLM, prompts: list[list[int]], max_tokens: int, on_step=None)
 
 def summary(times: list[float]) -> dict:
     ms = [t * 1e3 for t in times]
-    return {"steps": len(ms), "total_s": round(sum(times), 3), "median_ms": round(statistics.median(ms), 2),
-            "first_12_ms": [round(t, 1) for t in ms[:12]], "max_ms": round(max(ms), 1)}
+    return {
+        "steps": len(ms),
+        "total_s": round(sum(times), 3),
+        "median_ms": round(statistics.median(ms), 2),
+        "first_12_ms": [round(t, 1) for t in ms[:12]],
+        "max_ms": round(max(ms), 1),
+    }
 
 
 def main() -> None:
@@ -76,8 +81,14 @@ def main() -> None:
     report: dict = {"torch": torch.__version__, "num_threads": torch.get_num_threads(), "variants": {}}
 
     def make(overlap: bool, graphs: bool) -> LLM:
-        llm = LLM(args.model, dtype=args.dtype if cuda else "float32", overlap_scheduling=overlap,
-                  cuda_graphs=graphs, kv_cache_memory="2GiB", progress=False)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype if cuda else "float32",
+            overlap_scheduling=overlap,
+            cuda_graphs=graphs,
+            kv_cache_memory="2GiB",
+            progress=False,
+        )
         llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0))  # warm-up
         return llm
 

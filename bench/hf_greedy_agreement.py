@@ -20,19 +20,25 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.agreement import reference_text
-from tokenmill.models.hub import default_model_dir
+from tokenmill.models.model_loader.hub import default_model_dir
 
 
 def agreement(a: list[list[int]], b: list[list[int]], tokens: int) -> str:
     firsts = [next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), tokens) for s, t in zip(a, b)]
     same = sum(f == tokens for f in firsts)
-    return (f"identical sequences {same}/{len(a)}; tokens before the first difference {sum(firsts)}/"
-            f"{tokens * len(a)} ({sum(firsts) / (tokens * len(a)):.1%})")
+    return (
+        f"identical sequences {same}/{len(a)}; tokens before the first difference {sum(firsts)}/"
+        f"{tokens * len(a)} ({sum(firsts) / (tokens * len(a)):.1%})"
+    )
 
 
 def hf_greedy(model, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    return [model.generate(torch.tensor([p]), max_new_tokens=tokens, min_new_tokens=tokens,
-                           do_sample=False)[0, len(p):].tolist() for p in prompts]
+    return [
+        model.generate(torch.tensor([p]), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        for p in prompts
+    ]
 
 
 def main() -> None:
@@ -41,8 +47,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--control", action="store_true",
-                        help="also HF at --dtype, and tokenmill at --dtype, against HF in fp32")
+    parser.add_argument(
+        "--control", action="store_true", help="also HF at --dtype, and tokenmill at --dtype, against HF in fp32"
+    )
     args = parser.parse_args()
     model_dir = str(default_model_dir())
     ids = AutoTokenizer.from_pretrained(model_dir)(reference_text())["input_ids"]

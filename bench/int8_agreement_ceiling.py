@@ -4,7 +4,7 @@ bf16 arithmetic (every op's output rounded to bf16, GEMMs summed in fp32), with 
 to bf16 or kept fp32, over four sets of linear weights: the checkpoint's rounded to bf16 (the bf16
 model: the reference), the checkpoint's exact fp32 values (what a perfect int8 scheme could give at
 best), and int8 in groups of 32 by round-to-nearest and by tokenmill's least-error scales
-(tokenmill.models.quant, dequantized exactly). A plain fp32 model is the other reference. Each
+(tokenmill.models.layers.quant, dequantized exactly). A plain fp32 model is the other reference. Each
 model is a plain torch forward here, not the engine: it isolates the weights from tokenmill's
 kernels. (~2 minutes on 2 cores.)
 
@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
 from tokenmill.bench.agreement import TEXT_SOURCE, text_chunks
-from tokenmill.models.hub import resolve_model
-from tokenmill.models.quant import group_scales, quantize_weight
+from tokenmill.models.layers.quant import group_scales, quantize_weight
+from tokenmill.models.model_loader.hub import resolve_model
 
 Weights = dict[str, torch.Tensor]
 
@@ -66,7 +66,7 @@ class Llama:
             return r(F.linear(r(x), weights[name]))
 
         def rope(x: torch.Tensor) -> torch.Tensor:
-            return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+            return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
 
         angles = torch.outer(torch.arange(n).float(), self.inv_freq)
         cos, sin = r(torch.cat([angles, angles], -1).cos()), r(torch.cat([angles, angles], -1).sin())
@@ -130,12 +130,18 @@ def main() -> None:
         reference = top1(weight_sets["bf16 (the checkpoint rounded to bf16)"], True, fp32_logits)
         for label, weights in weight_sets.items():
             got = reference if label.startswith("bf16") else top1(weights, True, fp32_logits)
-            row = {"logits": "fp32" if fp32_logits else "bf16", "weights": label,
-                   "with_bf16": float((got == reference).float().mean()),
-                   "with_fp32": float((got == fp32).float().mean())}
+            row = {
+                "logits": "fp32" if fp32_logits else "bf16",
+                "weights": label,
+                "with_bf16": float((got == reference).float().mean()),
+                "with_fp32": float((got == fp32).float().mean()),
+            }
             rows.append(row)
-            print(f"{row['logits']} logits | {label:40s} | with the bf16 model {100 * row['with_bf16']:6.2f}% "
-                  f"| with fp32 {100 * row['with_fp32']:6.2f}%", flush=True)
+            print(
+                f"{row['logits']} logits | {label:40s} | with the bf16 model {100 * row['with_bf16']:6.2f}% "
+                f"| with fp32 {100 * row['with_fp32']:6.2f}%",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"text": TEXT_SOURCE, "tokens": args.tokens, "chunk": args.chunk, "rows": rows}, f, indent=2)

@@ -14,7 +14,6 @@ import threading
 import time
 
 import torch
-
 from amx_linear_vs_onednn import best_pass, layer_weights  # (bench/, next to this script)
 
 from tokenmill.kernels import build
@@ -36,8 +35,11 @@ def suite(label: str) -> None:
             best = min(best, time.perf_counter() - start)
         return best * 1e3
 
-    print(f"{label:28s} 120 GEMMs x64 {best_pass(gemms, weights, 64, 7):6.2f} ms, "
-          f"x16 {best_pass(gemms, weights, 16, 7):6.2f} ms, 300 SiLU*up {silu():6.2f} ms", flush=True)
+    print(
+        f"{label:28s} 120 GEMMs x64 {best_pass(gemms, weights, 64, 7):6.2f} ms, "
+        f"x16 {best_pass(gemms, weights, 16, 7):6.2f} ms, 300 SiLU*up {silu():6.2f} ms",
+        flush=True,
+    )
 
 
 def main() -> None:

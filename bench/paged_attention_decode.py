@@ -31,14 +31,19 @@ def main() -> None:
     ctx = torch.randint(16, 512, (args.sequences,)) + 40
     blocks_per = (ctx + BLOCK - 1) // BLOCK
     num_blocks = int(blocks_per.sum()) + 1
-    caches = [(torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM).to(dtype),
-               torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM).to(dtype)) for _ in range(args.layers)]
+    caches = [
+        (
+            torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM).to(dtype),
+            torch.randn(num_blocks * BLOCK, KV_HEADS, HEAD_DIM).to(dtype),
+        )
+        for _ in range(args.layers)
+    ]
     order = torch.randperm(num_blocks - 1) + 1  # (blocks anywhere in the cache, as a long-running server's)
     tables = torch.zeros(args.sequences, int(blocks_per.max()), dtype=torch.int32)
     used = 0
     for s in range(args.sequences):
         n = int(blocks_per[s])
-        tables[s, :n] = order[used:used + n].int()
+        tables[s, :n] = order[used : used + n].int()
         used += n
     q = torch.randn(args.sequences, HEADS, HEAD_DIM).to(dtype)
     out = torch.empty_like(q)
@@ -47,8 +52,9 @@ def main() -> None:
 
     def one_pass() -> None:
         for k, v in caches:
-            torch.ops.tokenmill.paged_attention(q, k, v, out, starts, lens, tables, ctx.int(), BLOCK,
-                                                HEAD_DIM ** -0.5, 0, 0.0)
+            torch.ops.tokenmill.paged_attention(
+                q, k, v, out, starts, lens, tables, ctx.int(), BLOCK, HEAD_DIM**-0.5, 0, 0.0
+            )
 
     repeats = max(1, int(2e6 / (int(ctx.sum()) * args.layers)))
     for _ in range(3):
@@ -61,8 +67,10 @@ def main() -> None:
         best = min(best, (time.perf_counter() - start) / repeats)
     keys = int(ctx.sum()) * args.layers
     kv_bytes = keys * KV_HEADS * HEAD_DIM * 2 * dtype.itemsize
-    print(f"{args.sequences} decodes x {args.layers} layers, {args.dtype}, {torch.get_num_threads()} threads: "
-          f"{best * 1e3:.2f} ms a pass, {best / keys * 1e9:.1f} ns a key, {kv_bytes / best / 1e9:.1f} GB/s of K/V")
+    print(
+        f"{args.sequences} decodes x {args.layers} layers, {args.dtype}, {torch.get_num_threads()} threads: "
+        f"{best * 1e3:.2f} ms a pass, {best / keys * 1e9:.1f} ns a key, {kv_bytes / best / 1e9:.1f} GB/s of K/V"
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,11 @@ def main() -> None:
         return rng.integers(100, 40000, size=n).tolist()
 
     for i in range(63):
-        engine.add_request(f"decode-{i}", prompt(int(rng.integers(128, 385))),
-                           SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+        engine.add_request(
+            f"decode-{i}",
+            prompt(int(rng.integers(128, 385))),
+            SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True),
+        )
     while engine.scheduler.waiting:
         engine.step()
     for _ in range(5):

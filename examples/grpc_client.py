@@ -37,8 +37,11 @@ def main() -> int:
                 sys.stdout.flush()
                 if chunk.finish_reason:
                     u = chunk.usage
-                    print(f"\n[finish_reason={chunk.finish_reason} prompt_tokens={u.prompt_tokens} "
-                          f"completion_tokens={u.completion_tokens}]", file=sys.stderr)
+                    print(
+                        f"\n[finish_reason={chunk.finish_reason} prompt_tokens={u.prompt_tokens} "
+                        f"completion_tokens={u.completion_tokens}]",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as err:
             print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1

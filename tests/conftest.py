@@ -11,8 +11,12 @@ import torch
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--long", action="store_true", default=False,
-                     help="run the full-size stress tests in tests/stress (>10 minutes); default: short versions")
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=False,
+        help="run the full-size stress tests in tests/stress (>10 minutes); default: short versions",
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,8 +37,9 @@ SHARPEN_GAIN = 2.0
 SHARPEN_NOISE = 0.2
 
 
-def sharpen_weights(model: torch.nn.Module, seed: int = 0, gain: float = SHARPEN_GAIN,
-                    noise: float = SHARPEN_NOISE) -> torch.nn.Module:
+def sharpen_weights(
+    model: torch.nn.Module, seed: int = 0, gain: float = SHARPEN_GAIN, noise: float = SHARPEN_NOISE
+) -> torch.nn.Module:
     """Any HF model, in place: every matrix (embeddings too) scaled from the init std to
     gain / sqrt(hidden_size); N(0, noise) added to other vectors. q/k RMSNorm weights (Qwen3,
     Gemma3, ...) alone set how sharp attention is (they fix |q| and |k|), so they are scaled to ~gain."""
@@ -96,7 +101,7 @@ def save_random_model(config, tokenizer_dir: Path, target: Path, seed: int, shar
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from tokenmill.models.hub import default_model_dir as resolve
+    from tokenmill.models.model_loader.hub import default_model_dir as resolve
 
     return resolve()
 
@@ -105,7 +110,7 @@ def default_model_dir() -> Path:
 def tiny_model_dir(tmp_path_factory, request) -> Path:
     """`tokenmill make-tiny-model` (HF default init: soft attention, soft logits), for tests of engine
     and server behaviour (penalties, stop strings, ...). Exactness tests use `sharp_tiny_model_dir`."""
-    from tokenmill.models.hub import make_tiny_model
+    from tokenmill.models.model_loader.hub import make_tiny_model
 
     # $TOKENMILL_TEST_TOKENIZER: a tokenizer directory, for machines without the bundled model
     # (bench/gpu_check.sh on a GPU machine); otherwise the default model's tokenizer.
@@ -144,8 +149,9 @@ def bf16_sharp_tiny_model_dir(tmp_path_factory, sharp_tiny_model_dir) -> Path:
 def tiny_gpt2_dir(tmp_path_factory, default_model_dir) -> Path:
     from transformers import GPT2Config
 
-    config = GPT2Config(vocab_size=49152, n_positions=1024, n_embd=128, n_layer=3, n_head=4,
-                        bos_token_id=1, eos_token_id=2)
+    config = GPT2Config(
+        vocab_size=49152, n_positions=1024, n_embd=128, n_layer=3, n_head=4, bos_token_id=1, eos_token_id=2
+    )
     return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-gpt2"), seed=1)
 
 
@@ -153,10 +159,19 @@ def tiny_gpt2_dir(tmp_path_factory, default_model_dir) -> Path:
 def tiny_qwen2_dir(tmp_path_factory, default_model_dir) -> Path:
     from transformers import Qwen2Config
 
-    config = Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         rope_scaling={"rope_type": "linear", "factor": 2.0})
+    config = Qwen2Config(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )
     return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
 
 
@@ -165,9 +180,19 @@ def tiny_llama_bias_dir(tmp_path_factory, default_model_dir) -> Path:
     """Llama with attention_bias (HF: biases on q, k, v *and* o_proj) and mlp_bias."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         attention_bias=True, mlp_bias=True, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attention_bias=True,
+        mlp_bias=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-llama-bias"), seed=3)
 
 
@@ -176,8 +201,17 @@ def tiny_gpt2_unscaled_dir(tmp_path_factory, default_model_dir) -> Path:
     """GPT-2 without the 1/sqrt(d) attention scale, scaled by 1/(layer + 1) instead."""
     from transformers import GPT2Config
 
-    config = GPT2Config(vocab_size=49152, n_positions=512, n_embd=64, n_layer=3, n_head=4, bos_token_id=1,
-                        eos_token_id=2, scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True)
+    config = GPT2Config(
+        vocab_size=49152,
+        n_positions=512,
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        bos_token_id=1,
+        eos_token_id=2,
+        scale_attn_weights=False,
+        scale_attn_by_inverse_layer_idx=True,
+    )
     return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-gpt2-unscaled"), seed=4)
 
 
@@ -190,9 +224,18 @@ def tiny_mistral_dir(tmp_path_factory, default_model_dir) -> Path:
     """Mistral: a sliding window on every layer."""
     from transformers import MistralConfig
 
-    config = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                           sliding_window=TEST_WINDOW, bos_token_id=1, eos_token_id=2)
+    config = MistralConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=TEST_WINDOW,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-mistral"), seed=6)
 
 
@@ -201,10 +244,20 @@ def tiny_qwen2_window_dir(tmp_path_factory, default_model_dir) -> Path:
     """Qwen2 with use_sliding_window: layers >= max_window_layers slide, the ones below attend fully."""
     from transformers import Qwen2Config
 
-    config = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         use_sliding_window=True, sliding_window=TEST_WINDOW, max_window_layers=1,
-                         bos_token_id=1, eos_token_id=2)
+    config = Qwen2Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=TEST_WINDOW,
+        max_window_layers=1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return save_random_model(config, default_model_dir, tmp_path_factory.mktemp("tiny-qwen2-window"), seed=7)
 
 
@@ -240,11 +293,18 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> li
     if key not in _HF_CACHE:
         model = _HF_CACHE.get(str(model_dir))
         if model is None:
-            model = _HF_CACHE[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            model = _HF_CACHE[str(model_dir)] = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32
+            ).eval()
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-        _HF_CACHE[key] = out[0, len(prompt_ids):].tolist()
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        _HF_CACHE[key] = out[0, len(prompt_ids) :].tolist()
     return _HF_CACHE[key]
 
 

@@ -16,8 +16,15 @@ T = TypeVar("T")
 _KEY = "tokenmill.option"
 
 
-def option(default: Any, help: str, *, flag: str | None = None, aliases: Iterable[str] = (), cli: bool = True,
-           **argparse_kwargs: Any) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    aliases: Iterable[str] = (),
+    cli: bool = True,
+    **argparse_kwargs: Any,
+) -> Any:
     """A dataclass field with its command-line flag: `help`, the flag name (default `--field-name`),
     short `aliases`, and argparse keywords (type, choices, action, metavar). `cli=False`: no flag."""
     meta = {"help": help, "flag": flag, "aliases": tuple(aliases), "cli": cli, "argparse": argparse_kwargs}
@@ -40,9 +47,14 @@ def _argparse_kwargs(f: Field, meta: Mapping[str, Any], override: Mapping[str, A
     return kwargs
 
 
-def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *,
-                only: Iterable[str] | None = None, exclude: Iterable[str] = (),
-                overrides: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+def add_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    only: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:
     """Add the flags of `cls`'s option fields (`only` these, none of `exclude`) to `parser`;
     `overrides` replaces argparse keywords per field (e.g. another default for one command)."""
     wanted = set(only) if only is not None else None

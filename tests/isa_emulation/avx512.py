@@ -52,8 +52,18 @@ if _REASON is None:
         if isa != "avx512":
             return _native_flags(isa)
         shim_digest = hashlib.sha256(SHIM.read_bytes()).hexdigest()[:12]  # a changed shim rebuilds
-        return ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-include", str(SHIM),
-                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", f"-DTOKENMILL_EMULATION={shim_digest}"]
+        return [
+            "-O3",
+            "-fopenmp",
+            "-mavx2",
+            "-mfma",
+            "-mf16c",
+            "-include",
+            str(SHIM),
+            "-DCPU_CAPABILITY=AVX512",
+            "-DCPU_CAPABILITY_AVX512",
+            f"-DTOKENMILL_EMULATION={shim_digest}",
+        ]
 
     build.compile_flags = _emulated_flags
 

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_fixtures import ServerProcess, server_log_dir_fixture  # noqa: F401 - pytest fixture
-from stress_lib import MAX_NUM_SEQS, MAX_QUEUE, REPORT
+
+from tests.stress.stress_lib import MAX_NUM_SEQS, MAX_QUEUE, REPORT
+from tests.utils.server import ServerProcess, server_log_dir_fixture  # noqa: F401 - pytest fixture
 
 
 @pytest.fixture(scope="session")
@@ -24,9 +25,16 @@ def stress_server(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[Server
     Overlap scheduling is forced on (on CPU it is off by default): aborts, injected faults and
     overload then hit an engine that always has a step in flight, its hardest case. The soak and
     drain servers run the default."""
-    proc = ServerProcess(tiny_model_dir, server_log_dir, "--max-num-seqs", str(MAX_NUM_SEQS),
-                         "--max-queue", str(MAX_QUEUE), "--overlap-scheduling",
-                         env={"TOKENMILL_FAULT_INJECTION": "1"})
+    proc = ServerProcess(
+        tiny_model_dir,
+        server_log_dir,
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--max-queue",
+        str(MAX_QUEUE),
+        "--overlap-scheduling",
+        env={"TOKENMILL_FAULT_INJECTION": "1"},
+    )
     try:
         proc.wait_ready()
         yield proc

@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 import psutil
-from server_fixtures import parse_metrics
+
+from tests.utils.server import parse_metrics
 
 # Figures of the run, printed at the end of the session (and written to $TOKENMILL_STRESS_REPORT).
 REPORT: dict[str, dict[str, Any]] = {}
@@ -34,21 +35,37 @@ def record(section: str, **figures: Any) -> None:
 
 
 def completion_body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8, "stream": True,
-            "logprobs": 0, "stream_options": {"include_usage": True}}
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+        "logprobs": 0,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def chat_body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.8, "stream": True, "logprobs": True, "top_logprobs": 0,
-            "stream_options": {"include_usage": True}}
+    return {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def load_request(i: int, max_tokens: int = MAX_TOKENS) -> tuple[str, dict[str, Any]]:
     """The i-th request of a load run: completions and chat alternate, prompts vary a little."""
     rng = random.Random(i)
-    prompt = " ".join(rng.choice(["tell", "me", "about", "the", "river", "mill", "stone", "water", "grain"])
-                      for _ in range(rng.randint(3, 24)))
+    prompt = " ".join(
+        rng.choice(["tell", "me", "about", "the", "river", "mill", "stone", "water", "grain"])
+        for _ in range(rng.randint(3, 24))
+    )
     if i % 2:
         return "/v1/chat/completions", chat_body(prompt, max_tokens)
     return "/v1/completions", completion_body(prompt, max_tokens)
@@ -106,7 +123,7 @@ def check_stream(path: str, payloads: list[str], max_tokens: int) -> str | None:
     usage_chunks = [c for c in chunks if c.get("usage")]
     if len(usage_chunks) != 1 or chunks[-1] is not usage_chunks[0] or chunks[-1]["choices"]:
         return "usage must come once, in the last chunk, with no choices"
-    choice_chunks = [c for c in chunks[:-1]]
+    choice_chunks = list(chunks[:-1])
     tokens = finishes = 0
     offset = 0
     chat = path.endswith("chat/completions")
@@ -141,8 +158,14 @@ def check_stream(path: str, payloads: list[str], max_tokens: int) -> str | None:
     return None
 
 
-async def stream_request(client: httpx.AsyncClient, base_url: str, path: str, body: dict[str, Any],
-                         headers: dict[str, str] | None = None, timeout: float = REQUEST_TIMEOUT_S) -> Outcome:
+async def stream_request(
+    client: httpx.AsyncClient,
+    base_url: str,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    timeout: float = REQUEST_TIMEOUT_S,
+) -> Outcome:
     """One streaming request, classified; never raises (a hang past `timeout` is `lost`)."""
     start = time.monotonic()
     out = Outcome("lost")
@@ -220,8 +243,14 @@ async def measure_capacity(base_url: str, concurrency: int, duration_s: float, m
     return len(done) / elapsed
 
 
-async def open_loop(base_url: str, count: int, rate: float, max_tokens: int = MAX_TOKENS,
-                    offset: int = 0, max_duration_s: float | None = None) -> list[tuple[float, Outcome]]:
+async def open_loop(
+    base_url: str,
+    count: int,
+    rate: float,
+    max_tokens: int = MAX_TOKENS,
+    offset: int = 0,
+    max_duration_s: float | None = None,
+) -> list[tuple[float, Outcome]]:
     """Fire `count` requests at a fixed `rate` (req/s) regardless of responses; (send time, outcome) each."""
     results: list[tuple[float, Outcome]] = []
     async with new_client() as client:
@@ -270,13 +299,18 @@ async def wait_quiescent(base_url: str, timeout_s: float = 30.0) -> dict[str, fl
         m: dict[str, float] = {}
         while time.monotonic() < deadline:
             m = await scrape(client, base_url)
-            if (m["tokenmill_kv_cache_usage_ratio"] == 0 and m["tokenmill_num_requests_running"] == 0
-                    and m["tokenmill_num_requests_waiting"] == 0):
+            if (
+                m["tokenmill_kv_cache_usage_ratio"] == 0
+                and m["tokenmill_num_requests_running"] == 0
+                and m["tokenmill_num_requests_waiting"] == 0
+            ):
                 return m
             await asyncio.sleep(0.2)
-    raise AssertionError(f"server did not return to idle within {timeout_s}s: "
-                         f"kv={m.get('tokenmill_kv_cache_usage_ratio')} running={m.get('tokenmill_num_requests_running')} "
-                         f"waiting={m.get('tokenmill_num_requests_waiting')}")
+    raise AssertionError(
+        f"server did not return to idle within {timeout_s}s: "
+        f"kv={m.get('tokenmill_kv_cache_usage_ratio')} running={m.get('tokenmill_num_requests_running')} "
+        f"waiting={m.get('tokenmill_num_requests_waiting')}"
+    )
 
 
 def p99(values: list[float]) -> float:

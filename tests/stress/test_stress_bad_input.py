@@ -15,8 +15,8 @@ import time
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_fixtures import ServerProcess
-from stress_lib import (
+
+from tests.stress.stress_lib import (
     check_error_body,
     load_request,
     new_client,
@@ -24,7 +24,7 @@ from stress_lib import (
     stream_request,
     wait_quiescent,
 )
-
+from tests.utils.server import ServerProcess
 from tokenmill.engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_N,
@@ -114,11 +114,25 @@ CURATED: list[tuple[str, bytes] | tuple[str, bytes, str]] = [  # (path, body[, c
     (EMBEDDINGS, b"{not json"),
     (COMPLETIONS, _raw({"prompt": "x", "suffix": "y"})),
     (COMPLETIONS, _raw({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "s"}}})),
-    (COMPLETIONS, _raw({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}})),
+    (
+        COMPLETIONS,
+        _raw(
+            {
+                "prompt": "x",
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": {"type": "nonsense"}},
+                },
+            }
+        ),
+    ),
     (COMPLETIONS, _raw({"prompt": "x", "guided_regex": "(unclosed"})),
     (COMPLETIONS, _raw({"prompt": "x", "guided_regex": "a+", "guided_choice": ["a", "b"]})),  # one constraint only
     (CHAT, _raw({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f g"}}]})),
-    (CHAT, _raw({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]})),
+    (
+        CHAT,
+        _raw({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]}),
+    ),
     (CHAT, _raw({"messages": MSG, "tool_choice": {"type": "function", "function": {"name": "f"}}})),
     (CHAT, _raw({"messages": MSG, "store": "yes", "max_tokens": 2})),  # ignored, but typed
     (COMPLETIONS, _raw({"prompt": "x", "logit_bias": {"1_0": 1}})),
@@ -147,8 +161,12 @@ _any_json = st.recursive(
     max_leaves=12,
 )
 # (null is not among them: OpenAI's API takes null for every optional field, meaning its default.)
-_not_int = st.text(max_size=8) | st.floats().filter(lambda f: not float(f).is_integer()) | st.booleans() | st.lists(
-    st.integers(), max_size=2)
+_not_int = (
+    st.text(max_size=8)
+    | st.floats().filter(lambda f: not float(f).is_integer())
+    | st.booleans()
+    | st.lists(st.integers(), max_size=2)
+)
 _not_number = st.text(max_size=8) | st.booleans() | st.lists(st.floats(), max_size=2)
 _nan_or_inf = st.sampled_from([math.nan, math.inf, -math.inf])
 
@@ -169,27 +187,45 @@ INVALID = {
     "presence_penalty": _not_number | _out_of(-2.0, 2.0),
     "frequency_penalty": _not_number | _out_of(-2.0, 2.0),
     "repetition_penalty": _not_number | _out_of(0.01, 100.0),
-    "stop": st.integers() | st.lists(st.integers(), min_size=1, max_size=3)
+    "stop": st.integers()
+    | st.lists(st.integers(), min_size=1, max_size=3)
     | st.lists(st.text(min_size=1, max_size=3), min_size=MAX_STOP_STRINGS + 1, max_size=MAX_STOP_STRINGS + 40)
-    | st.just("") | st.text(min_size=513, max_size=600),
-    "logit_bias": st.dictionaries(st.text(alphabet="abcxyz-", min_size=1, max_size=4), st.floats(-1, 1), min_size=1,
-                                  max_size=3)
+    | st.just("")
+    | st.text(min_size=513, max_size=600),
+    "logit_bias": st.dictionaries(
+        st.text(alphabet="abcxyz-", min_size=1, max_size=4), st.floats(-1, 1), min_size=1, max_size=3
+    )
     | st.dictionaries(st.integers(0, 40000).map(str), _out_of(-100.0, 100.0), min_size=1, max_size=3)
-    | st.dictionaries(st.integers(0, 40000).map(str), st.just(1.0), min_size=MAX_LOGIT_BIAS + 1,
-                      max_size=MAX_LOGIT_BIAS + 50),
+    | st.dictionaries(
+        st.integers(0, 40000).map(str), st.just(1.0), min_size=MAX_LOGIT_BIAS + 1, max_size=MAX_LOGIT_BIAS + 50
+    ),
     "stream": _not_int.filter(lambda v: not isinstance(v, bool)),
     "ignore_eos": st.integers() | st.text(max_size=4),
     "model": st.text(max_size=16).filter(lambda m: m != "tiny"),
     "stop_token_ids": st.lists(st.integers(max_value=-1), min_size=1, max_size=3) | st.text(max_size=3),
     "logprobs_c": st.integers(max_value=-1) | st.integers(min_value=MAX_TOP_LOGPROBS + 1) | st.text(max_size=3),
-    "prompt": st.just("") | st.just([]) | st.lists(st.integers(max_value=-1), min_size=1, max_size=3)
-    | st.lists(st.integers(min_value=10**6), min_size=1, max_size=3) | st.dictionaries(st.text(max_size=3), st.text(max_size=3))
-    | st.integers() | st.lists(st.booleans(), min_size=1, max_size=3),
-    "messages": st.just([]) | st.text(max_size=5) | st.lists(
-        st.fixed_dictionaries({"role": st.text(max_size=6).filter(
-            lambda r: r not in ("system", "developer", "user", "assistant", "tool")), "content": st.text(max_size=5)}),
-        min_size=1, max_size=2) | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.integers()}),
-                                           min_size=1, max_size=2),
+    "prompt": st.just("")
+    | st.just([])
+    | st.lists(st.integers(max_value=-1), min_size=1, max_size=3)
+    | st.lists(st.integers(min_value=10**6), min_size=1, max_size=3)
+    | st.dictionaries(st.text(max_size=3), st.text(max_size=3))
+    | st.integers()
+    | st.lists(st.booleans(), min_size=1, max_size=3),
+    "messages": st.just([])
+    | st.text(max_size=5)
+    | st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.text(max_size=6).filter(
+                    lambda r: r not in ("system", "developer", "user", "assistant", "tool")
+                ),
+                "content": st.text(max_size=5),
+            }
+        ),
+        min_size=1,
+        max_size=2,
+    )
+    | st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.integers()}), min_size=1, max_size=2),
 }
 
 
@@ -200,10 +236,15 @@ def bad_request(draw) -> tuple[str, bytes]:
     if kind == "garbage":
         return draw(st.sampled_from([COMPLETIONS, CHAT])), draw(st.binary(max_size=64).filter(lambda b: b[:1] != b"{"))
     if kind == "json":  # valid JSON that is not an object
-        return draw(st.sampled_from([COMPLETIONS, CHAT])), _raw(draw(_any_json.filter(lambda v: not isinstance(v, dict))))
+        return draw(st.sampled_from([COMPLETIONS, CHAT])), _raw(
+            draw(_any_json.filter(lambda v: not isinstance(v, dict)))
+        )
     if kind == "object":  # random keys: unknown fields are ignored, but prompt/messages is missing
-        obj = draw(st.dictionaries(st.text(max_size=8).filter(lambda k: k not in ("prompt", "messages")), _any_json,
-                                   max_size=5))
+        obj = draw(
+            st.dictionaries(
+                st.text(max_size=8).filter(lambda k: k not in ("prompt", "messages")), _any_json, max_size=5
+            )
+        )
         return draw(st.sampled_from([COMPLETIONS, CHAT])), _raw(obj)
     chat = draw(st.booleans())
     body: dict = {"max_tokens": 2, "stream": draw(st.booleans())}
@@ -255,8 +296,13 @@ def test_malformed_requests_get_4xx_while_streams_run(stress_server: ServerProce
                 statuses[code] = statuses.get(code, 0) + 1
                 tried += 1
 
-            @settings(max_examples=600 if long_mode else 120, deadline=None, database=None, derandomize=not long_mode,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=600 if long_mode else 120,
+                deadline=None,
+                database=None,
+                derandomize=not long_mode,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=bad_request())
             def fuzz(case: tuple[str, bytes]) -> None:
                 nonlocal tried
@@ -271,8 +317,14 @@ def test_malformed_requests_get_4xx_while_streams_run(stress_server: ServerProce
     assert not t.is_alive()
     assert stress_server.proc.poll() is None
     bad = [o for o in background if o.kind != "ok"]
-    record("bad_input", tried=tried, curated=len(CURATED), by_status=dict(sorted(statuses.items())),
-           concurrent_streams_ok=len(background) - len(bad), concurrent_streams_bad=len(bad))
+    record(
+        "bad_input",
+        tried=tried,
+        curated=len(CURATED),
+        by_status=dict(sorted(statuses.items())),
+        concurrent_streams_ok=len(background) - len(bad),
+        concurrent_streams_bad=len(bad),
+    )
     assert background and not bad, [(o.kind, o.detail) for o in bad[:5]]
     assert tried >= 100
     asyncio.run(wait_quiescent(url))

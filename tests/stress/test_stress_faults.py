@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import ServerProcess
-from stress_lib import (
+
+from tests.stress.stress_lib import (
     MAX_NUM_SEQS,
     MAX_QUEUE,
     Outcome,
@@ -31,13 +31,16 @@ from stress_lib import (
     stream_request,
     wait_quiescent,
 )
+from tests.utils.server import ServerProcess
 
 # ---------------------------------------------------------------------------------------------- disconnects
 
 
 def _http_request(path: str, body: bytes, extra: str = "") -> bytes:
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n{extra}\r\n"
+    )
     return head.encode() + body
 
 
@@ -111,8 +114,13 @@ def test_random_disconnects_free_everything(stress_server: ServerProcess, long_m
     # Nothing leaked: idle engine, and a normal request still completes whole.
     ok = asyncio.run(_one_stream(stress_server.base_url, 0))
     assert ok.kind == "ok", ok.detail
-    record("disconnects", tried=sum(tried.values()), by_phase=dict(sorted(tried.items())),
-           aborted_counted=int(after[aborted_key] - aborted_before), kv_after=after["tokenmill_kv_cache_usage_ratio"])
+    record(
+        "disconnects",
+        tried=sum(tried.values()),
+        by_phase=dict(sorted(tried.items())),
+        aborted_counted=int(after[aborted_key] - aborted_before),
+        kv_after=after["tokenmill_kv_cache_usage_ratio"],
+    )
     assert after[aborted_key] > aborted_before
     # A client that leaves is an abort (499), never a server error (500) with a traceback in the log.
     assert after[error_key] == before[error_key]
@@ -160,8 +168,9 @@ def test_injected_fault_fails_only_its_request(stress_server: ServerProcess, lon
     async def one_round(k: int) -> None:
         nonlocal normal_ok
         async with new_client() as client:
-            normals = [asyncio.ensure_future(stream_request(client, url, *load_request(1000 * k + i, 32)))
-                       for i in range(6)]
+            normals = [
+                asyncio.ensure_future(stream_request(client, url, *load_request(1000 * k + i, 32))) for i in range(6)
+            ]
             await asyncio.sleep(0.3)  # the normal streams are decoding: the faults join their batch
             faults = [
                 fault_plain(client, f"fault-inject-{k}-plain", {"prompt": "boom", "max_tokens": 8}),
@@ -169,8 +178,9 @@ def test_injected_fault_fails_only_its_request(stress_server: ServerProcess, lon
                 fault_stream(client, f"fault-inject-{k}-stream", *load_request(2 * k, 8)),
                 fault_stream(client, f"fault-inject-{k}-chat", *load_request(2 * k + 1, 8)),
             ]
-            plain_normal = client.post(url + "/v1/completions", timeout=60,
-                                       json={"prompt": "calm", "max_tokens": 12, "ignore_eos": True})
+            plain_normal = client.post(
+                url + "/v1/completions", timeout=60, json={"prompt": "calm", "max_tokens": 12, "ignore_eos": True}
+            )
             results = await asyncio.wait_for(asyncio.gather(*normals, plain_normal, *faults), 120)
         for o in results[: len(normals)]:
             assert o.kind == "ok", (o.kind, o.detail)
@@ -194,8 +204,9 @@ def test_injected_fault_fails_only_its_request(stress_server: ServerProcess, lon
 
 @pytest.fixture
 def drain_server(tiny_model_dir: Path, server_log_dir: Path):
-    proc = ServerProcess(tiny_model_dir, server_log_dir, "--max-num-seqs", "4", "--max-queue", "8",
-                         "--drain-timeout", "60")
+    proc = ServerProcess(
+        tiny_model_dir, server_log_dir, "--max-num-seqs", "4", "--max-queue", "8", "--drain-timeout", "60"
+    )
     try:
         proc.wait_ready()
         yield proc
@@ -237,9 +248,16 @@ def test_sigterm_under_load_drains_every_started_stream(drain_server: ServerProc
     before_term = [o for t, o in sent_at if t < sigterm_after - 0.05]
     started_but_cut = [o for o in outcomes if o.started and o.kind != "ok"]
     lost = [o for o in outcomes if o.kind == "lost"]
-    record("sigterm_drain", requests_sent=len(outcomes), served=c.get("ok", 0), refused_429=c.get("refused", 0),
-           refused_503=c.get("draining", 0), connection_refused=c.get("unreachable", 0), lost=len(lost),
-           exit_code=code)
+    record(
+        "sigterm_drain",
+        requests_sent=len(outcomes),
+        served=c.get("ok", 0),
+        refused_429=c.get("refused", 0),
+        refused_503=c.get("draining", 0),
+        connection_refused=c.get("unreachable", 0),
+        lost=len(lost),
+        exit_code=code,
+    )
     assert not started_but_cut, [(o.kind, o.detail) for o in started_but_cut[:5]]
     assert not lost, [(o.status, o.detail) for o in lost[:5]]
     assert code == 0
@@ -255,7 +273,7 @@ def test_fault_hook_is_off_by_default_and_hits_only_marked_requests() -> None:
     from types import SimpleNamespace
 
     from tokenmill.engine import faults
-    from tokenmill.engine.errors import RequestFailed
+    from tokenmill.errors import RequestFailed
 
     engine = SimpleNamespace(runner=SimpleNamespace(before_forward=None))
     assert not faults.install(engine, environ={})

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from server_fixtures import ServerProcess
-from stress_lib import (
+from tests.stress.stress_lib import (
     MAX_NUM_SEQS,
     counts,
     measure_capacity,
@@ -19,6 +18,7 @@ from stress_lib import (
     scrape_once,
     wait_quiescent,
 )
+from tests.utils.server import ServerProcess
 
 RSS_GROWTH_LIMIT_MB = 300
 
@@ -38,13 +38,22 @@ def test_overload_at_4x_capacity(stress_server: ServerProcess, long_mode: bool) 
     after = asyncio.run(wait_quiescent(url))
     rss_after = rss_mb(pid)
     lost = [o for o in outcomes if o.kind not in ("ok", "refused")]
-    record("overload", requests_sent=len(outcomes), served=c.get("ok", 0), refused_429=c.get("refused", 0),
-           lost=len(lost), capacity_rps=round(capacity, 2), offered_rps=round(rate, 2),
-           rss_before_mb=round(rss_before, 1), rss_after_mb=round(rss_after, 1))
+    record(
+        "overload",
+        requests_sent=len(outcomes),
+        served=c.get("ok", 0),
+        refused_429=c.get("refused", 0),
+        lost=len(lost),
+        capacity_rps=round(capacity, 2),
+        offered_rps=round(rate, 2),
+        rss_before_mb=round(rss_before, 1),
+        rss_after_mb=round(rss_after, 1),
+    )
     assert len(outcomes) == n
     assert not lost, f"{len(lost)} lost, e.g. {[(o.kind, o.status, o.detail) for o in lost[:5]]}"
     assert c.get("ok", 0) > 0 and c.get("refused", 0) > 0, c  # 4x capacity must hit the queue limit
     assert rss_after - rss_before < RSS_GROWTH_LIMIT_MB, (rss_before, rss_after)
+
     # The server's own books agree with what the clients saw.
     def delta(endpoint: str, status: str) -> float:
         key = f'tokenmill_requests_total{{endpoint="{endpoint}",status="{status}"}}'

@@ -17,11 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from server_fixtures import ServerProcess
-from stress_lib import record
 
-CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"
-          "response_headers_conformance")
+from tests.stress.stress_lib import record
+from tests.utils.server import ServerProcess
+
+CHECKS = (
+    "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"
+    "response_headers_conformance"
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +47,22 @@ def test_successful_responses_match_the_spec(spec_server: ServerProcess) -> None
     cases = [
         ("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
         ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 3, "logprobs": 2, "n": 2}),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True, "logprobs": 1,
-                             "stream_options": {"include_usage": True}}),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 3, "stream": True, "logprobs": 1, "stream_options": {"include_usage": True}},
+        ),
         ("/v1/chat/completions", {"messages": user, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}),
-        ("/v1/chat/completions", {"messages": user, "max_tokens": 3, "n": 2, "stream": True,
-                                  "stream_options": {"include_usage": True}, "logprobs": True}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": user,
+                "max_tokens": 3,
+                "n": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "logprobs": True,
+            },
+        ),
         ("/v1/chat/completions", {"messages": user, "max_tokens": 3, "store": True, "metadata": {"a": "b"}}),
         ("/tokenize", {"prompt": "hi", "return_token_strs": True}),
         ("/tokenize", {"messages": user, "add_generation_prompt": False}),
@@ -62,20 +76,41 @@ def test_successful_responses_match_the_spec(spec_server: ServerProcess) -> None
         assert schema[path]["GET"].Case().call_and_validate().status_code == 200, path
 
 
-def test_schemathesis_finds_no_server_errors_or_schema_violations(spec_server: ServerProcess, long_mode: bool,
-                                                                   tmp_path: Path) -> None:
+def test_schemathesis_finds_no_server_errors_or_schema_violations(
+    spec_server: ServerProcess, long_mode: bool, tmp_path: Path
+) -> None:
     phases = "examples,coverage,fuzzing,stateful" if long_mode else "examples,fuzzing,stateful"
-    cmd = [str(Path(sys.executable).parent / "schemathesis"), "run", f"{spec_server.base_url}/openapi.json",
-           "--checks", CHECKS, "--phases", phases, "--max-examples", "100" if long_mode else "10",
-           "--request-timeout", "60", "--workers", "1", "--report-dir", str(tmp_path), "--no-color"]
+    cmd = [
+        str(Path(sys.executable).parent / "schemathesis"),
+        "run",
+        f"{spec_server.base_url}/openapi.json",
+        "--checks",
+        CHECKS,
+        "--phases",
+        phases,
+        "--max-examples",
+        "100" if long_mode else "10",
+        "--request-timeout",
+        "60",
+        "--workers",
+        "1",
+        "--report-dir",
+        str(tmp_path),
+        "--no-color",
+    ]
     if not long_mode:
         cmd += ["--seed", "1"]  # CI stays deterministic
     # cwd: schemathesis keeps a .schemathesis/ cache in its working directory, not in the repository.
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=3000 if long_mode else 600, cwd=tmp_path)
     out = result.stdout + result.stderr
     summary = re.search(r"(\d+) generated, (\d+) passed", out)
-    record("schemathesis", phases=phases, exit_code=result.returncode,
-           generated=int(summary.group(1)) if summary else None, passed=int(summary.group(2)) if summary else None)
+    record(
+        "schemathesis",
+        phases=phases,
+        exit_code=result.returncode,
+        generated=int(summary.group(1)) if summary else None,
+        passed=int(summary.group(2)) if summary else None,
+    )
     assert result.returncode == 0, out[-6000:]
     assert summary and summary.group(1) == summary.group(2), out[-3000:]
     assert int(summary.group(1)) >= 50

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import ServerProcess, assert_openai_error
-from stress_lib import record
 
+from tests.stress.stress_lib import record
+from tests.utils.server import ServerProcess, assert_openai_error
 from tokenmill.engine.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_N,
@@ -30,8 +30,17 @@ BODY_LIMIT = 4096
 
 @pytest.fixture(scope="module")
 def locked_server(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_model_dir, server_log_dir, "--api-key", KEY, "--max-body-bytes", str(BODY_LIMIT),
-                         "--log-prompts", "--max-num-seqs", "4")
+    proc = ServerProcess(
+        tiny_model_dir,
+        server_log_dir,
+        "--api-key",
+        KEY,
+        "--max-body-bytes",
+        str(BODY_LIMIT),
+        "--log-prompts",
+        "--max-num-seqs",
+        "4",
+    )
     try:
         proc.wait_ready()
         yield proc
@@ -39,8 +48,9 @@ def locked_server(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[Server
         proc.stop()
 
 
-def _post(server: ServerProcess, body: dict | bytes, path: str = "/v1/completions", key: str | None = KEY,
-          **kw) -> httpx.Response:
+def _post(
+    server: ServerProcess, body: dict | bytes, path: str = "/v1/completions", key: str | None = KEY, **kw
+) -> httpx.Response:
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
@@ -57,8 +67,12 @@ def test_api_key_is_compared_in_constant_time(locked_server: ServerProcess) -> N
     for wrong in ("x", KEY[:-1], KEY + "x", KEY[:1], "x" * len(KEY), KEY.upper()):
         assert_openai_error(_post(locked_server, {"prompt": "hi", "max_tokens": 1}, key=wrong), 401, "invalid_api_key")
     assert_openai_error(_post(locked_server, {"prompt": "hi", "max_tokens": 1}, key=None), 401, "invalid_api_key")
-    r = httpx.post(locked_server.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
-                   headers={"Authorization": f"Basic {KEY}"}, timeout=30)
+    r = httpx.post(
+        locked_server.base_url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1},
+        headers={"Authorization": f"Basic {KEY}"},
+        timeout=30,
+    )
     assert_openai_error(r, 401)
     assert _post(locked_server, {"prompt": "hi", "max_tokens": 1}).status_code == 200
 
@@ -66,6 +80,7 @@ def test_api_key_is_compared_in_constant_time(locked_server: ServerProcess) -> N
 def test_max_body_bytes_is_enforced(locked_server: ServerProcess) -> None:
     pad = "a" * (BODY_LIMIT + 100)
     assert_openai_error(_post(locked_server, {"prompt": pad, "max_tokens": 1}), 413, "request_too_large")
+
     # Chunked upload (no Content-Length): the limit holds while streaming the body in.
     def body() -> Iterator[bytes]:
         yield b'{"prompt": "'
@@ -78,26 +93,35 @@ def test_max_body_bytes_is_enforced(locked_server: ServerProcess) -> None:
     assert ok.status_code != 413, ok.text
 
 
-@pytest.mark.parametrize("field,over,at_limit", [
-    ("n", MAX_N + 1, MAX_N),
-    ("max_tokens", (1 << 20) + 1, None),
-    ("stop", ["s"] * (MAX_STOP_STRINGS + 1), ["s"] * MAX_STOP_STRINGS),
-    ("stop", ["s" * (MAX_STOP_STRING_CHARS + 1)], ["s" * MAX_STOP_STRING_CHARS]),
-    ("logit_bias", {str(i): 0.5 for i in range(MAX_LOGIT_BIAS + 1)}, {str(i): 0.5 for i in range(MAX_LOGIT_BIAS)}),
-    ("logprobs", MAX_TOP_LOGPROBS + 1, MAX_TOP_LOGPROBS),
-])
+@pytest.mark.parametrize(
+    "field,over,at_limit",
+    [
+        ("n", MAX_N + 1, MAX_N),
+        ("max_tokens", (1 << 20) + 1, None),
+        ("stop", ["s"] * (MAX_STOP_STRINGS + 1), ["s"] * MAX_STOP_STRINGS),
+        ("stop", ["s" * (MAX_STOP_STRING_CHARS + 1)], ["s" * MAX_STOP_STRING_CHARS]),
+        ("logit_bias", {str(i): 0.5 for i in range(MAX_LOGIT_BIAS + 1)}, {str(i): 0.5 for i in range(MAX_LOGIT_BIAS)}),
+        ("logprobs", MAX_TOP_LOGPROBS + 1, MAX_TOP_LOGPROBS),
+    ],
+)
 def test_request_limits_are_400(stress_server: ServerProcess, field: str, over: object, at_limit: object) -> None:
-    r = httpx.post(stress_server.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, field: over},
-                   timeout=60)
+    r = httpx.post(
+        stress_server.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, field: over}, timeout=60
+    )
     err = assert_openai_error(r, 400)
     assert err["type"] == "invalid_request_error"
     if at_limit is not None:
-        r = httpx.post(stress_server.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 1, field: at_limit},
-                       timeout=60)
+        r = httpx.post(
+            stress_server.base_url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1, field: at_limit},
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
 
 
-def test_prompts_stay_out_of_logs_unless_log_prompts(stress_server: ServerProcess, locked_server: ServerProcess) -> None:
+def test_prompts_stay_out_of_logs_unless_log_prompts(
+    stress_server: ServerProcess, locked_server: ServerProcess
+) -> None:
     marker = f"secret-{uuid.uuid4().hex}"
     bodies = [
         ("/v1/completions", {"prompt": f"{marker} ok", "max_tokens": 2}),

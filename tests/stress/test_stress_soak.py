@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from server_fixtures import ServerProcess
-from stress_lib import (
+
+from tests.stress.stress_lib import (
     MAX_NUM_SEQS,
     counts,
     measure_capacity,
@@ -36,6 +36,7 @@ from stress_lib import (
     slope_per_min,
     wait_quiescent,
 )
+from tests.utils.server import ServerProcess
 
 SAMPLE_EVERY_S = 10.0
 SOAK_QUEUE = 512
@@ -43,8 +44,9 @@ SOAK_QUEUE = 512
 
 @pytest.fixture(scope="module")
 def soak_server(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_model_dir, server_log_dir, "--max-num-seqs", str(MAX_NUM_SEQS),
-                         "--max-queue", str(SOAK_QUEUE))
+    proc = ServerProcess(
+        tiny_model_dir, server_log_dir, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue", str(SOAK_QUEUE)
+    )
     try:
         proc.wait_ready()
         yield proc
@@ -112,12 +114,23 @@ def test_soak_at_70_percent_capacity(soak_server: ServerProcess, long_mode: bool
     warm = [(s[0], s[1]) for s in samples if s[0] >= 60.0] if long_mode else [(s[0], s[1]) for s in samples]
     slope = slope_per_min(warm)
     steady = steal[2] - steal[0] <= 0.05
-    record("soak", duration_s=duration, offered_rps=round(rate, 2), requests=len(outcomes), ok=c.get("ok", 0),
-           errors=len(outcomes) - c.get("ok", 0), p99_first_third_s=round(first, 3), p99_last_third_s=round(last, 3),
-           cpu_steal_by_third=[round(s, 3) for s in steal],
-           server_cpu_s_per_request_by_third=[round(x, 4) for x in cpu_per_request],
-           latency_judged=steady, rss_first_mb=round(samples[0][1], 1), rss_last_mb=round(samples[-1][1], 1),
-           rss_slope_mb_per_min=round(slope, 2), rss_samples=len(samples))
+    record(
+        "soak",
+        duration_s=duration,
+        offered_rps=round(rate, 2),
+        requests=len(outcomes),
+        ok=c.get("ok", 0),
+        errors=len(outcomes) - c.get("ok", 0),
+        p99_first_third_s=round(first, 3),
+        p99_last_third_s=round(last, 3),
+        cpu_steal_by_third=[round(s, 3) for s in steal],
+        server_cpu_s_per_request_by_third=[round(x, 4) for x in cpu_per_request],
+        latency_judged=steady,
+        rss_first_mb=round(samples[0][1], 1),
+        rss_last_mb=round(samples[-1][1], 1),
+        rss_slope_mb_per_min=round(slope, 2),
+        rss_samples=len(samples),
+    )
     bad = [o for o in outcomes if o.kind != "ok"]
     assert not bad, [(o.kind, o.status, o.detail) for o in bad[:5]]
     if long_mode:  # 30 s is too short for a trend or per-third CPU figures; only bound the growth
@@ -128,5 +141,8 @@ def test_soak_at_70_percent_capacity(soak_server: ServerProcess, long_mode: bool
     if steady:
         assert last <= max(2.0 * first, first + 1.0), (first, last, steal)
     else:
-        warnings.warn(f"soak latency not judged: CPU steal rose from {steal[0]:.0%} to {steal[2]:.0%} "
-                      f"(p99 {first:.2f} s -> {last:.2f} s)", stacklevel=1)
+        warnings.warn(
+            f"soak latency not judged: CPU steal rose from {steal[0]:.0%} to {steal[2]:.0%} "
+            f"(p99 {first:.2f} s -> {last:.2f} s)",
+            stacklevel=1,
+        )

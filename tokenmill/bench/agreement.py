@@ -58,7 +58,7 @@ def next_token_argmax(llm: Any, ids: list[int], step: int | None = None) -> torc
     under `predictions`' inference mode."""
     import torch
 
-    from tokenmill.models.attention import AttentionMetadata, PrefillSegment
+    from tokenmill.models.layers.attention import AttentionMetadata, PrefillSegment
 
     engine = llm.engine
     n = len(ids)
@@ -75,8 +75,12 @@ def next_token_argmax(llm: Any, ids: list[int], step: int | None = None) -> torc
         else:  # keys 0..end-1 from the cache; query i (position start + i) sees keys <= start + i
             mask = positions[:end][None, :] <= positions[start:end][:, None]
             segment = PrefillSegment(0, end - start, slots[:end], mask)
-        meta = AttentionMetadata(slot_mapping=slots[start:end], block_size=engine.block_size, prefills=[segment],
-                                 num_prefill_tokens=end - start)
+        meta = AttentionMetadata(
+            slot_mapping=slots[start:end],
+            block_size=engine.block_size,
+            prefills=[segment],
+            num_prefill_tokens=end - start,
+        )
         hidden = engine.model(tokens[start:end], positions[start:end], engine.kv_cache.layers, meta)
         out.append(engine.model.compute_logits(hidden).argmax(-1).cpu())
     return torch.cat(out)
@@ -92,8 +96,10 @@ def predictions(llm: Any, chunks: list[list[int]], step: int | None = None) -> t
 def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
     model_dir = resolve_bench_model(args.model)
     llm = make_llm(args, model_dir)
-    setting = (f"dtype {llm.engine.precision.describe()}, quantization {args.quantization or 'none'}, "
-               f"KV cache {str(llm.engine.kv_dtype).removeprefix('torch.')}")
+    setting = (
+        f"dtype {llm.engine.precision.describe()}, quantization {args.quantization or 'none'}, "
+        f"KV cache {str(llm.engine.kv_dtype).removeprefix('torch.')}"
+    )
     chunks = text_chunks(llm.tokenizer, args.tokens, args.chunk)
     tested = predictions(llm, chunks, args.step)
     llm.engine.close()
@@ -109,22 +115,52 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
 
 def main(args: argparse.Namespace) -> int:
     setting, results = measure(args)
-    rows = [["reference", "tokens", "top-1 agreement"],
-            *([r.reference, str(r.tokens), f"{100 * r.top1_agreement:.2f}%"] for r in results)]
+    rows = [
+        ["reference", "tokens", "top-1 agreement"],
+        *([r.reference, str(r.tokens), f"{100 * r.top1_agreement:.2f}%"] for r in results),
+    ]
     title = f"Teacher-forced top-1 agreement of {setting} (text: {TEXT_SOURCE})"
-    return print_report(args, format_grid(rows, title),
-                        {"setting": setting, "text": TEXT_SOURCE, "chunk": args.chunk, "step": args.step,
-                         "results": [asdict(r) for r in results]})
+    return print_report(
+        args,
+        format_grid(rows, title),
+        {
+            "setting": setting,
+            "text": TEXT_SOURCE,
+            "chunk": args.chunk,
+            "step": args.step,
+            "results": [asdict(r) for r in results],
+        },
+    )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--references", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
-                        help="dtypes of the unquantized reference engines (default: float32)")
-    parser.add_argument("--tokens", type=positive_int, default=2048, metavar="N",
-                        help="teacher-forced positions compared (default: 2048)")
-    parser.add_argument("--chunk", type=positive_int, default=256, metavar="N",
-                        help="tokens per prefill: each chunk is read from its own start (default: 256)")
-    parser.add_argument("--step", type=positive_int, default=None, metavar="N",
-                        help="positions per forward pass, reading earlier keys back from the KV cache as decoding "
-                             "does (1 = every position; use it with --kv-cache-dtype; default: one prefill per chunk)")
+    parser.add_argument(
+        "--references",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16", "float16"],
+        help="dtypes of the unquantized reference engines (default: float32)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=2048,
+        metavar="N",
+        help="teacher-forced positions compared (default: 2048)",
+    )
+    parser.add_argument(
+        "--chunk",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="tokens per prefill: each chunk is read from its own start (default: 256)",
+    )
+    parser.add_argument(
+        "--step",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="positions per forward pass, reading earlier keys back from the KV cache as decoding "
+        "does (1 = every position; use it with --kv-cache-dtype; default: one prefill per chunk)",
+    )
     add_bench_engine_args(parser)

@@ -62,17 +62,38 @@ def free_port() -> int:
 
 def real_server_cmd(model_dir: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
     # `python -m tokenmill.cli` is the `tokenmill` entry point without depending on PATH.
-    return [sys.executable, "-m", "tokenmill.cli", "serve", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "tokenmill.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
 
 
 def naive_server_cmd(model_dir: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "tokenmill.bench.naive_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "tokenmill.bench.naive_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
 
 
-def start_server(name: str, cmd: list[str], port: int, ready_path: str, log_dir: Path,
-                 environ: dict[str, str] | None = None) -> ServerProcess:
+def start_server(
+    name: str, cmd: list[str], port: int, ready_path: str, log_dir: Path, environ: dict[str, str] | None = None
+) -> ServerProcess:
     """`cmd` in its own session, logging to a file; `environ` replaces this process's environment."""
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
@@ -80,8 +101,9 @@ def start_server(name: str, cmd: list[str], port: int, ready_path: str, log_dir:
         # Both servers get the same OpenMP wait settings as `tokenmill serve` sets for itself.
         base = os.environ if environ is None else environ
         env = {**base, **server_omp_settings(base)}
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+        )
     return ServerProcess(name, proc, f"http://127.0.0.1:{port}", ready_path, log_path)
 
 
@@ -165,12 +187,17 @@ async def _bench_both(
     sampling = sampling_from_args(args)
     for server in servers:  # one after the other: they share the machine's cores
         if args.warmup > 0:  # first requests pay lazy init / allocator warmup; keep it out of the numbers
-            await run_benchmark(server.url, warmup_requests(requests, args.warmup), seed=args.seed, progress=False,
-                                sampling=sampling)
+            await run_benchmark(
+                server.url, warmup_requests(requests, args.warmup), seed=args.seed, progress=False, sampling=sampling
+            )
         print(f"benchmarking {server.name} ...", file=sys.stderr)
         reports[server.name] = await run_benchmark(
-            server.url, requests, request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency, seed=args.seed, sampling=sampling,
+            server.url,
+            requests,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+            sampling=sampling,
         )
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.name} server died during the benchmark:\n{log_tail(server.log_path)}")
@@ -194,7 +221,7 @@ def _config(args: argparse.Namespace, model_dir: Path, requests: Sequence[BenchR
 
 def main(args: argparse.Namespace) -> int:
     """Run the comparison described by the `bench compare` flags; returns a process exit code."""
-    from tokenmill.models.hub import resolve_model
+    from tokenmill.models.model_loader.hub import resolve_model
 
     model_dir = resolve_model(args.model)  # convert the default model once, before two servers race for it
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
@@ -205,10 +232,18 @@ def main(args: argparse.Namespace) -> int:
     real_port, naive_port = args.port or free_port(), args.naive_port or free_port()
     servers: list[ServerProcess] = []
     try:
-        servers.append(start_server(REAL_NAME, real_server_cmd(model_dir, real_port, shlex.split(args.serve_args)),
-                                    real_port, "/health/ready", log_dir))
-        servers.append(start_server(NAIVE_NAME, naive_server_cmd(model_dir, naive_port),
-                                    naive_port, "/health/live", log_dir))
+        servers.append(
+            start_server(
+                REAL_NAME,
+                real_server_cmd(model_dir, real_port, shlex.split(args.serve_args)),
+                real_port,
+                "/health/ready",
+                log_dir,
+            )
+        )
+        servers.append(
+            start_server(NAIVE_NAME, naive_server_cmd(model_dir, naive_port), naive_port, "/health/live", log_dir)
+        )
         wait_ready(servers, args.startup_timeout)
         reports = asyncio.run(_bench_both(servers, requests, args))
     finally:
@@ -217,16 +252,23 @@ def main(args: argparse.Namespace) -> int:
     ratios = comparison_ratios(reports[REAL_NAME], reports[NAIVE_NAME])
     print(format_table(reports, extra_rows=_ratio_rows(ratios)))
     if args.json:
-        write_json(args.json, json_safe({
-            "config": _config(args, model_dir, requests),
-            "ratios": ratios,
-            "reports": {name: rep.to_dict() for name, rep in reports.items()},
-        }))
+        write_json(
+            args.json,
+            json_safe(
+                {
+                    "config": _config(args, model_dir, requests),
+                    "ratios": ratios,
+                    "reports": {name: rep.to_dict() for name, rep in reports.items()},
+                }
+            ),
+        )
     if args.plot:
-        title = (f"tokenmill vs naive HF: output throughput ratio {ratios['output_throughput_ratio']:.2f}x, "
-                 f"p50 TTFT ratio {ratios['p50_ttft_ratio']:.2f}x (>1: tokenmill better)\n"
-                 f"{len(requests)} requests, rate {args.request_rate} req/s, "
-                 f"max concurrency {args.max_concurrency or 'unbounded'}")
+        title = (
+            f"tokenmill vs naive HF: output throughput ratio {ratios['output_throughput_ratio']:.2f}x, "
+            f"p50 TTFT ratio {ratios['p50_ttft_ratio']:.2f}x (>1: tokenmill better)\n"
+            f"{len(requests)} requests, rate {args.request_rate} req/s, "
+            f"max concurrency {args.max_concurrency or 'unbounded'}"
+        )
         plot_reports(reports, args.plot, title=title)
         print(f"wrote {args.plot}", file=sys.stderr)
     failed = sum(rep.failed for rep in reports.values())

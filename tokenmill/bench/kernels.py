@@ -63,12 +63,21 @@ def read_bandwidth() -> float:
     return x.numel() * 4 / best_seconds(lambda: x.sum(), calls=3)
 
 
-def attention_case(name: str, heads: int, kv_heads: int, dim: int, contexts: np.ndarray, queries: int,
-                   layers: int, cache_dtype: torch.dtype, calls: int) -> dict[str, Any]:
+def attention_case(
+    name: str,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    contexts: np.ndarray,
+    queries: int,
+    layers: int,
+    cache_dtype: torch.dtype,
+    calls: int,
+) -> dict[str, Any]:
     """ms per kernel call and the K/V bytes read per second, over `layers` caches in turn."""
     import torch
 
-    from tokenmill.models.kv_quant import to_cache
+    from tokenmill.models.layers.kv_quant import to_cache
 
     gen = torch.Generator().manual_seed(0)
     blocks = [-(-int(c) // BLOCK_SIZE) for c in contexts]
@@ -79,9 +88,13 @@ def attention_case(name: str, heads: int, kv_heads: int, dim: int, contexts: np.
     for s, n in enumerate(blocks):
         tables[s, :n] = order[used : used + n]
         used += n
-    caches = [(to_cache(torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen), cache_dtype),
-               to_cache(torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen), cache_dtype))
-              for _ in range(layers)]
+    caches = [
+        (
+            to_cache(torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen), cache_dtype),
+            to_cache(torch.randn(num_blocks * BLOCK_SIZE, kv_heads, dim, generator=gen), cache_dtype),
+        )
+        for _ in range(layers)
+    ]
     q = torch.randn(len(contexts) * queries, heads, dim, generator=gen)
     out = torch.empty_like(q)
     starts = torch.arange(len(contexts), dtype=torch.int32) * queries
@@ -96,22 +109,32 @@ def attention_case(name: str, heads: int, kv_heads: int, dim: int, contexts: np.
 
     seconds = best_seconds(call, calls)
     kv_bytes = int(ctx.sum()) * kv_heads * caches[0][0].shape[-1] * caches[0][0].element_size() * 2
-    return {"case": name, "ms": seconds * 1e3, "kv_gb_per_s": kv_bytes / seconds / 1e9,
-            "kv_mb": kv_bytes / 1e6, "sequences": len(contexts), "queries_per_sequence": queries}
+    return {
+        "case": name,
+        "ms": seconds * 1e3,
+        "kv_gb_per_s": kv_bytes / seconds / 1e9,
+        "kv_mb": kv_bytes / 1e6,
+        "sequences": len(contexts),
+        "queries_per_sequence": queries,
+    }
 
 
-def gemm_paths(weights: list[torch.Tensor], vocab_major: bool = False,
-               int8: bool = False) -> dict[str, Callable[[torch.Tensor, int], Any]]:
+def gemm_paths(
+    weights: list[torch.Tensor], vocab_major: bool = False, int8: bool = False
+) -> dict[str, Callable[[torch.Tensor, int], Any]]:
     """(x, index) -> x @ weights[index]^T by each path, weights packed once up front; `int8`: also
     the weights as `--quantization int8` holds them (int8 panels and scales) on the panel GEMM."""
     import torch
 
-    from tokenmill.models.quant import WeightOnlyInt8Linear
+    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
 
     panels = [torch.ops.tokenmill.pack_linear_weight(w) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
-    mkl = (lambda x, i: torch.mm(weights[i], x.t())) if vocab_major else \
-        (lambda x, i: torch.nn.functional.linear(x, weights[i]))
+    mkl = (
+        (lambda x, i: torch.mm(weights[i], x.t()))
+        if vocab_major
+        else (lambda x, i: torch.nn.functional.linear(x, weights[i]))
+    )
     paths = {"panel kernel": lambda x, i: torch.ops.tokenmill.packed_linear(x, panels[i], None, weights[i].shape[0])}
     if int8:
         layers = [WeightOnlyInt8Linear(_linear_of(w), use_cpu_kernel=True) for w in weights]
@@ -147,7 +170,7 @@ def projection_cases(vocab: int, hidden: int) -> list[dict[str, Any]]:
 
         row: dict[str, Any] = {"rows": rows}
         for path, gemm in paths.items():
-            row[path] = best_seconds(lambda: gemm(x, next_index()), calls=8) * 1e3
+            row[path] = best_seconds(lambda gemm=gemm: gemm(x, next_index()), calls=8) * 1e3
         row["weight_gb_per_s_kernel"] = weight_bytes / row["panel kernel"] / 1e6
         results.append(row)
     return results
@@ -183,7 +206,7 @@ def model_gemm_cases(shapes: list[tuple[int, int]], layers: int) -> list[dict[st
     own weights, and GB/s of the weights read, on fp32, bf16 and int8 panels at MODEL_GEMM_ROWS rows."""
     import torch
 
-    from tokenmill.models.quant import WeightOnlyInt8Linear
+    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
 
     gen = torch.Generator().manual_seed(4)
     weights = [[torch.randn(out, inp, generator=gen) for inp, out in shapes] for _ in range(layers)]
@@ -206,6 +229,7 @@ def model_gemm_cases(shapes: list[tuple[int, int]], layers: int) -> list[dict[st
         xs = [torch.randn(rows, inp, generator=gen) for inp, _ in shapes]
         row: dict[str, Any] = {"rows": rows, "layers": layers}
         for name, (gemm, nbytes) in paths.items():
+
             def one_pass() -> None:
                 for i in range(layers):
                     for j, x in enumerate(xs):
@@ -233,49 +257,128 @@ def main(args: argparse.Namespace) -> int:
     bandwidth = read_bandwidth()
     contexts = np.random.default_rng(2).integers(16, 513, size=args.batch)
     attention = [
-        attention_case("decode, fp32 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8,
-                       torch.float32, 20),
-        attention_case("decode, one fp32 cache of 1/8 the contexts (cached)", heads, kv_heads, dim,
-                       contexts // 8 + 1, 1, 1, torch.float32, 100),
-        attention_case("decode, bf16 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8,
-                       torch.bfloat16, 20),
-        attention_case("decode, int8 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8,
-                       torch.int8, 20),
-        attention_case("prefill chunks of 64 queries, 8 sequences", heads, kv_heads, dim,
-                       contexts[:8] + 64, 64, 1, torch.float32, 5),
+        attention_case(
+            "decode, fp32 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8, torch.float32, 20
+        ),
+        attention_case(
+            "decode, one fp32 cache of 1/8 the contexts (cached)",
+            heads,
+            kv_heads,
+            dim,
+            contexts // 8 + 1,
+            1,
+            1,
+            torch.float32,
+            100,
+        ),
+        attention_case(
+            "decode, bf16 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8, torch.bfloat16, 20
+        ),
+        attention_case("decode, int8 caches of 8 layers (DRAM)", heads, kv_heads, dim, contexts, 1, 8, torch.int8, 20),
+        attention_case(
+            "prefill chunks of 64 queries, 8 sequences",
+            heads,
+            kv_heads,
+            dim,
+            contexts[:8] + 64,
+            64,
+            1,
+            torch.float32,
+            5,
+        ),
     ]
     projection = projection_cases(config.vocab_size, config.hidden_size)
     shapes = layer_gemm_shapes(config.hidden_size, config.intermediate_size, (heads + 2 * kv_heads) * dim, heads * dim)
     gemms = layer_gemm_cases(shapes)
     model_gemms = model_gemm_cases(shapes, config.num_hidden_layers)
-    rows = [[a["case"], f"{a['ms']:.3f}", f"{a['kv_mb']:.1f}", f"{a['kv_gb_per_s']:.1f}",
-             f"{a['kv_gb_per_s'] / (bandwidth / 1e9):.0%}"] for a in attention]
-    tables = [f"streaming read (x.sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads",
-              format_grid([["paged attention", "ms/call", "K/V MB", "K/V GB/s", "of read rate"], *rows],
-                          f"paged attention, {args.batch} sequences, heads {heads}/{kv_heads}, head_dim {dim}"),
-              format_grid([["rows", "panel kernel ms", "oneDNN packed ms", "MKL vocab-major ms", "kernel GB/s"],
-                           *[[str(p["rows"]), f"{p['panel kernel']:.2f}", f"{p['oneDNN packed']:.2f}",
-                              f"{p['MKL']:.2f}", f"{p['weight_gb_per_s_kernel']:.1f}"] for p in projection]],
-                          f"vocabulary projection, {config.vocab_size} x {config.hidden_size} fp32"),
-              format_grid([["rows", *[f"{path} {unit}" for path in GEMM_PATHS for unit in ("ms", "GFLOP/s")]],
-                           *[[str(g["rows"]), *[f"{g[path][key]:{fmt}}" for path in GEMM_PATHS
-                                                for key, fmt in (("ms", ".3f"), ("gflop_per_s", ".0f"))]]
-                             for g in gemms]],
-                          "one decoder layer's GEMMs (qkv, o, gate/up, down), fp32 weights (panel int8: "
-                          "--quantization int8's), weights in cache"),
-              format_grid([["rows", *[f"{panels} {unit}" for panels in MODEL_GEMM_PANELS for unit in ("ms", "GB/s")]],
-                           *[[str(g["rows"]), *[f"{g[panels][key]:{fmt}}" for panels in MODEL_GEMM_PANELS
-                                                for key, fmt in (("ms", ".2f"), ("weight_gb_per_s", ".1f"))]]
-                             for g in model_gemms]],
-                          f"the {config.num_hidden_layers} decoder layers' GEMMs in turn, each layer its own "
-                          "weights (from DRAM), on fp32, bf16 and int8 panels")]
-    return print_report(args, "\n\n".join(tables), {"read_bandwidth_gb_per_s": bandwidth / 1e9,
-                                                    "attention": attention, "vocab_projection": projection,
-                                                    "layer_gemms": gemms, "model_gemms": model_gemms})
+    rows = [
+        [
+            a["case"],
+            f"{a['ms']:.3f}",
+            f"{a['kv_mb']:.1f}",
+            f"{a['kv_gb_per_s']:.1f}",
+            f"{a['kv_gb_per_s'] / (bandwidth / 1e9):.0%}",
+        ]
+        for a in attention
+    ]
+    tables = [
+        f"streaming read (x.sum over 1 GiB): {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads",
+        format_grid(
+            [["paged attention", "ms/call", "K/V MB", "K/V GB/s", "of read rate"], *rows],
+            f"paged attention, {args.batch} sequences, heads {heads}/{kv_heads}, head_dim {dim}",
+        ),
+        format_grid(
+            [
+                ["rows", "panel kernel ms", "oneDNN packed ms", "MKL vocab-major ms", "kernel GB/s"],
+                *[
+                    [
+                        str(p["rows"]),
+                        f"{p['panel kernel']:.2f}",
+                        f"{p['oneDNN packed']:.2f}",
+                        f"{p['MKL']:.2f}",
+                        f"{p['weight_gb_per_s_kernel']:.1f}",
+                    ]
+                    for p in projection
+                ],
+            ],
+            f"vocabulary projection, {config.vocab_size} x {config.hidden_size} fp32",
+        ),
+        format_grid(
+            [
+                ["rows", *[f"{path} {unit}" for path in GEMM_PATHS for unit in ("ms", "GFLOP/s")]],
+                *[
+                    [
+                        str(g["rows"]),
+                        *[
+                            f"{g[path][key]:{fmt}}"
+                            for path in GEMM_PATHS
+                            for key, fmt in (("ms", ".3f"), ("gflop_per_s", ".0f"))
+                        ],
+                    ]
+                    for g in gemms
+                ],
+            ],
+            "one decoder layer's GEMMs (qkv, o, gate/up, down), fp32 weights (panel int8: "
+            "--quantization int8's), weights in cache",
+        ),
+        format_grid(
+            [
+                ["rows", *[f"{panels} {unit}" for panels in MODEL_GEMM_PANELS for unit in ("ms", "GB/s")]],
+                *[
+                    [
+                        str(g["rows"]),
+                        *[
+                            f"{g[panels][key]:{fmt}}"
+                            for panels in MODEL_GEMM_PANELS
+                            for key, fmt in (("ms", ".2f"), ("weight_gb_per_s", ".1f"))
+                        ],
+                    ]
+                    for g in model_gemms
+                ],
+            ],
+            f"the {config.num_hidden_layers} decoder layers' GEMMs in turn, each layer its own "
+            "weights (from DRAM), on fp32, bf16 and int8 panels",
+        ),
+    ]
+    return print_report(
+        args,
+        "\n\n".join(tables),
+        {
+            "read_bandwidth_gb_per_s": bandwidth / 1e9,
+            "attention": attention,
+            "vocab_projection": projection,
+            "layer_gemms": gemms,
+            "model_gemms": model_gemms,
+        },
+    )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model whose shapes to use: directory or hub name "
-                                                      "(default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--batch", type=positive_int, default=64, metavar="N",
-                        help="decode sequences per attention call (default: 64)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model whose shapes to use: directory or hub name (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--batch", type=positive_int, default=64, metavar="N", help="decode sequences per attention call (default: 64)"
+    )

@@ -41,7 +41,7 @@ def run_point(llm: Any, prompts: list[list[int]], output_len: int, mode: str) ->
 
     engine = llm.engine
     model_seconds: list[float] = []
-    listener = lambda stats: model_seconds.append(stats.step_time_s)  # noqa: E731
+    listener = lambda stats: model_seconds.append(stats.step_time_s)
     engine.step_listeners.append(listener)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, logprobs=1)
     try:
@@ -60,19 +60,30 @@ def run_point(llm: Any, prompts: list[list[int]], output_len: int, mode: str) ->
     finally:
         engine.step_listeners.remove(listener)
     model = sum(model_seconds)
-    return LongOutputPoint(mode, output_len, len(prompts), tokens, wall, model,
-                           1000 * (wall - model) / max(tokens, 1), 1000 * wall / max(tokens, 1))
+    return LongOutputPoint(
+        mode,
+        output_len,
+        len(prompts),
+        tokens,
+        wall,
+        model,
+        1000 * (wall - model) / max(tokens, 1),
+        1000 * wall / max(tokens, 1),
+    )
 
 
-def run_long_outputs(llm: Any, lengths: list[int], streams: int, prompt_len: int, vocab_size: int,
-                     seed: int = 0) -> list[LongOutputPoint]:
+def run_long_outputs(
+    llm: Any, lengths: list[int], streams: int, prompt_len: int, vocab_size: int, seed: int = 0
+) -> list[LongOutputPoint]:
     """Every length in both modes, alternating, after an untimed warm-up."""
     import numpy as np
 
     limit = llm.engine.max_model_len
     if prompt_len + max(lengths) > limit:
-        raise ValueError(f"--long-outputs {max(lengths)} plus a {prompt_len}-token prompt exceeds this model's "
-                         f"context ({limit}): pick a model with a longer context or shorter outputs")
+        raise ValueError(
+            f"--long-outputs {max(lengths)} plus a {prompt_len}-token prompt exceeds this model's "
+            f"context ({limit}): pick a model with a longer context or shorter outputs"
+        )
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(100, vocab_size, size=prompt_len).tolist() for _ in range(streams)]
     run_point(llm, prompts, min(lengths), "delta")  # warm-up (allocations, first-touch pages)
@@ -84,14 +95,20 @@ def run_long_outputs(llm: Any, lengths: list[int], streams: int, prompt_len: int
 
 
 def format_long_outputs(points: list[LongOutputPoint]) -> str:
-    lines = ["long outputs: engine time per output token (host = step wall time - model thread)",
-             f"{'output len':>10} {'outputs':>11} {'tokens':>8} {'host ms/tok':>12} {'total ms/tok':>13}"]
+    lines = [
+        "long outputs: engine time per output token (host = step wall time - model thread)",
+        f"{'output len':>10} {'outputs':>11} {'tokens':>8} {'host ms/tok':>12} {'total ms/tok':>13}",
+    ]
     for p in points:
-        lines.append(f"{p.output_len:>10} {p.mode:>11} {p.output_tokens:>8} {p.host_ms_per_token:>12.3f} "
-                     f"{p.total_ms_per_token:>13.3f}")
+        lines.append(
+            f"{p.output_len:>10} {p.mode:>11} {p.output_tokens:>8} {p.host_ms_per_token:>12.3f} "
+            f"{p.total_ms_per_token:>13.3f}"
+        )
     for mode in MODES:
         mine = [p for p in points if p.mode == mode]
         if len(mine) > 1:
-            lines.append(f"{mode}: host ms/token at {mine[-1].output_len} / at {mine[0].output_len} = "
-                         f"{mine[-1].host_ms_per_token / mine[0].host_ms_per_token:.2f}x")
+            lines.append(
+                f"{mode}: host ms/token at {mine[-1].output_len} / at {mine[0].output_len} = "
+                f"{mine[-1].host_ms_per_token / mine[0].host_ms_per_token:.2f}x"
+            )
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """`tokenmill bench moe-dispatch`: the ways tokenmill can run one MoE layer's experts, timed on the
 same routed tokens (batch-1 and batch-64 decode, a 512-token prefill by default).
 
-Each way is the product code of tokenmill.models.moe: the stacked weights through `grouped_mm`
+Each way is the product code of tokenmill.models.layers.moe: the stacked weights through `grouped_mm`
 (fp32 default), a loop over the experts that received tokens on plain (MKL) linears, the same loop
 on packed linears (`--packed-linear`: tokenmill's fp32 panel GEMM, or oneDNN) and on torch.ao int8
 linears (`--quantization int8`).
@@ -34,11 +34,16 @@ class DispatchRow:
 def _layer(hidden: int, intermediate: int, experts: int, top_k: int, seed: int):
     import torch
 
-    from tokenmill.models.moe import MoEConfig, SparseMoE
+    from tokenmill.models.layers.moe import MoEConfig, SparseMoE
 
     torch.manual_seed(seed)
-    config = MoEConfig(num_experts=experts, top_k=top_k, expert_intermediate_size=intermediate,
-                       normalize_top_k=True, weights_in_model_dtype=False)
+    config = MoEConfig(
+        num_experts=experts,
+        top_k=top_k,
+        expert_intermediate_size=intermediate,
+        normalize_top_k=True,
+        weights_in_model_dtype=False,
+    )
     layer = SparseMoE(hidden, config).eval()
     with torch.no_grad():
         for p in layer.parameters():
@@ -48,9 +53,9 @@ def _layer(hidden: int, intermediate: int, experts: int, top_k: int, seed: int):
 
 def _variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """(name, layer) for each way, all with the same weights."""
-    from tokenmill.models.moe import split_experts
-    from tokenmill.models.packed_linear import pack_linears
-    from tokenmill.models.quant import quantize_model
+    from tokenmill.models.layers.moe import split_experts
+    from tokenmill.models.layers.packed_linear import pack_linears
+    from tokenmill.models.layers.quant import quantize_model
 
     def make():
         return _layer(args.hidden_size, args.intermediate_size, args.num_experts, args.top_k, args.seed)
@@ -101,27 +106,43 @@ def main(args: argparse.Namespace) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    print(f"MoE layer: hidden {args.hidden_size}, expert intermediate {args.intermediate_size}, "
-          f"{args.num_experts} experts, top-{args.top_k}, fp32, {torch.get_num_threads()} threads; "
-          f"best of {args.reps}")
+    print(
+        f"MoE layer: hidden {args.hidden_size}, expert intermediate {args.intermediate_size}, "
+        f"{args.num_experts} experts, top-{args.top_k}, fp32, {torch.get_num_threads()} threads; "
+        f"best of {args.reps}"
+    )
     rows = run(args)
     base = {r.tokens: r.best_ms for r in rows if r.method == "grouped_mm"}
-    table = [["tokens", "method", "ms", "vs grouped_mm", "max |diff|"],
-             *([str(r.tokens), r.method, f"{r.best_ms:.2f}", f"{base[r.tokens] / r.best_ms:.2f}x",
-                f"{r.max_abs_diff:.1e}"] for r in rows)]
+    table = [
+        ["tokens", "method", "ms", "vs grouped_mm", "max |diff|"],
+        *(
+            [str(r.tokens), r.method, f"{r.best_ms:.2f}", f"{base[r.tokens] / r.best_ms:.2f}x", f"{r.max_abs_diff:.1e}"]
+            for r in rows
+        ),
+    ]
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     return print_report(args, format_grid(table), {"args": settings, "rows": [asdict(r) for r in rows]})
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=positive_int, default=1024, help="model width (default: 1024)")
-    parser.add_argument("--intermediate-size", type=positive_int, default=3584,
-                        help="each expert's intermediate size (default: 3584)")
+    parser.add_argument(
+        "--intermediate-size", type=positive_int, default=3584, help="each expert's intermediate size (default: 3584)"
+    )
     parser.add_argument("--num-experts", type=positive_int, default=8, help="experts in the layer (default: 8)")
     parser.add_argument("--top-k", type=positive_int, default=2, help="experts per token (default: 2)")
-    parser.add_argument("--tokens", type=positive_int, nargs="+", default=[1, 64, 512], metavar="N",
-                        help="token counts to time: decode batch sizes or a prefill length (default: 1 64 512)")
-    parser.add_argument("--reps", type=positive_int, default=10, help="timed repetitions; the best counts (default: 10)")
-    parser.add_argument("--num-threads", type=positive_int, default=None,
-                        help="torch threads (default: torch's default, one per core)")
+    parser.add_argument(
+        "--tokens",
+        type=positive_int,
+        nargs="+",
+        default=[1, 64, 512],
+        metavar="N",
+        help="token counts to time: decode batch sizes or a prefill length (default: 1 64 512)",
+    )
+    parser.add_argument(
+        "--reps", type=positive_int, default=10, help="timed repetitions; the best counts (default: 10)"
+    )
+    parser.add_argument(
+        "--num-threads", type=positive_int, default=None, help="torch threads (default: torch's default, one per core)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")

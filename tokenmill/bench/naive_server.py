@@ -73,8 +73,12 @@ class NaiveEngine:
             "pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
         }
         if temperature > 0:
-            kwargs.update(temperature=temperature, top_p=float(body.get("top_p", 1.0)), top_k=int(body.get("top_k", 0)),
-                          min_p=float(body["min_p"]) if body.get("min_p") else None)
+            kwargs.update(
+                temperature=temperature,
+                top_p=float(body.get("top_p", 1.0)),
+                top_k=int(body.get("top_k", 0)),
+                min_p=float(body["min_p"]) if body.get("min_p") else None,
+            )
             if body.get("seed") is not None:
                 torch.manual_seed(int(body["seed"]))
         else:
@@ -99,7 +103,7 @@ class NaiveEngine:
             with torch.inference_mode():
                 out = self.model.generate(**job.kwargs)
             job.completion_ids = out[0, job.prompt_tokens :].tolist()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the event loop side
+        except BaseException as exc:
             job.error = exc
             streamer = job.kwargs.get("streamer")
             if streamer is not None:
@@ -160,8 +164,12 @@ async def _generate_full(engine: NaiveEngine, job: GenerationJob, request_id: st
         await asyncio.to_thread(engine.run, job)
     if job.error is not None:
         raise job.error
-    choice = {"index": 0, "text": engine.decode(job.completion_ids), "logprobs": None,
-              "finish_reason": engine.finish_reason(job)}
+    choice = {
+        "index": 0,
+        "text": engine.decode(job.completion_ids),
+        "logprobs": None,
+        "finish_reason": engine.finish_reason(job),
+    }
     body = _completion_body(engine, request_id, int(time.time()), choice)
     body["usage"] = engine.usage(job)
     return body
@@ -239,7 +247,7 @@ def create_app(engine: NaiveEngine) -> FastAPI:
             )
         try:
             return JSONResponse(await _generate_full(engine, job, request_id))
-        except Exception as exc:  # noqa: BLE001 - report generation failures as 500s, keep serving
+        except Exception as exc:
             return JSONResponse({"error": {"message": str(exc), "type": type(exc).__name__}}, status_code=500)
 
     return app
@@ -250,10 +258,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m tokenmill.bench.naive_server",
         description="Naive Hugging Face baseline server (one request at a time) for tokenmill bench compare.",
     )
-    parser.add_argument("--model", default=None,
-                        help="Hugging Face model directory (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model id reported by /v1/models (default: the model directory's name)")
+    parser.add_argument(
+        "--model", default=None, help="Hugging Face model directory (default: the bundled SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id reported by /v1/models (default: the model directory's name)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8001, help="port to bind (default: 8001)")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default: warning)")
@@ -263,7 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from tokenmill.models.hub import resolve_model
+    from tokenmill.models.model_loader.hub import resolve_model
 
     args = parse_args(argv)
     engine = NaiveEngine(resolve_model(args.model), model_name=args.served_model_name)

@@ -54,8 +54,9 @@ class OfflineRequest:
     output_len: int
 
 
-def make_workload(num_prompts: int, min_input: int, max_input: int, min_output: int, max_output: int,
-                  vocab_size: int, seed: int = 0) -> list[OfflineRequest]:
+def make_workload(
+    num_prompts: int, min_input: int, max_input: int, min_output: int, max_output: int, vocab_size: int, seed: int = 0
+) -> list[OfflineRequest]:
     """Token-id prompts with lengths uniform in [min_input, max_input] and output lengths uniform in
     [min_output, max_output] (inclusive), deterministic for a seed."""
     if not 1 <= min_input <= max_input:
@@ -66,15 +67,19 @@ def make_workload(num_prompts: int, min_input: int, max_input: int, min_output: 
     rng = np.random.default_rng(seed)
     in_lens = rng.integers(min_input, max_input + 1, size=num_prompts)
     out_lens = rng.integers(min_output, max_output + 1, size=num_prompts)
-    return [OfflineRequest(rng.integers(low, vocab_size, size=int(n_in)).tolist(), int(n_out))
-            for n_in, n_out in zip(in_lens, out_lens, strict=True)]
+    return [
+        OfflineRequest(rng.integers(low, vocab_size, size=int(n_in)).tolist(), int(n_out))
+        for n_in, n_out in zip(in_lens, out_lens, strict=True)
+    ]
 
 
 def describe_workload(workload: Sequence[OfflineRequest]) -> str:
     ins = [len(r.prompt_token_ids) for r in workload]
     outs = [r.output_len for r in workload]
-    return (f"{len(workload)} requests, prompt tokens {min(ins)}-{max(ins)} (sum {sum(ins)}), "
-            f"output tokens {min(outs)}-{max(outs)} (sum {sum(outs)})")
+    return (
+        f"{len(workload)} requests, prompt tokens {min(ins)}-{max(ins)} (sum {sum(ins)}), "
+        f"output tokens {min(outs)}-{max(outs)} (sum {sum(outs)})"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -107,18 +112,29 @@ class RunResult:
         return data
 
 
-def _result(name: str, workload: Sequence[OfflineRequest], token_ids: list[list[int]], duration: float,
-            latencies: Sequence[float], ttfts: Sequence[float], **extra: Any) -> RunResult:
+def _result(
+    name: str,
+    workload: Sequence[OfflineRequest],
+    token_ids: list[list[int]],
+    duration: float,
+    latencies: Sequence[float],
+    ttfts: Sequence[float],
+    **extra: Any,
+) -> RunResult:
     produced = sum(len(t) for t in token_ids)
     return RunResult(
-        name=name, num_requests=len(workload),
+        name=name,
+        num_requests=len(workload),
         prompt_tokens=sum(len(r.prompt_token_ids) for r in workload),
-        requested_tokens=sum(r.output_len for r in workload), output_tokens=produced,
+        requested_tokens=sum(r.output_len for r in workload),
+        output_tokens=produced,
         duration_s=duration,
         output_throughput=produced / duration if duration > 0 else math.nan,
         request_throughput=len(workload) / duration if duration > 0 else math.nan,
-        latency=LatencyStats.from_seconds(latencies), ttft=LatencyStats.from_seconds(ttfts),
-        token_ids=token_ids, **extra,
+        latency=LatencyStats.from_seconds(latencies),
+        ttft=LatencyStats.from_seconds(ttfts),
+        token_ids=token_ids,
+        **extra,
     )
 
 
@@ -141,21 +157,40 @@ _RECORD = {
     "required": ["id", "name", "kind", "score", "tags", "done"],
     "additionalProperties": False,
 }
-STRUCTURED_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": _RECORD, "minItems": 256}},
-                     "required": ["items"], "additionalProperties": False}
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": _RECORD, "minItems": 256}},
+    "required": ["items"],
+    "additionalProperties": False,
+}
 
 
-def _params(output_lens: Sequence[int], structured: dict[str, Any] | None = None,
-            sampling: Sampling = GREEDY) -> list[Any]:
+def _params(
+    output_lens: Sequence[int], structured: dict[str, Any] | None = None, sampling: Sampling = GREEDY
+) -> list[Any]:
     from tokenmill import SamplingParams
 
-    return [SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                           min_p=sampling.min_p, max_tokens=n, ignore_eos=True, structured_outputs=structured)
-            for n in output_lens]
+    return [
+        SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            max_tokens=n,
+            ignore_eos=True,
+            structured_outputs=structured,
+        )
+        for n in output_lens
+    ]
 
 
-def warmup(llm: Any, workload: Sequence[OfflineRequest], max_tokens: int = 8,
-           structured: dict[str, Any] | None = None, sampling: Sampling = GREEDY) -> None:
+def warmup(
+    llm: Any,
+    workload: Sequence[OfflineRequest],
+    max_tokens: int = 8,
+    structured: dict[str, Any] | None = None,
+    sampling: Sampling = GREEDY,
+) -> None:
     """A short untimed generate: first-call allocations and kernel selection are not the benchmark.
     Its prompts are the first two reversed, never the measured ones: the prefix cache would answer
     those in the timed run (the HF baseline has none)."""
@@ -163,9 +198,15 @@ def warmup(llm: Any, workload: Sequence[OfflineRequest], max_tokens: int = 8,
     llm.generate(prompts, _params([max_tokens] * len(prompts), structured, sampling))
 
 
-def run_tokenmill(llm: Any, workload: Sequence[OfflineRequest], use_tqdm: bool = True,
-                  name: str = "tokenmill", structured: dict[str, Any] | None = None,
-                  lora_paths: Sequence[str | None] | None = None, sampling: Sampling = GREEDY) -> RunResult:
+def run_tokenmill(
+    llm: Any,
+    workload: Sequence[OfflineRequest],
+    use_tqdm: bool = True,
+    name: str = "tokenmill",
+    structured: dict[str, Any] | None = None,
+    lora_paths: Sequence[str | None] | None = None,
+    sampling: Sampling = GREEDY,
+) -> RunResult:
     """Submit every request at once and run them to completion; time the whole generate call.
     `structured`: every request's `structured_outputs` (vLLM's dict form). `lora_paths`: each
     request's LoRA adapter directory (None: the base model)."""
@@ -183,9 +224,16 @@ def run_tokenmill(llm: Any, workload: Sequence[OfflineRequest], use_tqdm: bool =
             latencies.append(m.finished_time - m.arrival_time)
         if m.first_token_time is not None:
             ttfts.append(m.first_token_time - m.arrival_time)
-    return _result(name, workload, token_ids, duration, latencies, ttfts,
-                   max_num_seqs=getattr(getattr(llm.engine, "config", None), "max_num_seqs", None),
-                   cached_prompt_tokens=sum(o.num_cached_tokens for o in outs))
+    return _result(
+        name,
+        workload,
+        token_ids,
+        duration,
+        latencies,
+        ttfts,
+        max_num_seqs=getattr(getattr(llm.engine, "config", None), "max_num_seqs", None),
+        cached_prompt_tokens=sum(o.num_cached_tokens for o in outs),
+    )
 
 
 def _lora_requests(paths: Sequence[str | None]) -> list[Any]:
@@ -221,8 +269,9 @@ def load_hf_model(model_dir: str | Path, device: str = "cpu", dtype: Any = None)
     return model.to(device).eval()
 
 
-def _hf_generate(model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id: int,
-                 sampling: Sampling = GREEDY) -> list[list[int]]:
+def _hf_generate(
+    model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id: int, sampling: Sampling = GREEDY
+) -> list[list[int]]:
     """`generate` (greedy, or sampled as `sampling` says) on one left-padded batch that decodes
     exactly `new_tokens` for every row."""
     import copy
@@ -234,8 +283,8 @@ def _hf_generate(model: Any, prompts: Sequence[list[int]], new_tokens: int, pad_
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
     # ignore_eos semantics: no EOS id at all, so nothing stops early and no logit is suppressed
     # (min_new_tokens with an EOS id would mask EOS and change greedy picks vs tokenmill).
     gen_config = copy.deepcopy(model.generation_config)
@@ -267,8 +316,14 @@ def hf_pad_id(model_dir: str | Path) -> int:
     return 0
 
 
-def run_hf_static(model: Any, workload: Sequence[OfflineRequest], batch_size: int = 16, pad_id: int = 0,
-                  progress: bool = True, sampling: Sampling = GREEDY) -> RunResult:
+def run_hf_static(
+    model: Any,
+    workload: Sequence[OfflineRequest],
+    batch_size: int = 16,
+    pad_id: int = 0,
+    progress: bool = True,
+    sampling: Sampling = GREEDY,
+) -> RunResult:
     """The naive baseline: consecutive static batches, each decoding to its longest output length.
 
     Useful tokens are each request's own output length (the rest of its row is waste); a request's
@@ -290,8 +345,17 @@ def run_hf_static(model: Any, workload: Sequence[OfflineRequest], batch_size: in
             latencies[i] = end
     duration = time.perf_counter() - t0
     _, generated, waste = padding_accounting(workload, batch_size)
-    return _result(f"hf-static-bs{batch_size}", workload, token_ids, duration, latencies, [],
-                   max_num_seqs=batch_size, generated_tokens=generated, padding_waste=waste)
+    return _result(
+        f"hf-static-bs{batch_size}",
+        workload,
+        token_ids,
+        duration,
+        latencies,
+        [],
+        max_num_seqs=batch_size,
+        generated_tokens=generated,
+        padding_waste=waste,
+    )
 
 
 def greedy_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, float]:
@@ -304,8 +368,11 @@ def greedy_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> 
         exact += same == n
         prefix.append(same / n if n else 1.0)
     count = len(prefix)
-    return {"requests": count, "exact_match_fraction": exact / count if count else math.nan,
-            "mean_matching_prefix_fraction": float(np.mean(prefix)) if count else math.nan}
+    return {
+        "requests": count,
+        "exact_match_fraction": exact / count if count else math.nan,
+        "mean_matching_prefix_fraction": float(np.mean(prefix)) if count else math.nan,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -323,8 +390,15 @@ def in_fresh_process(fn: Any, *args: Any) -> Any:
         return pool.submit(fn, *args).result()
 
 
-def hf_baseline_run(model_dir: Path, workload: Sequence[OfflineRequest], batch_size: int, dtype: str, device: str,
-                    progress: bool, sampling: Sampling = GREEDY) -> RunResult:
+def hf_baseline_run(
+    model_dir: Path,
+    workload: Sequence[OfflineRequest],
+    batch_size: int,
+    dtype: str,
+    device: str,
+    progress: bool,
+    sampling: Sampling = GREEDY,
+) -> RunResult:
     """Load the HF model, warm it up untimed and run the static-batch baseline."""
     import torch
 
@@ -334,17 +408,24 @@ def hf_baseline_run(model_dir: Path, workload: Sequence[OfflineRequest], batch_s
     return run_hf_static(hf, workload, batch_size, pad, progress=progress, sampling=sampling)
 
 
-def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], name: str, progress: bool,
-                  warm: Sequence[OfflineRequest] | None = None, repeat: bool = False,
-                  structured: dict[str, Any] | None = None, lora_paths: Sequence[str | None] | None = None,
-                  sampling: Sampling = GREEDY) -> RunResult:
+def tokenmill_run(
+    kwargs: dict[str, Any],
+    workload: Sequence[OfflineRequest],
+    name: str,
+    progress: bool,
+    warm: Sequence[OfflineRequest] | None = None,
+    repeat: bool = False,
+    structured: dict[str, Any] | None = None,
+    lora_paths: Sequence[str | None] | None = None,
+    sampling: Sampling = GREEDY,
+) -> RunResult:
     """Build an engine from `engine_kwargs`, warm it up untimed (on `warm`, default the workload's
     first prompts) and time the workload; with `repeat`, time only a second identical round.
     `structured`: constrain every request (its grammar is compiled, and timed, before the warmup).
     `lora_paths`: each request's LoRA adapter (loaded, and used by the warmup, before timing)."""
     from tokenmill import LLM
     from tokenmill.bench.roofline import model_weight_bytes
-    from tokenmill.engine.structured_outputs import StructuredOutputsParams
+    from tokenmill.engine.structured_output.params import StructuredOutputsParams
 
     kwargs = dict(kwargs)
     llm = LLM(kwargs.pop("model"), progress=progress, **kwargs)
@@ -360,9 +441,12 @@ def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], na
             first = (warm or workload)[0].prompt_token_ids
             run_tokenmill(llm, [OfflineRequest(first, 4)] * len(adapters), use_tqdm=False, lora_paths=adapters)
         if repeat:
-            run_tokenmill(llm, workload, use_tqdm=False, structured=structured, lora_paths=lora_paths, sampling=sampling)
-        run = run_tokenmill(llm, workload, use_tqdm=progress, name=name, structured=structured, lora_paths=lora_paths,
-                            sampling=sampling)
+            run_tokenmill(
+                llm, workload, use_tqdm=False, structured=structured, lora_paths=lora_paths, sampling=sampling
+            )
+        run = run_tokenmill(
+            llm, workload, use_tqdm=progress, name=name, structured=structured, lora_paths=lora_paths, sampling=sampling
+        )
         run.weight_bytes = model_weight_bytes(llm.engine.model)[0]
         run.grammar_compile_s = compile_s
         return run
@@ -376,7 +460,8 @@ def tokenmill_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], na
 
 def resolve_bench_model(model: str | None) -> Path:
     """--model: None = the default model, 'tiny' = the random tiny Llama in the cache (built once)."""
-    from tokenmill.models.hub import cache_root, make_tiny_model, resolve_model
+    from tokenmill.models.model_loader.hub import make_tiny_model, resolve_model
+    from tokenmill.paths import cache_root
 
     if model != TINY_MODEL:
         return resolve_model(model)
@@ -425,7 +510,11 @@ def format_runs(runs: Sequence[RunResult]) -> str:
         ("Prompt tokens", "d", lambda r: r.prompt_tokens),
         ("Prompt tokens from the prefix cache", "d", lambda r: r.cached_prompt_tokens),
         ("Useful output tokens", "d", lambda r: r.output_tokens),
-        ("Generated tokens (incl. padding)", "d", lambda r: r.generated_tokens if r.generated_tokens is not None else r.output_tokens),
+        (
+            "Generated tokens (incl. padding)",
+            "d",
+            lambda r: r.generated_tokens if r.generated_tokens is not None else r.output_tokens,
+        ),
         ("Padding waste (%)", ".1f", lambda r: None if r.padding_waste is None else r.padding_waste * 100),
         ("Total time (s)", ".2f", lambda r: r.duration_s),
         ("Useful output tok/s", ".1f", lambda r: r.output_throughput),
@@ -445,9 +534,16 @@ def format_runs(runs: Sequence[RunResult]) -> str:
 def format_sweep(runs: Sequence[RunResult]) -> str:
     table = [["concurrency", "mean latency (s)", "p99 latency (s)", "mean TTFT (s)", "p99 TTFT (s)", "output tok/s"]]
     for r in runs:
-        table.append([str(r.max_num_seqs), _fmt(r.latency.mean_ms / 1e3, ".2f"), _fmt(r.latency.p99_ms / 1e3, ".2f"),
-                      _fmt(r.ttft.mean_ms / 1e3, ".3f"), _fmt(r.ttft.p99_ms / 1e3, ".3f"),
-                      _fmt(r.output_throughput, ".1f")])
+        table.append(
+            [
+                str(r.max_num_seqs),
+                _fmt(r.latency.mean_ms / 1e3, ".2f"),
+                _fmt(r.latency.p99_ms / 1e3, ".2f"),
+                _fmt(r.ttft.mean_ms / 1e3, ".3f"),
+                _fmt(r.ttft.p99_ms / 1e3, ".3f"),
+                _fmt(r.output_throughput, ".1f"),
+            ]
+        )
     return format_grid(table, title="Concurrency sweep (max_num_seqs)")
 
 
@@ -512,41 +608,66 @@ def print_report(args: argparse.Namespace, table: str | None, data: dict[str, An
 # Command
 
 
-def compare_model_impls(args: argparse.Namespace, model_dir: Path, workload: Sequence[OfflineRequest],
-                        progress: bool) -> dict[str, Any]:
+def compare_model_impls(
+    args: argparse.Namespace, model_dir: Path, workload: Sequence[OfflineRequest], progress: bool
+) -> dict[str, Any]:
     """The workload on the native path, then on the generic transformers path, each in a fresh
     process; prints both and returns them with the throughput ratio and greedy agreement."""
-    runs = [in_fresh_process(tokenmill_run, engine_kwargs(args, model_dir, model_impl=impl), workload,
-                             f"tokenmill --model-impl {impl}", progress)
-            for impl in ("native", "transformers")]
+    runs = [
+        in_fresh_process(
+            tokenmill_run,
+            engine_kwargs(args, model_dir, model_impl=impl),
+            workload,
+            f"tokenmill --model-impl {impl}",
+            progress,
+        )
+        for impl in ("native", "transformers")
+    ]
     native, generic = runs
     ratio = generic.output_throughput / native.output_throughput
     agreement = greedy_agreement(native.token_ids, generic.token_ids)
     print(format_runs(runs))
     print(f"generic (transformers) / native useful tok/s: {ratio:.2f}x")
-    print(f"greedy agreement: {agreement['exact_match_fraction'] * 100:.1f}% of {agreement['requests']} requests "
-          f"match exactly; mean matching prefix {agreement['mean_matching_prefix_fraction'] * 100:.1f}%")
-    return {"native": native.to_dict(), "transformers": generic.to_dict(),
-            "throughput_ratio_transformers_over_native": ratio, "greedy_agreement": agreement}
+    print(
+        f"greedy agreement: {agreement['exact_match_fraction'] * 100:.1f}% of {agreement['requests']} requests "
+        f"match exactly; mean matching prefix {agreement['mean_matching_prefix_fraction'] * 100:.1f}%"
+    )
+    return {
+        "native": native.to_dict(),
+        "transformers": generic.to_dict(),
+        "throughput_ratio_transformers_over_native": ratio,
+        "greedy_agreement": agreement,
+    }
 
 
-def compare_structured_output(args: argparse.Namespace, model_dir: Path, workload: Sequence[OfflineRequest],
-                              progress: bool) -> dict[str, Any]:
+def compare_structured_output(
+    args: argparse.Namespace, model_dir: Path, workload: Sequence[OfflineRequest], progress: bool
+) -> dict[str, Any]:
     """The workload unconstrained, then with every request constrained to STRUCTURED_SCHEMA, each in
     a fresh process (same prompts, greedy, same token counts); prints both and the throughput ratio."""
     kwargs = engine_kwargs(args, model_dir)
     free = in_fresh_process(tokenmill_run, kwargs, workload, "unconstrained", progress)
-    constrained = in_fresh_process(tokenmill_run, kwargs, workload, "json_schema", progress, None, False,
-                                   {"json": STRUCTURED_SCHEMA})
+    constrained = in_fresh_process(
+        tokenmill_run, kwargs, workload, "json_schema", progress, None, False, {"json": STRUCTURED_SCHEMA}
+    )
     ratio = constrained.output_throughput / free.output_throughput
     print(format_runs([free, constrained]))
-    print(f"json_schema / unconstrained useful tok/s: {ratio:.3f}x ({(1 - ratio) * 100:+.1f}% slower); "
-          f"schema compiled in {constrained.grammar_compile_s:.2f} s (once, before the timed run)")
+    print(
+        f"json_schema / unconstrained useful tok/s: {ratio:.3f}x ({(1 - ratio) * 100:+.1f}% slower); "
+        f"schema compiled in {constrained.grammar_compile_s:.2f} s (once, before the timed run)"
+    )
     if constrained.output_tokens != free.output_tokens:
-        print(f"warning: the constrained run produced {constrained.output_tokens} tokens, the free run "
-              f"{free.output_tokens}", file=sys.stderr)
-    return {"unconstrained": free.to_dict(), "json_schema": constrained.to_dict(), "schema": STRUCTURED_SCHEMA,
-            "throughput_ratio_json_schema_over_unconstrained": ratio}
+        print(
+            f"warning: the constrained run produced {constrained.output_tokens} tokens, the free run "
+            f"{free.output_tokens}",
+            file=sys.stderr,
+        )
+    return {
+        "unconstrained": free.to_dict(),
+        "json_schema": constrained.to_dict(),
+        "schema": STRUCTURED_SCHEMA,
+        "throughput_ratio_json_schema_over_unconstrained": ratio,
+    }
 
 
 def parse_values(text: str) -> list[int]:
@@ -564,7 +685,7 @@ def main(args: argparse.Namespace) -> int:
 
     from tokenmill.engine.precision import resolve_dtype
     from tokenmill.engine.setup import resolve_device
-    from tokenmill.models.loader import load_spec
+    from tokenmill.models.model_loader.loader import load_spec
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -573,12 +694,25 @@ def main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"model_dir": str(model_dir), "engine": engine_kwargs(args, model_dir)}
     print(f"model: {model_dir}", file=sys.stderr)
     device = resolve_device(args.device)
-    workload = make_workload(args.num_prompts, args.min_input, args.max_input, args.min_output, args.max_output,
-                             load_spec(model_dir).vocab_size, args.seed)
-    report["workload"] = {"num_prompts": args.num_prompts, "min_input": args.min_input, "max_input": args.max_input,
-                          "min_output": args.min_output, "max_output": args.max_output, "seed": args.seed,
-                          "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
-                          "requested_output_tokens": sum(r.output_len for r in workload)}
+    workload = make_workload(
+        args.num_prompts,
+        args.min_input,
+        args.max_input,
+        args.min_output,
+        args.max_output,
+        load_spec(model_dir).vocab_size,
+        args.seed,
+    )
+    report["workload"] = {
+        "num_prompts": args.num_prompts,
+        "min_input": args.min_input,
+        "max_input": args.max_input,
+        "min_output": args.min_output,
+        "max_output": args.max_output,
+        "seed": args.seed,
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in workload),
+        "requested_output_tokens": sum(r.output_len for r in workload),
+    }
     sampling = sampling_from_args(args)
     report["workload"]["sampling"] = asdict(sampling)
     print(f"{describe_workload(workload)}; {sampling.describe()}", file=sys.stderr)
@@ -598,12 +732,22 @@ def main(args: argparse.Namespace) -> int:
         runs.append(main_run)
         report["tokenmill"] = main_run.to_dict()
         if main_run.output_tokens != main_run.requested_tokens:
-            print(f"warning: tokenmill produced {main_run.output_tokens} tokens, {main_run.requested_tokens} "
-                  "were requested", file=sys.stderr)
+            print(
+                f"warning: tokenmill produced {main_run.output_tokens} tokens, {main_run.requested_tokens} "
+                "were requested",
+                file=sys.stderr,
+            )
     if args.compare == "hf":
-        hf_run = in_fresh_process(hf_baseline_run, model_dir, workload, args.hf_batch_size,
-                                  str(resolve_dtype(args.dtype, device, model_dir)).removeprefix("torch."), str(device), progress,
-                                  sampling)
+        hf_run = in_fresh_process(
+            hf_baseline_run,
+            model_dir,
+            workload,
+            args.hf_batch_size,
+            str(resolve_dtype(args.dtype, device, model_dir)).removeprefix("torch."),
+            str(device),
+            progress,
+            sampling,
+        )
         runs.append(hf_run)
         report["hf"] = hf_run.to_dict()
         if runs[0] is not hf_run:
@@ -618,22 +762,31 @@ def main(args: argparse.Namespace) -> int:
             a = c["greedy_agreement"]
             print(f"tokenmill / HF useful tok/s: {c['throughput_ratio_tokenmill_over_hf']:.2f}x")
             if a is not None:
-                print(f"greedy agreement vs HF (first min(len) tokens): {a['exact_match_fraction'] * 100:.1f}% of "
-                  f"{a['requests']} requests match exactly; mean matching prefix "
-                  f"{a['mean_matching_prefix_fraction'] * 100:.1f}% (left padding shifts HF numerics slightly)")
+                print(
+                    f"greedy agreement vs HF (first min(len) tokens): {a['exact_match_fraction'] * 100:.1f}% of "
+                    f"{a['requests']} requests match exactly; mean matching prefix "
+                    f"{a['mean_matching_prefix_fraction'] * 100:.1f}% (left padding shifts HF numerics slightly)"
+                )
 
     if args.sweep:
         sweep_workload = workload[: args.sweep_prompts] if args.sweep_prompts else workload
         print(f"sweep: {describe_workload(sweep_workload)}", file=sys.stderr)
         sweep_runs = []
         for value in args.sweep_values:
-            run = in_fresh_process(functools.partial(tokenmill_run, sampling=sampling),
-                                   engine_kwargs(args, model_dir, max_num_seqs=value), sweep_workload,
-                                   f"concurrency {value}", progress)
+            run = in_fresh_process(
+                functools.partial(tokenmill_run, sampling=sampling),
+                engine_kwargs(args, model_dir, max_num_seqs=value),
+                sweep_workload,
+                f"concurrency {value}",
+                progress,
+            )
             run.max_num_seqs = value
             sweep_runs.append(run)
-            print(f"  concurrency {value}: {run.output_throughput:.1f} tok/s, "
-                  f"mean latency {run.latency.mean_ms / 1e3:.2f} s", file=sys.stderr)
+            print(
+                f"  concurrency {value}: {run.output_throughput:.1f} tok/s, "
+                f"mean latency {run.latency.mean_ms / 1e3:.2f} s",
+                file=sys.stderr,
+            )
         print(format_sweep(sweep_runs))
         report["sweep"] = [r.to_dict() for r in sweep_runs]
         if args.plot:
@@ -643,8 +796,9 @@ def main(args: argparse.Namespace) -> int:
     if args.long_outputs:
         from tokenmill.bench.long_outputs import format_long_outputs, run_long_outputs
 
-        points = run_long_outputs(llm, args.long_outputs, args.long_streams, args.long_prompt_len,
-                                  load_spec(model_dir).vocab_size, args.seed)
+        points = run_long_outputs(
+            llm, args.long_outputs, args.long_streams, args.long_prompt_len, load_spec(model_dir).vocab_size, args.seed
+        )
         print(format_long_outputs(points))
         report["long_outputs"] = [p.to_dict() for p in points]
 
@@ -661,44 +815,96 @@ def main(args: argparse.Namespace) -> int:
 def add_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--num-prompts", type=positive_int, default=64, metavar="N", help="requests (default: 64)")
-    group.add_argument("--min-input", type=positive_int, default=4, metavar="TOKENS", help="shortest prompt (default: 4)")
-    group.add_argument("--max-input", type=positive_int, default=200, metavar="TOKENS", help="longest prompt (default: 200)")
-    group.add_argument("--min-output", type=positive_int, default=16, metavar="TOKENS",
-                       help="shortest output (default: 16)")
-    group.add_argument("--max-output", type=positive_int, default=128, metavar="TOKENS",
-                       help="longest output (default: 128)")
-    add_sampling_args(group, note=", here and in the HF baseline (the --compare model-impl and structured-output "
-                             "runs stay greedy)")
+    group.add_argument(
+        "--min-input", type=positive_int, default=4, metavar="TOKENS", help="shortest prompt (default: 4)"
+    )
+    group.add_argument(
+        "--max-input", type=positive_int, default=200, metavar="TOKENS", help="longest prompt (default: 200)"
+    )
+    group.add_argument(
+        "--min-output", type=positive_int, default=16, metavar="TOKENS", help="shortest output (default: 16)"
+    )
+    group.add_argument(
+        "--max-output", type=positive_int, default=128, metavar="TOKENS", help="longest output (default: 128)"
+    )
+    add_sampling_args(
+        group, note=", here and in the HF baseline (the --compare model-impl and structured-output runs stay greedy)"
+    )
     bench = parser.add_argument_group("benchmark")
-    bench.add_argument("--compare", choices=["hf", "model-impl", "structured-output"], default=None,
-                       help="hf: also run Hugging Face generate in static left-padded batches on the same "
-                            "prompts; model-impl: run the workload with --model-impl native and with "
-                            "--model-impl transformers (the generic path), each in a fresh process, instead "
-                            "of the main run; structured-output: run the workload unconstrained and with "
-                            "every request constrained to a JSON schema (greedy, same token counts), each "
-                            "in a fresh process, instead of the main run")
-    bench.add_argument("--hf-batch-size", type=positive_int, default=16, metavar="N",
-                       help="static batch size of the HF baseline (default: 16)")
+    bench.add_argument(
+        "--compare",
+        choices=["hf", "model-impl", "structured-output"],
+        default=None,
+        help="hf: also run Hugging Face generate in static left-padded batches on the same "
+        "prompts; model-impl: run the workload with --model-impl native and with "
+        "--model-impl transformers (the generic path), each in a fresh process, instead "
+        "of the main run; structured-output: run the workload unconstrained and with "
+        "every request constrained to a JSON schema (greedy, same token counts), each "
+        "in a fresh process, instead of the main run",
+    )
+    bench.add_argument(
+        "--hf-batch-size",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="static batch size of the HF baseline (default: 16)",
+    )
     bench.add_argument("--sweep", action="store_true", help="rerun the workload at each --sweep-values max_num_seqs")
-    bench.add_argument("--sweep-values", type=parse_values, default=[1, 4, 16, 64], metavar="LIST",
-                       help="comma-separated concurrency limits (default: 1,4,16,64)")
-    bench.add_argument("--sweep-prompts", type=positive_int, default=None, metavar="N",
-                       help="use only the first N prompts in the sweep (default: all)")
-    bench.add_argument("--plot", metavar="PATH", default=None, help="with --sweep: PNG of tok/s and latency vs concurrency")
-    bench.add_argument("--roofline", action="store_true",
-                       help="measure copy bandwidth, weight bytes and batch-1 decode step vs its bandwidth bound")
-    bench.add_argument("--roofline-copy-bytes", type=positive_int, default=1 << 30, metavar="BYTES",
-                       help="size of the fp32 tensor copied to measure bandwidth (default: 1 GiB)")
-    bench.add_argument("--long-outputs", type=parse_values, default=None, metavar="LIST",
-                       help="also stream --long-streams requests of each of these output lengths (e.g. 256,1024,4096) "
-                            "with cumulative outputs (before) and delta outputs (after), reporting engine host time "
-                            "per output token")
-    bench.add_argument("--long-streams", type=positive_int, default=8, metavar="N",
-                       help="concurrent streams of --long-outputs (default: 8)")
-    bench.add_argument("--long-prompt-len", type=positive_int, default=32, metavar="TOKENS",
-                       help="prompt length of --long-outputs requests (default: 32)")
-    bench.add_argument("--skip-main", action="store_true",
-                       help="skip the main tokenmill run (e.g. only --sweep or --roofline)")
+    bench.add_argument(
+        "--sweep-values",
+        type=parse_values,
+        default=[1, 4, 16, 64],
+        metavar="LIST",
+        help="comma-separated concurrency limits (default: 1,4,16,64)",
+    )
+    bench.add_argument(
+        "--sweep-prompts",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="use only the first N prompts in the sweep (default: all)",
+    )
+    bench.add_argument(
+        "--plot", metavar="PATH", default=None, help="with --sweep: PNG of tok/s and latency vs concurrency"
+    )
+    bench.add_argument(
+        "--roofline",
+        action="store_true",
+        help="measure copy bandwidth, weight bytes and batch-1 decode step vs its bandwidth bound",
+    )
+    bench.add_argument(
+        "--roofline-copy-bytes",
+        type=positive_int,
+        default=1 << 30,
+        metavar="BYTES",
+        help="size of the fp32 tensor copied to measure bandwidth (default: 1 GiB)",
+    )
+    bench.add_argument(
+        "--long-outputs",
+        type=parse_values,
+        default=None,
+        metavar="LIST",
+        help="also stream --long-streams requests of each of these output lengths (e.g. 256,1024,4096) "
+        "with cumulative outputs (before) and delta outputs (after), reporting engine host time "
+        "per output token",
+    )
+    bench.add_argument(
+        "--long-streams",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="concurrent streams of --long-outputs (default: 8)",
+    )
+    bench.add_argument(
+        "--long-prompt-len",
+        type=positive_int,
+        default=32,
+        metavar="TOKENS",
+        help="prompt length of --long-outputs requests (default: 32)",
+    )
+    bench.add_argument(
+        "--skip-main", action="store_true", help="skip the main tokenmill run (e.g. only --sweep or --roofline)"
+    )
     add_bench_engine_args(parser)
 
 
@@ -708,14 +914,25 @@ def add_bench_engine_args(parser: argparse.ArgumentParser) -> None:
     from tokenmill.engine.config import OFFLINE_DEFAULTS, EngineConfig
     from tokenmill.options import option_help
 
-    offline = {name: {"default": value,
-                      "help": f"{option_help(EngineConfig, name)} (default here: {value}, the offline API's)"}
-               for name, value in OFFLINE_DEFAULTS.items()}
-    EngineConfig.add_cli_args(parser, **offline, model={
-        "help": "model directory, 'tiny' for the random tiny Llama (built once in the cache), or default",
-    }, kv_cache_memory={
-        "default": DEFAULT_KV_CACHE, "help": f"KV cache budget (default here: {DEFAULT_KV_CACHE})",
-    }, seed={
-        "help": "seed of the prompts and of the engine's unseeded sampling (default: 0)",
-    })
+    offline = {
+        name: {
+            "default": value,
+            "help": f"{option_help(EngineConfig, name)} (default here: {value}, the offline API's)",
+        }
+        for name, value in OFFLINE_DEFAULTS.items()
+    }
+    EngineConfig.add_cli_args(
+        parser,
+        **offline,
+        model={
+            "help": "model directory, 'tiny' for the random tiny Llama (built once in the cache), or default",
+        },
+        kv_cache_memory={
+            "default": DEFAULT_KV_CACHE,
+            "help": f"KV cache budget (default here: {DEFAULT_KV_CACHE})",
+        },
+        seed={
+            "help": "seed of the prompts and of the engine's unseeded sampling (default: 0)",
+        },
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

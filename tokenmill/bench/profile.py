@@ -40,9 +40,22 @@ from tokenmill.bench.serve import format_grid
 CATEGORIES = ("attention", "gemm", "elementwise", "sampler", "host")
 _SCOPES = {"tokenmill::attention": "attention", "tokenmill::sampler": "sampler"}
 # Op names (or name prefixes) that are matrix products.
-_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_weight_int8pack_mm",
-             "mkldnn::", "quantized::", "aten::_grouped_mm", "aten::baddbmm", "tokenmill::packed_int8_linear",
-             "tokenmill::lora_delta", "tokenmill::packed_linear", "tokenmill::amx_linear")
+_GEMM_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::matmul",
+    "aten::linear",
+    "aten::_weight_int8pack_mm",
+    "mkldnn::",
+    "quantized::",
+    "aten::_grouped_mm",
+    "aten::baddbmm",
+    "tokenmill::packed_int8_linear",
+    "tokenmill::lora_delta",
+    "tokenmill::packed_linear",
+    "tokenmill::amx_linear",
+)
 
 
 @dataclass
@@ -94,7 +107,7 @@ def profiler_scopes() -> Iterator[None]:
     """Scope paged_attention in every model module that calls it, and the sampler."""
     import importlib
 
-    from tokenmill.engine.sampler import Sampler
+    from tokenmill.engine.sample.sampler import Sampler
 
     owners = [importlib.import_module(f"tokenmill.models.{m}") for m in ("llama", "gpt2", "transformers_backend")]
     with _scoped(Sampler, "__call__", "tokenmill::sampler"):
@@ -172,7 +185,7 @@ def profile_workload(llm: Any, name: str, setup: Callable[[], None], steps: int)
 
     engine = llm.engine
     processed = [0]
-    listener = lambda stats: processed.__setitem__(0, processed[0] + stats.num_prefill_tokens + stats.num_decode_tokens)  # noqa: E731
+    listener = lambda stats: processed.__setitem__(0, processed[0] + stats.num_prefill_tokens + stats.num_decode_tokens)
     engine.step_listeners.append(listener)
     try:
         setup()
@@ -200,9 +213,11 @@ def run_profiles(llm: Any, args: argparse.Namespace) -> list[WorkloadProfile]:
     _add(engine, [_prompt(32, vocab, 0)], 8)
     _drain(engine)
     if "decode-bs1" in todo:
+
         def bs1() -> None:
             _add(engine, [_prompt(args.context, vocab, 1)], args.steps + 4)
             _steps_until_decode_only(engine)
+
         results.append(profile_workload(llm, "decode-bs1", bs1, args.steps))
     if "decode-bs64" in todo:
         rng = np.random.default_rng(2)
@@ -215,6 +230,7 @@ def run_profiles(llm: Any, args: argparse.Namespace) -> list[WorkloadProfile]:
         def bs64() -> None:
             _add(engine, [_prompt(int(n), vocab, 3 + i) for i, n in enumerate(lengths)], max_tokens)
             _steps_until_decode_only(engine)
+
         results.append(profile_workload(llm, "decode-bs64", bs64, args.steps))
     if "mixed" in todo:
         rng = np.random.default_rng(4)
@@ -224,20 +240,29 @@ def run_profiles(llm: Any, args: argparse.Namespace) -> list[WorkloadProfile]:
             from tokenmill import SamplingParams
 
             for i, (n, out) in enumerate(zip(lengths, outputs)):
-                engine.add_request(f"profile-mixed-{time.monotonic_ns()}-{i}", _prompt(int(n), vocab, 100 + i),
-                                   SamplingParams(temperature=0.0, max_tokens=int(out), ignore_eos=True))
+                engine.add_request(
+                    f"profile-mixed-{time.monotonic_ns()}-{i}",
+                    _prompt(int(n), vocab, 100 + i),
+                    SamplingParams(temperature=0.0, max_tokens=int(out), ignore_eos=True),
+                )
+
         results.append(profile_workload(llm, "mixed", mixed, args.steps))
     return results
 
 
 def format_profiles(results: list[WorkloadProfile]) -> str:
     header = ["workload", "ms/step", "tok/step", *(f"{c} %" for c in CATEGORIES)]
-    rows = [[r.name, f"{r.ms_per_step:.2f}", f"{r.tokens_per_step:.1f}", *(f"{100 * r.shares[c]:.1f}" for c in CATEGORIES)]
-            for r in results]
+    rows = [
+        [r.name, f"{r.ms_per_step:.2f}", f"{r.tokens_per_step:.1f}", *(f"{100 * r.shares[c]:.1f}" for c in CATEGORIES)]
+        for r in results
+    ]
     parts = [format_grid([header, *rows], "Step profile (shares of the profiled step)")]
     for r in results:
-        parts.append(format_grid([["op (self time)", "ms/step"], *([op, f"{ms:.3f}"] for op, ms in r.top_ops)],
-                           f"{r.name}: top ops"))
+        parts.append(
+            format_grid(
+                [["op (self time)", "ms/step"], *([op, f"{ms:.3f}"] for op, ms in r.top_ops)], f"{r.name}: top ops"
+            )
+        )
     return "\n\n".join(parts)
 
 
@@ -251,19 +276,42 @@ def main(args: argparse.Namespace) -> int:
     finally:
         llm.engine.close()
     attention = "fused CPU kernel" if llm.engine.runner.fused_attention else "gather + SDPA"
-    print(f"dtype {llm.engine.precision.describe()}, {torch.get_num_threads()} threads, "
-          f"attention: {attention} (TOKENMILL_CPU_KERNELS=0 for gather + SDPA)")
-    return print_report(args, format_profiles(results),
-                        {"dtype": llm.engine.precision.describe(), "num_threads": torch.get_num_threads(),
-                         "attention": attention, "profiles": [asdict(r) for r in results]})
+    print(
+        f"dtype {llm.engine.precision.describe()}, {torch.get_num_threads()} threads, "
+        f"attention: {attention} (TOKENMILL_CPU_KERNELS=0 for gather + SDPA)"
+    )
+    return print_report(
+        args,
+        format_profiles(results),
+        {
+            "dtype": llm.engine.precision.describe(),
+            "num_threads": torch.get_num_threads(),
+            "attention": attention,
+            "profiles": [asdict(r) for r in results],
+        },
+    )
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workloads", nargs="+", choices=["decode-bs1", "decode-bs64", "mixed"],
-                        default=["decode-bs1", "decode-bs64", "mixed"], help="which workloads (default: all three)")
-    parser.add_argument("--steps", type=positive_int, default=32, metavar="N",
-                        help="steps timed, then profiled, per workload (default: 32)")
-    parser.add_argument("--context", type=positive_int, default=256, metavar="TOKENS",
-                        help="prompt length of the batch-1 decode (default: 256)")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=["decode-bs1", "decode-bs64", "mixed"],
+        default=["decode-bs1", "decode-bs64", "mixed"],
+        help="which workloads (default: all three)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="steps timed, then profiled, per workload (default: 32)",
+    )
+    parser.add_argument(
+        "--context",
+        type=positive_int,
+        default=256,
+        metavar="TOKENS",
+        help="prompt length of the batch-1 decode (default: 256)",
+    )
     add_bench_engine_args(parser)
-

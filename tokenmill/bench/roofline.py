@@ -83,7 +83,7 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
             linear_ptrs.add(module.weight.data_ptr())
         elif isinstance(module, nn.Embedding):
             embedding_ptrs.add(module.weight.data_ptr())
-    tensors = [p for p in model.parameters()]
+    tensors = list(model.parameters())
     tensors += [b for name, b in model.named_buffers() if "rope" not in name and "inv_freq" not in name]
     for t in tensors:
         if t.numel() == 0:
@@ -107,7 +107,7 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
 
 def _unrouted_expert_bytes(model: nn.Module) -> int:
     """Bytes of the experts a batch-1 step does not route to (E - k of every MoE layer's E)."""
-    from tokenmill.models.moe import SparseMoE
+    from tokenmill.models.layers.moe import SparseMoE
 
     unread = 0
     for module in model.modules():
@@ -117,8 +117,9 @@ def _unrouted_expert_bytes(model: nn.Module) -> int:
     return unread
 
 
-def measure_decode_step(llm: Any, prompt_len: int = 32, new_tokens: int = 128, reps: int = 2,
-                        warmup_tokens: int = 8) -> float:
+def measure_decode_step(
+    llm: Any, prompt_len: int = 32, new_tokens: int = 128, reps: int = 2, warmup_tokens: int = 8
+) -> float:
     """Best-of-`reps` batch-1 decode time per output token after the first, in seconds."""
     from tokenmill import SamplingParams
 
@@ -138,8 +139,14 @@ def measure_decode_step(llm: Any, prompt_len: int = 32, new_tokens: int = 128, r
     return best
 
 
-def measure_roofline(llm: Any, prompt_len: int = 32, new_tokens: int = 128, copy_bytes: int = GIB,
-                     copy_reps: int = 5, decode_reps: int = 2) -> RooflineResult:
+def measure_roofline(
+    llm: Any,
+    prompt_len: int = 32,
+    new_tokens: int = 128,
+    copy_bytes: int = GIB,
+    copy_reps: int = 5,
+    decode_reps: int = 2,
+) -> RooflineResult:
     """Copy bandwidth, streamed weight bytes, the bound they imply, and the measured batch-1 step."""
     engine = llm.engine
     device = torch.device(getattr(engine, "device", "cpu"))
@@ -148,13 +155,20 @@ def measure_roofline(llm: Any, prompt_len: int = 32, new_tokens: int = 128, copy
     bound = weight_bytes / (bandwidth * 1e9)
     measured = measure_decode_step(llm, prompt_len, new_tokens, decode_reps)
     return RooflineResult(
-        copy_bytes=copy_bytes, copy_reps=copy_reps, bandwidth_gbs=bandwidth,
-        param_bytes=param_bytes, weight_bytes=weight_bytes,
-        bound_step_s=bound, bound_steps_per_s=1.0 / bound if bound > 0 else float("inf"),
-        prompt_len=prompt_len, new_tokens=new_tokens,
-        measured_step_s=measured, measured_steps_per_s=1.0 / measured if measured > 0 else float("inf"),
+        copy_bytes=copy_bytes,
+        copy_reps=copy_reps,
+        bandwidth_gbs=bandwidth,
+        param_bytes=param_bytes,
+        weight_bytes=weight_bytes,
+        bound_step_s=bound,
+        bound_steps_per_s=1.0 / bound if bound > 0 else float("inf"),
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        measured_step_s=measured,
+        measured_steps_per_s=1.0 / measured if measured > 0 else float("inf"),
         ratio=measured / bound if bound > 0 else float("inf"),
-        device=str(device), dtype=str(getattr(engine, "dtype", "")).replace("torch.", ""),
+        device=str(device),
+        dtype=str(getattr(engine, "dtype", "")).replace("torch.", ""),
         num_threads=torch.get_num_threads(),
     )
 
@@ -173,4 +187,6 @@ def format_roofline(r: RooflineResult) -> str:
     width = max(len(k) for k, _ in rows)
     vwidth = max(len(v) for _, v in rows)
     rule = "-" * (width + vwidth + 2)
-    return "\n".join([rule, "Roofline (batch-1 decode)", rule, *(f"{k.ljust(width)}  {v.rjust(vwidth)}" for k, v in rows), rule])
+    return "\n".join(
+        [rule, "Roofline (batch-1 decode)", rule, *(f"{k.ljust(width)}  {v.rjust(vwidth)}" for k, v in rows), rule]
+    )

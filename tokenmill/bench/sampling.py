@@ -25,7 +25,8 @@ class Sampling:
     def describe(self) -> str:
         if self.greedy:
             return "greedy"
-        return f"sampled: temperature {self.temperature}, top_p {self.top_p}, top_k {self.top_k or 'off'}, min_p {self.min_p}"
+        top_k = self.top_k or "off"
+        return f"sampled: temperature {self.temperature}, top_p {self.top_p}, top_k {top_k}, min_p {self.min_p}"
 
     def request_fields(self) -> dict[str, Any]:
         """The settings as fields of an OpenAI completion request (top_k and min_p, vLLM's extra
@@ -44,12 +45,26 @@ GREEDY = Sampling()
 
 
 def add_sampling_args(group: argparse._ArgumentGroup, note: str = "") -> None:
-    group.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
-                       help=f"sampling temperature of every request{note} (default: 0, greedy)")
-    group.add_argument("--top-p", type=nucleus_mass, default=1.0, metavar="P", help="nucleus sampling mass (default: 1, off)")
-    group.add_argument("--top-k", type=non_negative_int, default=0, metavar="K", help="top-k sampling (default: 0, off)")
-    group.add_argument("--min-p", type=probability, default=0.0, metavar="P",
-                       help="min-p sampling, relative to the most likely token (default: 0, off)")
+    group.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        metavar="T",
+        help=f"sampling temperature of every request{note} (default: 0, greedy)",
+    )
+    group.add_argument(
+        "--top-p", type=nucleus_mass, default=1.0, metavar="P", help="nucleus sampling mass (default: 1, off)"
+    )
+    group.add_argument(
+        "--top-k", type=non_negative_int, default=0, metavar="K", help="top-k sampling (default: 0, off)"
+    )
+    group.add_argument(
+        "--min-p",
+        type=probability,
+        default=0.0,
+        metavar="P",
+        help="min-p sampling, relative to the most likely token (default: 0, off)",
+    )
 
 
 def sampling_from_args(args: argparse.Namespace) -> Sampling:

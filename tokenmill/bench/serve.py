@@ -160,7 +160,7 @@ def percentiles(values: Sequence[float] | np.ndarray, qs: Sequence[float] = PERC
     """Linear-interpolated percentiles (numpy's default, as vLLM reports them)."""
     arr = np.asarray(values, dtype=float)
     if arr.size == 0:
-        return {q: math.nan for q in qs}
+        return dict.fromkeys(qs, math.nan)
     return {q: float(np.percentile(arr, q)) for q in qs}
 
 
@@ -285,7 +285,7 @@ def load_tokenizer(path: str | Path | None) -> Any:
     """A Hugging Face tokenizer from a model directory; None means the bundled default model."""
     from transformers import AutoTokenizer
 
-    from tokenmill.models.hub import resolve_model
+    from tokenmill.models.model_loader.hub import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(path))
 
@@ -343,7 +343,11 @@ def _payload(request: BenchRequest, model: str | None, sampling: Sampling = GREE
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, request: BenchRequest, model: str | None, t0: float,
+    client: httpx.AsyncClient,
+    url: str,
+    request: BenchRequest,
+    model: str | None,
+    t0: float,
     sampling: Sampling = GREEDY,
 ) -> RequestResult:
     """Stream one completion and time it; errors are recorded, never raised."""
@@ -352,7 +356,7 @@ async def send_request(
     result.start_time = start - t0
     try:
         await _stream_into(client, url, _payload(request, model, sampling), result, start)
-    except Exception as exc:  # noqa: BLE001 - any failure of one request is data, not a crash
+    except Exception as exc:
         result.success = False
         result.error = f"{type(exc).__name__}: {exc}"
     return result
@@ -513,8 +517,11 @@ METRIC_ROWS: list[tuple[str, Callable[[BenchReport], float], str]] = [
     ("Failed requests", lambda r: r.failed, "{:.0f}"),
     ("Benchmark duration (s)", lambda r: r.duration_s, "{:.2f}"),
     ("Total input tokens", lambda r: r.total_input_tokens, "{:.0f}"),
-    ("Input tokens from the server's cache", lambda r: "-" if r.cached_input_tokens is None else r.cached_input_tokens,
-     "{}"),
+    (
+        "Input tokens from the server's cache",
+        lambda r: "-" if r.cached_input_tokens is None else r.cached_input_tokens,
+        "{}",
+    ),
     ("Total output tokens", lambda r: r.total_output_tokens, "{:.0f}"),
     ("Request throughput (req/s)", lambda r: r.request_throughput, "{:.2f}"),
     ("Output token throughput (tok/s)", lambda r: r.output_throughput, "{:.2f}"),
@@ -572,9 +579,10 @@ def plot_reports(reports: Mapping[str, BenchReport], path: str | Path, title: st
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 3)
     for col, (attr, label) in enumerate((("ttft", "TTFT"), ("latency", "E2E latency"))):
-        samples = {name: np.array([getattr(r, attr) * 1000 for r in rep.results if r.success])
-                   for name, rep in reports.items()}
-        pooled = np.concatenate([ms for ms in samples.values()] + [np.zeros(0)])
+        samples = {
+            name: np.array([getattr(r, attr) * 1000 for r in rep.results if r.success]) for name, rep in reports.items()
+        }
+        pooled = np.concatenate(list(samples.values()) + [np.zeros(0)])
         # Shared bin edges so the reports' histograms are directly comparable.
         bins = np.histogram_bin_edges(pooled, bins=min(30, max(5, pooled.size // 4))) if pooled.size else 10
         for name, ms in samples.items():
@@ -603,7 +611,7 @@ def plot_reports(reports: Mapping[str, BenchReport], path: str | Path, title: st
 
 
 # --------------------------------------------------------------------------------------------------
-# CLI glue (flags are defined in tokenmill.bench.commands)
+# CLI glue (flags are defined in tokenmill.cli.bench)
 
 
 def requests_from_args(args: argparse.Namespace, tokenizer: Tokenizer) -> list[BenchRequest]:
@@ -650,8 +658,10 @@ def main(args: argparse.Namespace) -> int:
     """`tokenmill bench serve`: benchmark the server at --url and print/write the report."""
     tokenizer = load_tokenizer(tokenizer_dir_from_args(args))
     requests = requests_from_args(args, tokenizer)
-    print(f"{describe_trace(requests, args.request_rate, args.max_concurrency)}; {sampling_from_args(args).describe()}",
-          file=sys.stderr)
+    print(
+        f"{describe_trace(requests, args.request_rate, args.max_concurrency)}; {sampling_from_args(args).describe()}",
+        file=sys.stderr,
+    )
     report = asyncio.run(
         run_benchmark(
             args.url,
@@ -666,9 +676,12 @@ def main(args: argparse.Namespace) -> int:
     print(format_table({report.model or "server": report}))
     if report.cached_input_tokens:
         share = report.cached_input_tokens / max(report.total_input_tokens, 1)
-        print(f"note: the server answered {report.cached_input_tokens} of the {report.total_input_tokens} prompt tokens "
-              f"({share:.1%}) from its prefix cache: it had seen these prompts, or their beginnings, before this run "
-              "(a server that served the same trace earlier skips their prefill)", file=sys.stderr)
+        print(
+            f"note: the server answered {report.cached_input_tokens} of the {report.total_input_tokens} prompt tokens "
+            f"({share:.1%}) from its prefix cache: it had seen these prompts, or their beginnings, before this run "
+            "(a server that served the same trace earlier skips their prefill)",
+            file=sys.stderr,
+        )
     for err in report.errors:
         print(f"error: {err}", file=sys.stderr)
     if args.json:

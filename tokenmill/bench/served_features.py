@@ -40,7 +40,7 @@ class CollectorStub:
         stub = self
 
         class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-            def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the proto's name
+            def Export(self, request: Any, context: Any) -> Any:
                 count = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
                 with stub._lock:
                     stub.num_spans += count
@@ -80,8 +80,9 @@ def _server_flags(settings: dict[str, Any], collector: CollectorStub) -> list[st
     return flags
 
 
-def served_run(args: argparse.Namespace, model_dir: Path, settings: dict[str, Any], requests: list[BenchRequest],
-               name: str) -> tuple[BenchReport, int]:
+def served_run(
+    args: argparse.Namespace, model_dir: Path, settings: dict[str, Any], requests: list[BenchRequest], name: str
+) -> tuple[BenchReport, int]:
     """Serve the model with these server settings, warm it up, stream `requests` at once; the report
     and how many spans the collector stub received (after the server's shutdown flushed them)."""
     from tokenmill.engine.config import EngineConfig
@@ -91,8 +92,12 @@ def served_run(args: argparse.Namespace, model_dir: Path, settings: dict[str, An
     log_dir = Path(tempfile.mkdtemp(prefix="tokenmill-bench-features-"))
     with CollectorStub() as collector:
         port = free_port()
-        flags = [*engine_cli_args(EngineConfig.from_cli_args(args)), "--grpc-port", "0",
-                 *_server_flags(settings, collector)]
+        flags = [
+            *engine_cli_args(EngineConfig.from_cli_args(args)),
+            "--grpc-port",
+            "0",
+            *_server_flags(settings, collector),
+        ]
         server = start_server(name, real_server_cmd(model_dir, port, flags), port, "/health/ready", log_dir, environ)
         try:
             wait_ready([server], _STARTUP_TIMEOUT_S)

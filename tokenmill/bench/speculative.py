@@ -25,7 +25,7 @@ _SNIPPETS = [
         total += values[i] - values[i - window]
         averages.append(total / window)
     return averages''',
-    '''class Inventory:
+    """class Inventory:
     def __init__(self):
         self.items = {}
 
@@ -40,8 +40,8 @@ _SNIPPETS = [
             del self.items[name]
 
     def total(self):
-        return sum(self.items.values())''',
-    '''def parse_config(lines):
+        return sum(self.items.values())""",
+    """def parse_config(lines):
     config = {}
     section = None
     for line in lines:
@@ -54,8 +54,8 @@ _SNIPPETS = [
         elif "=" in line and section is not None:
             key, value = line.split("=", 1)
             config[section][key.strip()] = value.strip()
-    return config''',
-    '''def binary_search(sorted_values, target):
+    return config""",
+    """def binary_search(sorted_values, target):
     low, high = 0, len(sorted_values) - 1
     while low <= high:
         middle = (low + high) // 2
@@ -65,33 +65,45 @@ _SNIPPETS = [
             low = middle + 1
         else:
             high = middle - 1
-    return -1''',
+    return -1""",
 ]
-_CHANGES = ["Add type hints to every parameter", "Rename the first parameter to `data`",
-            "Add a docstring at the top", "Replace the double quotes with single quotes"]
-_FREE_TEXT = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
-              "Explain how vaccines train the immune system, for a curious twelve-year-old.",
-              "Describe a walk through a busy market in Marrakech at dusk.",
-              "What are the trade-offs between renting and buying a home?"]
+_CHANGES = [
+    "Add type hints to every parameter",
+    "Rename the first parameter to `data`",
+    "Add a docstring at the top",
+    "Replace the double quotes with single quotes",
+]
+_FREE_TEXT = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how vaccines train the immune system, for a curious twelve-year-old.",
+    "Describe a walk through a busy market in Marrakech at dusk.",
+    "What are the trade-offs between renting and buying a home?",
+]
 
 BS1_WORKLOADS = ("rewrite code (bs1)", "free text (bs1)")
 
 
 def bs1_workloads(tokenizer: Any, num_prompts: int, max_output: int) -> dict[str, list[OfflineRequest]]:
     """The two workloads as chat prompts of the model's template (plain text without one)."""
-    rewrite = [f"{_CHANGES[i % len(_CHANGES)]}, and change nothing else. Answer with the whole code.\n\n```python\n"
-               f"{_SNIPPETS[i % len(_SNIPPETS)]}\n```" for i in range(num_prompts)]
+    rewrite = [
+        f"{_CHANGES[i % len(_CHANGES)]}, and change nothing else. Answer with the whole code.\n\n```python\n"
+        f"{_SNIPPETS[i % len(_SNIPPETS)]}\n```"
+        for i in range(num_prompts)
+    ]
     free = [_FREE_TEXT[i % len(_FREE_TEXT)] for i in range(num_prompts)]
 
     def tokens(text: str) -> list[int]:
         if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         return tokenizer.encode(text)
 
-    return {name: [OfflineRequest(tokens(t), max_output) for t in texts]
-            for name, texts in zip(BS1_WORKLOADS, (rewrite, free))}
+    return {
+        name: [OfflineRequest(tokens(t), max_output) for t in texts]
+        for name, texts in zip(BS1_WORKLOADS, (rewrite, free))
+    }
 
 
 @dataclass
@@ -115,7 +127,9 @@ def bs1_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], name: st
         token_ids, latencies, ttfts = [], [], []
         start = time.perf_counter()
         for request in workload:
-            out = llm.generate([request.prompt_token_ids], SamplingParams(temperature=0, max_tokens=request.output_len))[0]
+            out = llm.generate(
+                [request.prompt_token_ids], SamplingParams(temperature=0, max_tokens=request.output_len)
+            )[0]
             token_ids.append(list(out.outputs[0].token_ids))
             latencies.append(out.metrics.finished_time - out.metrics.arrival_time)
             ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)

@@ -153,13 +153,11 @@ def build_application(engine_config: EngineConfig, settings: ServerSettings, sca
     return deployment.bind(replica_engine_config(engine_config, scale), settings)
 
 
-def start(engine_config: EngineConfig, settings: ServerSettings, scale: ScaleOptions,
-          app_name: str = APP_NAME) -> Any:
+def start(engine_config: EngineConfig, settings: ServerSettings, scale: ScaleOptions, app_name: str = APP_NAME) -> Any:
     """Start Serve's HTTP proxy on settings.host:port and deploy the replicas (Ray must be
     initialised); returns once every replica is up. The handle it returns is for Python callers."""
     serve.start(http_options={"host": settings.host, "port": settings.port})
-    return serve.run(build_application(engine_config, settings, scale), name=app_name, route_prefix="/",
-                     blocking=False)
+    return serve.run(build_application(engine_config, settings, scale), name=app_name, route_prefix="/", blocking=False)
 
 
 def app_builder(args: dict[str, Any]) -> Any:

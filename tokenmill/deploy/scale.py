@@ -12,13 +12,18 @@ from tokenmill.options import option
 class ScaleOptions:
     num_replicas: int = option(1, "replicas (the initial count with --max-replicas)")
     max_replicas: int | None = option(
-        None, "autoscale between --min-replicas and this on ongoing requests per replica", type=int)
+        None, "autoscale between --min-replicas and this on ongoing requests per replica", type=int
+    )
     min_replicas: int = option(1, "autoscaling lower bound")
     target_ongoing_requests: float = option(8.0, "autoscaling target: in-flight requests per replica")
     max_ongoing_requests: int | None = option(
-        None, "requests Ray sends one replica at once (default: --max-num-seqs); the rest queue in Ray", type=int)
-    num_cpus: float = option(1.0, "CPUs each CPU replica reserves (also its torch threads unless --num-threads)",
-                             flag="--num-cpus-per-replica")
+        None, "requests Ray sends one replica at once (default: --max-num-seqs); the rest queue in Ray", type=int
+    )
+    num_cpus: float = option(
+        1.0,
+        "CPUs each CPU replica reserves (also its torch threads unless --num-threads)",
+        flag="--num-cpus-per-replica",
+    )
     num_gpus: float = option(1.0, "GPUs each replica reserves with --device cuda", flag="--num-gpus-per-replica")
     health_check_period_s: float = option(5.0, "", cli=False)
 

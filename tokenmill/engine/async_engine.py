@@ -12,17 +12,17 @@ import logging
 import queue
 import threading
 import uuid
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import AsyncIterator, Callable
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.errors import InvalidRequest
+from tokenmill.engine.detokenizer import TokenText
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine, StepStats
-from tokenmill.engine.detokenizer import TokenText
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequest
 from tokenmill.lora.registry import LoRARegistry
 
 __all__ = ["AsyncEngine", "EngineStats", "StepStats"]
@@ -51,8 +51,9 @@ class AsyncEngine:
         # GEMMs and kernels ran 1.5-2.2x slower on the engine thread (2-core Xeon); a 64-stream load
         # lost ~25% of its throughput.
         built: Future[LLMEngine] = Future()
-        self._thread = threading.Thread(target=self._run, args=(config, progress, built), name="tokenmill-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(config, progress, built), name="tokenmill-engine", daemon=True
+        )
         self._thread.start()
         self.engine = built.result()  # (raises what building it raised)
         self._stats = self.engine.stats()
@@ -101,9 +102,13 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int] | PromptInput, params: SamplingParams | PoolingParams,
-                       request_id: str | None = None,
-                       output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int] | PromptInput,
+        params: SamplingParams | PoolingParams,
+        request_id: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield outputs (of `output_kind`) as tokens arrive; closing the iterator early aborts the request
         (PoolingParams: an embedding, in the final output).
         A `PromptInput` (from `input_processor.process`) is queued as it is; text or token ids are
@@ -115,8 +120,9 @@ class AsyncEngine:
         if isinstance(prompt, PromptInput):  # already tokenized and checked: only the cheap checks are left
             request = self.engine.make_request(request_id, prompt, params, output_kind=output_kind)
         else:  # tokenizing a long prompt takes a while: keep it off the event loop
-            request = await loop.run_in_executor(None, functools.partial(
-                self.engine.make_request, request_id, prompt, params, output_kind=output_kind))
+            request = await loop.run_in_executor(
+                None, functools.partial(self.engine.make_request, request_id, prompt, params, output_kind=output_kind)
+            )
         stream: asyncio.Queue = asyncio.Queue()
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", code="duplicate_request_id")
@@ -187,7 +193,7 @@ class AsyncEngine:
     def _run(self, config: EngineConfig, progress: bool, built: Future[LLMEngine]) -> None:
         try:
             engine = LLMEngine(config, progress=progress)
-        except BaseException as exc:  # noqa: BLE001 - the constructor's caller raises it
+        except BaseException as exc:
             built.set_exception(exc)
             return
         self.engine = engine
@@ -205,7 +211,7 @@ class AsyncEngine:
                     continue
                 self._deliver_step(self.engine.step())
                 self._stats = self.engine.stats()
-        except BaseException as exc:  # noqa: BLE001 - report, then fail every waiting caller
+        except BaseException as exc:
             logger.exception("engine loop died")
             self._failed = exc
             for request_id in list(self._streams):

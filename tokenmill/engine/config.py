@@ -8,7 +8,6 @@ from typing import Any
 
 from tokenmill.options import add_options, from_args, option
 
-
 # The offline API's defaults (LLM, the offline benchmarks) where they differ from the server's
 # (EngineConfig's below), as vLLM's LLM class on CPU: all requests are known up front, so larger steps
 # (GEMMs at a better rate) keep no client waiting. (SmolLM2, 64 requests of 16-512 + 32-256 tokens,
@@ -18,97 +17,146 @@ OFFLINE_DEFAULTS = {"max_num_batched_tokens": 4096, "max_num_seqs": 256}
 
 @dataclass
 class EngineConfig:
-    model: str | None = option(
-        None, "local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
+    model: str | None = option(None, "local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
     model_impl: str = option(
-        "auto", "model code: native = tokenmill's own fast paths (listed by `tokenmill models`), transformers = "
+        "auto",
+        "model code: native = tokenmill's own fast paths (listed by `tokenmill models`), transformers = "
         "the generic path running HF's modeling code with tokenmill's paged attention, auto = native when the "
-        "architecture has one, else transformers", choices=["auto", "native", "transformers"])
+        "architecture has one, else transformers",
+        choices=["auto", "native", "transformers"],
+    )
     served_model_name: str | None = option(None, "model name reported by the API (default: the directory name)")
-    dtype: str = option("auto", "weight/activation dtype; auto = bf16 on a CPU with native bf16 (AMX or "
-                        "AVX512-BF16) for a model published in bf16/fp16, else fp32 on CPU; bf16 (or fp16) on GPU. "
-                        "bfloat16 on a CPU without native bf16: bf16 weights and KV cache, fp32 arithmetic",
-                        choices=["auto", "float32", "float16", "bfloat16"])
+    dtype: str = option(
+        "auto",
+        "weight/activation dtype; auto = bf16 on a CPU with native bf16 (AMX or "
+        "AVX512-BF16) for a model published in bf16/fp16, else fp32 on CPU; bf16 (or fp16) on GPU. "
+        "bfloat16 on a CPU without native bf16: bf16 weights and KV cache, fp32 arithmetic",
+        choices=["auto", "float32", "float16", "bfloat16"],
+    )
     device: str = option("auto", "where to run; auto picks CUDA when available", choices=["auto", "cpu", "cuda"])
     quantization: str | None = option(
-        None, "weight-only quantization of the linear layers: int8 in groups of 32 inputs, each group's bf16 scale "
+        None,
+        "weight-only quantization of the linear layers: int8 in groups of 32 inputs, each group's bf16 scale "
         "the least-error one; activations stay in --dtype (SmolLM2 on an AMX CPU, teacher-forced top-1 agreement: "
         "--dtype float32 99.0%% with fp32 and 98.1%% with the bf16 model; --dtype bfloat16 97.5%% with bf16, faster "
-        "on large batches)", choices=["int8"])
+        "on large batches)",
+        choices=["int8"],
+    )
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_dtype: str = option(
-        "auto", "dtype of the KV cache: auto = the model's; bfloat16/float16 under an fp32 model halve the "
+        "auto",
+        "dtype of the KV cache: auto = the model's; bfloat16/float16 under an fp32 model halve the "
         "cache's memory and the bytes attention reads per step (K/V rounded as written); int8 quarters them "
         "(each token's K/V row per head quantized with its own scale; not exact: see bench agreement)",
-        choices=["auto", "float32", "float16", "bfloat16", "int8"])
+        choices=["auto", "float32", "float16", "bfloat16", "int8"],
+    )
     kv_cache_memory: str | None = option(
-        None, "KV cache budget, e.g. 512MiB or 2GiB (default: --kv-cache-memory-fraction of free memory)")
+        None, "KV cache budget, e.g. 512MiB or 2GiB (default: --kv-cache-memory-fraction of free memory)"
+    )
     kv_cache_memory_fraction: float = option(
-        0.3, "fraction of free device memory for the KV cache when --kv-cache-memory is unset")
+        0.3, "fraction of free device memory for the KV cache when --kv-cache-memory is unset"
+    )
     max_num_seqs: int = option(128, "most sequences in one batch")
     max_num_batched_tokens: int = option(
-        2048, "token budget per step (prefill chunks + decodes); larger steps run the GEMMs at a better rate "
-        "and make decodes wait longer behind a prefill (2048: vLLM's default on CPU for its server)")
+        2048,
+        "token budget per step (prefill chunks + decodes); larger steps run the GEMMs at a better rate "
+        "and make decodes wait longer behind a prefill (2048: vLLM's default on CPU for its server)",
+    )
     max_model_len: int | None = option(None, "context length limit (default: the model's)", type=int)
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     result_cache_size: int = option(
-        0, "answer repeats of identical greedy or seeded requests from an LRU of the last N finished "
-        "completions, without running the model (default: 0 = off)", metavar="N")
+        0,
+        "answer repeats of identical greedy or seeded requests from an LRU of the last N finished "
+        "completions, without running the model (default: 0 = off)",
+        metavar="N",
+    )
     packed_linear: bool = option(
-        True, "CPU only: pack the linear layers' weights once at load: fp32 on tokenmill's panel GEMM kernel "
+        True,
+        "CPU only: pack the linear layers' weights once at load: fp32 on tokenmill's panel GEMM kernel "
         "(1.05-1.8x oneDNN's packed fp32, which is itself up to 1.4x MKL's default path on AMD CPUs), bf16 on oneDNN "
         "where the CPU has native bf16 (AMX / AVX512-BF16), else on the same panel GEMM (widened to fp32 as it "
         "streams); with --quantization, the layers it keeps in float (the lm_head, held in bf16 on the panel GEMM "
         "where the CPU has no native bf16). Ignored with --compile and on GPU (--onednn-linear: old name)",
-        aliases=("--onednn-linear",))
+        aliases=("--onednn-linear",),
+    )
     fused_layers: bool = option(
-        True, "CPU fp32 with --packed-linear (or --quantization int8): run each Llama-shaped decoder layer of a "
+        True,
+        "CPU fp32 with --packed-linear (or --quantization int8): run each Llama-shaped decoder layer of a "
         "decode step as one C++ call (the same kernels in the same order, without the Python between them: "
-        "bit-identical results)")
+        "bit-identical results)",
+    )
     compile: bool = option(
-        False, "torch.compile the dense parts of the model step (dynamic token count; attention stays eager)")
+        False, "torch.compile the dense parts of the model step (dynamic token count; attention stays eager)"
+    )
     cuda_graphs: bool = option(
-        False, "GPU only: replay decode-only steps as CUDA graphs, one per (batch size, context length) bucket, "
+        False,
+        "GPU only: replay decode-only steps as CUDA graphs, one per (batch size, context length) bucket, "
         "captured on first use; other steps run eagerly. Ignored on CPU and with --tensor-parallel-size > 1",
-        action=argparse.BooleanOptionalAction)
+        action=argparse.BooleanOptionalAction,
+    )
     # None = auto: on with CUDA; off on CPU, where the model's threads already use every core.
     overlap_scheduling: bool | None = option(
-        None, "run the model on its own thread, one step ahead: step N+1 is scheduled and prepared, and step "
+        None,
+        "run the model on its own thread, one step ahead: step N+1 is scheduled and prepared, and step "
         "N's tokens detokenized and streamed, while the model runs step N (default: on with CUDA; off on CPU, "
         "where the model's threads already use every core and sharing them measured 0.7x)",
-        action=argparse.BooleanOptionalAction)
+        action=argparse.BooleanOptionalAction,
+    )
     speculative_method: str | None = option(
-        None, "speculative decoding: propose up to --num-speculative-tokens tokens per decoding sequence and "
+        None,
+        "speculative decoding: propose up to --num-speculative-tokens tokens per decoding sequence and "
         "verify them all in one forward pass of the model (greedy output unchanged, sampled output from the same "
         "distribution); ngram = what followed the sequence's last n tokens where they occurred earlier in its "
         "prompt or output (no extra model), draft = a small model with the same tokenizer "
-        "(--speculative-model). Turns overlap scheduling off (default: off)", choices=["ngram", "draft"])
+        "(--speculative-model). Turns overlap scheduling off (default: off)",
+        choices=["ngram", "draft"],
+    )
     num_speculative_tokens: int = option(
-        4, "most tokens proposed per sequence and step with --speculative-method (default: 4)", metavar="K")
+        4, "most tokens proposed per sequence and step with --speculative-method (default: 4)", metavar="K"
+    )
     speculative_model: str | None = option(
-        None, "--speculative-method draft: local Hugging Face directory of the draft model (same vocabulary "
-        "and tokenizer as --model)", metavar="DIR")
+        None,
+        "--speculative-method draft: local Hugging Face directory of the draft model (same vocabulary "
+        "and tokenizer as --model)",
+        metavar="DIR",
+    )
     ngram_prompt_lookup_min: int = option(
-        2, "--speculative-method ngram: shortest n-gram to look up (default: 2)", metavar="N")
+        2, "--speculative-method ngram: shortest n-gram to look up (default: 2)", metavar="N"
+    )
     ngram_prompt_lookup_max: int = option(
-        4, "--speculative-method ngram: longest n-gram to look up; longer matches are tried first (default: 4)",
-        metavar="N")
+        4,
+        "--speculative-method ngram: longest n-gram to look up; longer matches are tried first (default: 4)",
+        metavar="N",
+    )
     seed: int = option(0, "engine seed for unseeded sampling")
     tensor_parallel_size: int = option(
-        1, "split attention heads and MLP columns over N processes on this machine (gloo on CPU, NCCL with "
-        "one GPU each on CUDA); Llama family (default: 1)", aliases=["-tp"], metavar="N")
+        1,
+        "split attention heads and MLP columns over N processes on this machine (gloo on CPU, NCCL with "
+        "one GPU each on CUDA); Llama family (default: 1)",
+        aliases=["-tp"],
+        metavar="N",
+    )
     num_threads: int | None = option(None, "torch CPU threads (default: all cores)", type=int)
     # Multi-LoRA (tokenmill.lora): adapters are selected per request by name (the API's `model`).
     enable_lora: bool = option(
-        False, "serve LoRA adapters of the base model (implied by --lora-modules): a batch mixes requests of "
-        "different adapters and of the base model; native Llama-family models")
+        False,
+        "serve LoRA adapters of the base model (implied by --lora-modules): a batch mixes requests of "
+        "different adapters and of the base model; native Llama-family models",
+    )
     lora_modules: list[str] | None = option(
-        None, "LoRA adapters (PEFT directories) to load at start, each NAME=PATH or vLLM's JSON form "
-        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request selects one with model=NAME",
-        nargs="+", type=str, metavar="NAME=PATH")
+        None,
+        "LoRA adapters (PEFT directories) to load at start, each NAME=PATH or vLLM's JSON form "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request selects one with model=NAME',
+        nargs="+",
+        type=str,
+        metavar="NAME=PATH",
+    )
     max_loras: int = option(
-        1, "LoRA adapters resident at once (compute-side slots); others wait in CPU memory and are swapped "
-        "in least-recently-used first; a step mixes at most this many adapters", metavar="N")
+        1,
+        "LoRA adapters resident at once (compute-side slots); others wait in CPU memory and are swapped "
+        "in least-recently-used first; a step mixes at most this many adapters",
+        metavar="N",
+    )
     max_lora_rank: int = option(16, "largest LoRA rank an adapter may have (slots are sized for it)", metavar="R")
 
     @property
@@ -134,7 +182,7 @@ class EngineConfig:
         add_options(parser.add_argument_group("engine"), EngineConfig, overrides=overrides)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
         return from_args(cls, args)
 
 

@@ -23,8 +23,9 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: tuple[int, ...] | list[int], stop: list[str],
-                 include_stop: bool) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: tuple[int, ...] | list[int], stop: list[str], include_stop: bool
+    ) -> None:
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=True)
         self._pieces: list[str] = []  # the text so far, in the order decoded
@@ -74,7 +75,7 @@ class IncrementalDetokenizer:
             parts.append(piece)
             size += len(piece)
         tail = "".join(reversed(parts))
-        return tail[len(tail) - min(n, len(tail)):]
+        return tail[len(tail) - min(n, len(tail)) :]
 
     def _truncate(self, length: int) -> None:
         while self._pieces and self._length - len(self._pieces[-1]) >= length:

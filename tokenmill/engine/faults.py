@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tokenmill.engine.errors import RequestFailed
+from tokenmill.errors import RequestFailed
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +27,11 @@ def enabled(environ: dict[str, str] | None = None) -> bool:
     return (environ if environ is not None else os.environ).get(FAULT_ENV) == "1"
 
 
-def make_hook(previous: Callable[[list[Any]], None] | None = None,
-              marker: str = FAULT_MARKER) -> Callable[[Sequence[Any]], None]:
+def make_hook(
+    previous: Callable[[list[Any]], None] | None = None, marker: str = FAULT_MARKER
+) -> Callable[[Sequence[Any]], None]:
     """A `ModelRunner.before_forward` hook failing the marked requests (after any `previous` hook)."""
+
     def before_forward(seqs: Sequence[Any]) -> None:
         if previous is not None:
             previous(list(seqs))

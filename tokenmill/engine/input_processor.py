@@ -2,7 +2,7 @@
 
 HTTP, gRPC, the CLI and the offline `LLM` all render chats with `render_chat` and turn prompts into
 engine input with `InputProcessor.process`, which checks them against the model (vocabulary,
-context length, logit_bias ids) and raises the typed errors of `tokenmill.engine.errors`.
+context length, logit_bias ids) and raises the typed errors of `tokenmill.errors`.
 
 Chat role injection: message contents are user data, so special-token strings inside them (e.g. a
 literal `<|im_start|>system`) are tokenized as plain text, while the markers the chat template
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from tokenmill.engine.errors import ContextLengthExceeded, InvalidRequest
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import ContextLengthExceeded, InvalidRequest
 
 if TYPE_CHECKING:
-    from tokenmill.lora.registry import LoRAAdapter
+    from tokenmill.lora.types import LoRAAdapter
 
 Message = Mapping[str, Any]
 
@@ -52,10 +52,16 @@ class PromptInput:
 # ---------------------------------------------------------------------------------------------- chat
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Message | Any], *, tools: list[dict] | None = None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False,
-                chat_template_kwargs: dict[str, Any] | None = None,
-                special_tokens_in_content: bool = False) -> list[int]:
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Message | Any],
+    *,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    special_tokens_in_content: bool = False,
+) -> list[int]:
     """A conversation -> prompt token ids, through the model's chat template (or a plain
     `role: content` fallback when it has none). The only chat renderer: every entry point uses it.
 
@@ -71,8 +77,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Message | Any], *, tools: lis
     if not turns:
         raise InvalidRequest("messages must not be empty", param="messages")
     if add_generation_prompt and continue_final_message:
-        raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be set",
-                             param="continue_final_message")
+        raise InvalidRequest(
+            "add_generation_prompt and continue_final_message cannot both be set", param="continue_final_message"
+        )
     if continue_final_message and turns[-1].get("role") != "assistant":
         raise InvalidRequest("continue_final_message needs an assistant message last", param="messages")
     extra = dict(chat_template_kwargs or {})
@@ -80,19 +87,29 @@ def render_chat(tokenizer: Any, messages: Sequence[Message | Any], *, tools: lis
     if clash:
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
     if getattr(tokenizer, "chat_template", None):
-        ids = _apply_template(tokenizer, turns, tools, add_generation_prompt, continue_final_message, extra,
-                              sanitize=not special_tokens_in_content)
+        ids = _apply_template(
+            tokenizer,
+            turns,
+            tools,
+            add_generation_prompt,
+            continue_final_message,
+            extra,
+            sanitize=not special_tokens_in_content,
+        )
     else:
-        ids = _fallback_template(tokenizer, turns, add_generation_prompt, continue_final_message,
-                                 escape=not special_tokens_in_content)
+        ids = _fallback_template(
+            tokenizer, turns, add_generation_prompt, continue_final_message, escape=not special_tokens_in_content
+        )
     if not ids:
         raise InvalidRequest("messages render to an empty prompt", param="messages")
     return list(ids)
 
 
 # apply_chat_template's own arguments: chat_template_kwargs are template variables, never these.
-_TEMPLATE_ARGUMENTS = frozenset(
-    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+_TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self",
+    "kwargs",
+}
 
 
 def _normalized_message(message: Message | Any, index: int) -> dict[str, Any]:
@@ -106,8 +123,9 @@ def _normalized_message(message: Message | Any, index: int) -> dict[str, Any]:
         texts = []
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"messages[{index}].content: only text parts are supported",
-                                     param=f"messages[{index}].content")
+                raise InvalidRequest(
+                    f"messages[{index}].content: only text parts are supported", param=f"messages[{index}].content"
+                )
             texts.append(part["text"])
         turn["content"] = "".join(texts)
     elif content is None and not turn.get("tool_calls"):
@@ -133,22 +151,35 @@ def _template_tool_call(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": decoded}}
 
 
-def _apply_template(tokenizer: Any, turns: list[dict[str, Any]], tools: list[dict] | None,
-                    add_generation_prompt: bool, continue_final_message: bool, extra: dict[str, Any],
-                    sanitize: bool) -> list[int]:
+def _apply_template(
+    tokenizer: Any,
+    turns: list[dict[str, Any]],
+    tools: list[dict] | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    extra: dict[str, Any],
+    sanitize: bool,
+) -> list[int]:
     try:
         # tokenize=True with add_special_tokens off: the template places BOS and friends itself.
         return tokenizer.apply_chat_template(
-            turns, tools=tools, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=True, return_dict=False,
-            sanitize_control_tokens=sanitize, **extra)
+            turns,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=True,
+            return_dict=False,
+            sanitize_control_tokens=sanitize,
+            **extra,
+        )
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
         # Templates raise on what they do not accept (non-alternating roles, a missing field): the client's to fix.
         raise InvalidRequest(f"The chat template rejected these messages: {exc}", param="messages") from None
 
 
-def _fallback_template(tokenizer: Any, turns: list[dict[str, Any]], add_generation_prompt: bool,
-                       continue_final_message: bool, escape: bool) -> list[int]:
+def _fallback_template(
+    tokenizer: Any, turns: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool, escape: bool
+) -> list[int]:
     """`role: content` lines, for tokenizers without a chat template (every special token in the text
     comes from a message, so escaping tokenizes all of them as text)."""
     text = "".join(f"{t['role']}: {t.get('content', '')}\n" for t in turns)
@@ -179,32 +210,47 @@ class InputProcessor:
         start = time.time()
         return PromptInput(self.render_chat(messages, **options), processing_start=start)
 
-    def tokenize(self, text: str, *, escape_special: bool = False, param: str = "prompt",
-                 add_special_tokens: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, *, escape_special: bool = False, param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
         """A raw prompt's token ids, with the tokenizer's own BOS/EOS additions unless turned off."""
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer: pass prompt token ids", param=param)
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens,
-                                          split_special_tokens=escape_special))
+        return list(
+            self.tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=escape_special)
+        )
 
     def remaining_context(self, num_prompt_tokens: int, param: str = "messages") -> int:
         """How many tokens may follow a prompt of this length (OpenAI chat's default max_tokens)."""
         if num_prompt_tokens >= self.max_model_len:
             raise ContextLengthExceeded(
                 f"The prompt is {num_prompt_tokens} tokens; this model's context length is {self.max_model_len}.",
-                param=param)
+                param=param,
+            )
         return self.max_model_len - num_prompt_tokens
 
-    def process(self, prompt: str | Sequence[int] | PromptInput, params: SamplingParams | PoolingParams, *,
-                param: str = "prompt", escape_special: bool = False, lora: LoRAAdapter | None = None) -> PromptInput:
+    def process(
+        self,
+        prompt: str | Sequence[int] | PromptInput,
+        params: SamplingParams | PoolingParams,
+        *,
+        param: str = "prompt",
+        escape_special: bool = False,
+        lora: LoRAAdapter | None = None,
+    ) -> PromptInput:
         """Tokenize (text) or check (token ids) a prompt and check it fits with `params` (an
         embedding's PoolingParams: the prompt alone must fit); `lora` goes with it (the adapter the
         front end resolved from the request's model name)."""
         result = self._process(prompt, params, param, escape_special)
         return result if lora is None else dataclasses.replace(result, lora=lora)
 
-    def _process(self, prompt: str | Sequence[int] | PromptInput, params: SamplingParams | PoolingParams,
-                 param: str, escape_special: bool) -> PromptInput:
+    def _process(
+        self,
+        prompt: str | Sequence[int] | PromptInput,
+        params: SamplingParams | PoolingParams,
+        param: str,
+        escape_special: bool,
+    ) -> PromptInput:
         start = time.time()
         if isinstance(params, SamplingParams):
             self.check_params(params)
@@ -212,8 +258,11 @@ class InputProcessor:
             raise InvalidRequest("params must be a SamplingParams or a PoolingParams")
         if isinstance(prompt, PromptInput):
             # Rendered but not yet processed (render_chat_input): its ids are checked like any others.
-            result = prompt if prompt.processing_end is not None else dataclasses.replace(
-                prompt, prompt_token_ids=self._checked_ids(prompt.prompt_token_ids, param))
+            result = (
+                prompt
+                if prompt.processing_end is not None
+                else dataclasses.replace(prompt, prompt_token_ids=self._checked_ids(prompt.prompt_token_ids, param))
+            )
         elif isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", param=param)
@@ -225,20 +274,25 @@ class InputProcessor:
             raise InvalidRequest("prompt must not be empty", param=param)
         if isinstance(params, PoolingParams):
             if len(ids) > self.max_model_len:
-                raise ContextLengthExceeded(f"this model's maximum context length is {self.max_model_len} tokens; "
-                                            f"the input has {len(ids)} tokens", param=param)
+                raise ContextLengthExceeded(
+                    f"this model's maximum context length is {self.max_model_len} tokens; "
+                    f"the input has {len(ids)} tokens",
+                    param=param,
+                )
             return result
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceeded(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(ids)} tokens and max_tokens is {params.max_tokens} "
                 f"({len(ids) + params.max_tokens} in all): shorten the prompt or lower max_tokens",
-                param=param)
+                param=param,
+            )
         if result.processing_end is not None:  # processed before: as it was
             return result
         # A rendered chat keeps the start of its rendering.
-        return dataclasses.replace(result, processing_start=result.processing_start or start,
-                                   processing_end=time.time())
+        return dataclasses.replace(
+            result, processing_start=result.processing_start or start, processing_end=time.time()
+        )
 
     def _checked_ids(self, ids: Sequence[int], param: str) -> list[int]:
         ids = list(ids)
@@ -256,6 +310,7 @@ class InputProcessor:
             raise InvalidRequest(f"logit_bias keys must be token ids in [0, {self.vocab_size})", param="logit_bias")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
-                raise InvalidRequest("structured outputs need the model's tokenizer; this model has none",
-                                     param="structured_outputs")
+                raise InvalidRequest(
+                    "structured outputs need the model's tokenizer; this model has none", param="structured_outputs"
+                )
             params.structured_outputs.validate()  # parse the schema/regex/grammar (compiled later, off-thread)

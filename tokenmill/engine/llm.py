@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
@@ -11,7 +11,8 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.lora.registry import LoRAAdapter, LoRARequest
+from tokenmill.lora.registry import LoRARequest
+from tokenmill.lora.types import LoRAAdapter
 
 LoRAChoice = LoRARequest | Seq[LoRARequest | None] | None
 
@@ -37,15 +38,25 @@ class LLM:
         model); needs `enable_lora=True`, loads the adapter on first use."""
         return self._run(prompts, sampling_params or SamplingParams(), use_tqdm, "Generating", lora_request)
 
-    def embed(self, prompts: str | Seq[str] | Seq[list[int]], pooling_params: PoolingParams | None = None,
-              use_tqdm: bool = False, lora_request: LoRAChoice = None) -> list[list[float]]:
+    def embed(
+        self,
+        prompts: str | Seq[str] | Seq[list[int]],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = False,
+        lora_request: LoRAChoice = None,
+    ) -> list[list[float]]:
         """The pooled final hidden state of each prompt (last-token, L2-normalised by default)."""
         outputs = self._run(prompts, pooling_params or PoolingParams(), use_tqdm, "Embedding", lora_request)
         return [o.embedding for o in outputs]
 
-    def _run(self, prompts: str | Seq[str] | Seq[list[int]],
-             params: SamplingParams | PoolingParams | Seq[SamplingParams | PoolingParams],
-             use_tqdm: bool, desc: str, lora_request: LoRAChoice = None) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: str | Seq[str] | Seq[list[int]],
+        params: SamplingParams | PoolingParams | Seq[SamplingParams | PoolingParams],
+        use_tqdm: bool,
+        desc: str,
+        lora_request: LoRAChoice = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (text or token ids)
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -53,9 +64,12 @@ class LLM:
             raise ValueError("give one set of params, or one per prompt")
         adapters = self._adapters(lora_request, len(prompts))
         # Validate everything before anything runs, so a bad prompt cannot leave others half done.
-        requests = [self.engine.make_request(f"offline-{id(self)}-{i}", p, sp, output_kind=RequestOutputKind.FINAL_ONLY,
-                                             lora=adapter)
-                    for i, (p, sp, adapter) in enumerate(zip(prompts, params_list, adapters))]
+        requests = [
+            self.engine.make_request(
+                f"offline-{id(self)}-{i}", p, sp, output_kind=RequestOutputKind.FINAL_ONLY, lora=adapter
+            )
+            for i, (p, sp, adapter) in enumerate(zip(prompts, params_list, adapters))
+        ]
         for request in requests:
             self.engine.add(request)
         done: dict[str, RequestOutput] = {}

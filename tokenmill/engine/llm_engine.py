@@ -2,35 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import count
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenmill.engine import faults
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.cuda_graphs import DecodeGraphs
+from tokenmill.engine.core.block_manager import BlockAllocator
+from tokenmill.engine.core.request import Request
+from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.core.sequence import Sequence
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenText
-from tokenmill.engine.errors import InvalidRequest, RequestFailed
-from tokenmill.engine.grammar import GrammarCompiler
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
-from tokenmill.engine.kv_cache import BlockAllocator, KVCache
-from tokenmill.engine.model_runner import ModelRunner, StepInput
 from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
-from tokenmill.engine.precision import resolve_kv_cache_dtype, resolve_precision
 from tokenmill.engine.pooling_params import PoolingParams
-from tokenmill.engine.request import Request
+from tokenmill.engine.precision import resolve_kv_cache_dtype, resolve_precision
 from tokenmill.engine.result_cache import ResultCache
-from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sample.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
-from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.setup import (
     check_tensor_parallel,
     load_prepared_model,
@@ -41,14 +38,19 @@ from tokenmill.engine.setup import (
 from tokenmill.engine.spec_decode import check_speculative_config
 from tokenmill.engine.spec_decode.draft import DraftProposer, check_draft_model, load_draft_model
 from tokenmill.engine.spec_decode.ngram import NgramProposer
-from tokenmill.engine.tensor_parallel import TensorParallelGroup, rank_device
+from tokenmill.engine.structured_output.grammar import GrammarCompiler
+from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
+from tokenmill.engine.worker.kv_cache import KVCache
+from tokenmill.engine.worker.model_runner import ModelRunner, StepInput
+from tokenmill.engine.worker.tensor_parallel import TensorParallelGroup, rank_device
+from tokenmill.errors import InvalidRequest, RequestFailed
 from tokenmill.lora.batch import LoRASlots
 from tokenmill.lora.layers import LoRAModel
 from tokenmill.lora.registry import LoRARegistry, parse_lora_module
-from tokenmill.models.hub import resolve_model
+from tokenmill.models.model_loader.hub import resolve_model
 
 if TYPE_CHECKING:
-    from tokenmill.lora.registry import LoRAAdapter
+    from tokenmill.lora.types import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -137,15 +139,25 @@ class LLMEngine:
             self.device = rank_device(self.device, 0)
             self.tp_group = TensorParallelGroup(config, self.device)  # workers load their shards meanwhile
         try:
-            self.model, self.spec = load_prepared_model(config, self.model_dir, self.precision, self.device, progress=progress)
+            self.model, self.spec = load_prepared_model(
+                config, self.model_dir, self.precision, self.device, progress=progress
+            )
             # LoRA: the model's target layers wrapped, with --max-loras slots each (before the KV budget is taken).
-            self.lora_model = (LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
-                               if config.lora_enabled else None)
+            self.lora_model = (
+                LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+                if config.lora_enabled
+                else None
+            )
         except BaseException:
             self.close()
             raise
-        self.loras = None if self.lora_model is None else LoRARegistry(
-            self.lora_model.targets, self.lora_model.hf_to_local, config.max_lora_rank, self.dtype, self.model_name)
+        self.loras = (
+            None
+            if self.lora_model is None
+            else LoRARegistry(
+                self.lora_model.targets, self.lora_model.hf_to_local, config.max_lora_rank, self.dtype, self.model_name
+            )
+        )
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or self.spec.max_position, self.spec.max_position)
         self._draft: tuple[torch.nn.Module, Any] | None = None  # (model, spec) with --speculative-method draft
@@ -156,8 +168,11 @@ class LLMEngine:
         self.eos_token_ids = set(self.spec.eos_token_ids)
         self.requests: dict[str, Request] = {}
         # Structured outputs: grammars compile on their own threads; requests wait here meanwhile.
-        self.grammars = (GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
-                         if self.tokenizer is not None else None)
+        self.grammars = (
+            GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
+            if self.tokenizer is not None
+            else None
+        )
         self._awaiting_grammar: list[Request] = []
         self.result_cache = ResultCache(config.result_cache_size)
         self._cached_outputs: list[RequestOutput] = []  # result-cache hits, handed out by the next step()
@@ -167,15 +182,21 @@ class LLMEngine:
         overlap = config.overlap_scheduling
         if config.speculative_method is not None:
             if overlap:
-                logger.warning("--overlap-scheduling is off with speculative decoding: drafts are proposed from "
-                               "each step's tokens, so a step cannot be planned before the previous one lands")
+                logger.warning(
+                    "--overlap-scheduling is off with speculative decoding: drafts are proposed from "
+                    "each step's tokens, so a step cannot be planned before the previous one lands"
+                )
             overlap = False
         elif overlap is None:  # auto: a GPU runs the model while the CPU prepares; a CPU has no core to spare
             overlap = self.device.type == "cuda"
         if overlap:
             # The model runs on its own thread, one step ahead of the completions.
-            self._model_thread = ThreadPoolExecutor(1, "tokenmill-model", initializer=_init_model_thread,
-                                                    initargs=(torch.get_num_threads(), _indexed(self.device)))
+            self._model_thread = ThreadPoolExecutor(
+                1,
+                "tokenmill-model",
+                initializer=_init_model_thread,
+                initargs=(torch.get_num_threads(), _indexed(self.device)),
+            )
         faults.install(self)  # test-only hook, off unless TOKENMILL_FAULT_INJECTION=1
         try:
             for module in lora_modules:
@@ -193,8 +214,11 @@ class LLMEngine:
             self.close()
             raise
         if draft_spec.max_position < self.max_model_len:
-            logger.warning("the draft model's context is %d tokens: max_model_len lowered from %d",
-                           draft_spec.max_position, self.max_model_len)
+            logger.warning(
+                "the draft model's context is %d tokens: max_model_len lowered from %d",
+                draft_spec.max_position,
+                self.max_model_len,
+            )
             self.max_model_len = draft_spec.max_position
         return model, draft_spec
 
@@ -209,29 +233,56 @@ class LLMEngine:
         if self.tp_group is not None:
             self.tp_group.broadcast(num_blocks)  # every rank's cache has the same block ids
         self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
-        self.kv_cache = KVCache(spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.kv_dtype,
-                                self.device)
+        self.kv_cache = KVCache(
+            spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.kv_dtype, self.device
+        )
         ngram = config.speculative_method == "ngram"
         lora = self.lora_model
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, max(config.max_num_batched_tokens, 1),
-                                   self.max_model_len, spec.eos_token_ids,
-                                   config.num_speculative_tokens if config.speculative_method else 0,
-                                   NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
-                                   if ngram else None, lora.max_loras if lora else None)
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.max_num_seqs,
+            max(config.max_num_batched_tokens, 1),
+            self.max_model_len,
+            spec.eos_token_ids,
+            config.num_speculative_tokens if config.speculative_method else 0,
+            NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max) if ngram else None,
+            lora.max_loras if lora else None,
+        )
         self.drafter = None
         if self._draft is not None:
             self.drafter = DraftProposer(*self._draft, num_blocks, bs, self.dtype, self.device)
         self.sampler = Sampler(spec.vocab_size, self.config.seed, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, bs, self.sampler, self.device, self.tp_group,
-                                  self._decode_graphs(), lora, LoRASlots(lora.max_loras) if lora else None)
-        logger.info("KV cache: %d blocks x %d tokens, %s (%.1f MiB%s)", num_blocks, bs,
-                    str(self.kv_dtype).removeprefix("torch."), num_blocks * per_block / 2**20,
-                    ", the draft model's included" if self._draft else "")
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            bs,
+            self.sampler,
+            self.device,
+            self.tp_group,
+            self._decode_graphs(),
+            lora,
+            LoRASlots(lora.max_loras) if lora else None,
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %s (%.1f MiB%s)",
+            num_blocks,
+            bs,
+            str(self.kv_dtype).removeprefix("torch."),
+            num_blocks * per_block / 2**20,
+            ", the draft model's included" if self._draft else "",
+        )
         if config.speculative_method:
-            source = (f"n-grams of {config.ngram_prompt_lookup_min}-{config.ngram_prompt_lookup_max} tokens looked "
-                      "up in the prompt and output" if ngram else f"draft model {config.speculative_model}")
-            logger.info("speculative decoding: up to %d draft tokens per sequence and step from %s",
-                        config.num_speculative_tokens, source)
+            source = (
+                f"n-grams of {config.ngram_prompt_lookup_min}-{config.ngram_prompt_lookup_max} tokens looked "
+                "up in the prompt and output"
+                if ngram
+                else f"draft model {config.speculative_model}"
+            )
+            logger.info(
+                "speculative decoding: up to %d draft tokens per sequence and step from %s",
+                config.num_speculative_tokens,
+                source,
+            )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not self.config.cuda_graphs:
@@ -245,27 +296,43 @@ class LLMEngine:
         if not getattr(self.model, "supports_cuda_graphs", True):
             reason = getattr(self.model, "cuda_graphs_blocker", None) or (
                 f"this model's MoE experts run as a per-expert loop here (int8, or no grouped_mm for {self.dtype} "
-                "on this GPU), which capture forbids")
+                "on this GPU), which capture forbids"
+            )
             logger.warning("--cuda-graphs: %s: decode steps run eagerly", reason)
             return None
-        return DecodeGraphs(self.model, self.kv_cache, self.block_size, self.config.max_num_seqs,
-                            -(-self.max_model_len // self.block_size), self.device)
+        return DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.block_size,
+            self.config.max_num_seqs,
+            -(-self.max_model_len // self.block_size),
+            self.device,
+        )
 
     # -- requests ----------------------------------------------------------------------------
 
-    def make_request(self, request_id: str, prompt: str | list[int] | PromptInput,
-                     params: SamplingParams | PoolingParams, arrival_time: float | None = None,
-                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                     lora: LoRAAdapter | None = None) -> Request:
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | PromptInput,
+        params: SamplingParams | PoolingParams,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora: LoRAAdapter | None = None,
+    ) -> Request:
         """Validate and tokenize (thread-safe, touches no engine state); `add` queues it. `lora`: the
         adapter to run it with (or the one a processed PromptInput carries)."""
         checked = self.input_processor.process(prompt, params, lora=lora)
         if checked.lora is not None and self.loras is None:
             raise InvalidRequest("this engine serves no LoRA adapters (start it with --enable-lora)", param="model")
-        metrics = RequestMetrics(arrival_time=arrival_time or time.time(), tokenize_start_time=checked.processing_start,
-                                 tokenize_end_time=checked.processing_end)
-        return Request(request_id, checked.prompt, checked.prompt_token_ids, params, metrics, output_kind,
-                       lora=checked.lora)
+        metrics = RequestMetrics(
+            arrival_time=arrival_time or time.time(),
+            tokenize_start_time=checked.processing_start,
+            tokenize_end_time=checked.processing_end,
+        )
+        return Request(
+            request_id, checked.prompt, checked.prompt_token_ids, params, metrics, output_kind, lora=checked.lora
+        )
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -276,8 +343,19 @@ class LLMEngine:
         prompt = tuple(request.prompt_token_ids)  # shared by the choices, never changed
         if isinstance(request.params, PoolingParams):
             # An embedding: one prefill-only sequence (its sampling params are never used).
-            seqs = [Sequence(next(self._seq_ids), request.request_id, 0, prompt, SamplingParams(), None,
-                             request.metrics, pooling=request.params, lora=request.lora)]
+            seqs = [
+                Sequence(
+                    next(self._seq_ids),
+                    request.request_id,
+                    0,
+                    prompt,
+                    SamplingParams(),
+                    None,
+                    request.metrics,
+                    pooling=request.params,
+                    lora=request.lora,
+                )
+            ]
         else:
             if self._answer_from_result_cache(request):
                 return
@@ -293,8 +371,9 @@ class LLMEngine:
             self._awaiting_grammar.append(request)
 
     def _answer_from_result_cache(self, request: Request) -> bool:
-        key = self.result_cache.key(request.prompt_token_ids, request.params,
-                                    request.lora.id if request.lora is not None else None)
+        key = self.result_cache.key(
+            request.prompt_token_ids, request.params, request.lora.id if request.lora is not None else None
+        )
         if key is None:
             return False
         cached = self.result_cache.get(key)
@@ -309,12 +388,18 @@ class LLMEngine:
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
-        return Sequence(next(self._seq_ids), request.request_id, index, prompt, params, detok, request.metrics,
-                        lora=request.lora)
+        return Sequence(
+            next(self._seq_ids), request.request_id, index, prompt, params, detok, request.metrics, lora=request.lora
+        )
 
-    def add_request(self, request_id: str, prompt: str | list[int] | PromptInput,
-                    params: SamplingParams | PoolingParams | None = None, arrival_time: float | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | PromptInput,
+        params: SamplingParams | PoolingParams | None = None,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
         self.add(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time, output_kind))
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -352,8 +437,15 @@ class LLMEngine:
         now = time.time()
         m = request.metrics
         m.first_scheduled_time = m.first_token_time = m.finished_time = now
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, True, m,
-                             num_cached_tokens=len(request.prompt_token_ids))
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            True,
+            m,
+            num_cached_tokens=len(request.prompt_token_ids),
+        )
 
     # -- the step ----------------------------------------------------------------------------
     #
@@ -418,7 +510,7 @@ class LLMEngine:
         requests go on without speculation for this step; it cannot make a token wrong)."""
         try:
             return self.drafter.propose(scheduled, fresh)
-        except Exception:  # noqa: BLE001 - a proposal is an optimisation, never worth a request
+        except Exception:
             logger.exception("the draft model failed: this step runs without speculation")
             return scheduled.without_drafts()
 
@@ -438,25 +530,37 @@ class LLMEngine:
         future: Future = Future()
         try:
             future.set_result(_timed(self.runner.run, step))
-        except Exception as exc:  # noqa: BLE001 - handed to _complete like the model thread's errors
+        except Exception as exc:
             future.set_exception(exc)
         return future
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         try:
             result, seconds = step.future.result()
-        except Exception as exc:  # noqa: BLE001 - a broken step fails its requests, not the engine
+        except Exception as exc:
             return self._recover(step, exc)
         sampled = result.sampled
         if sampled is None:
             touched = self.scheduler.update_from_output(step.scheduled, None, None, result.prefill)
         else:
-            touched = self.scheduler.update_from_output(step.scheduled, sampled.tokens, sampled.logprobs, result.prefill,
-                                                        sampled.accepted, sampled.accepted_logprobs)
+            touched = self.scheduler.update_from_output(
+                step.scheduled,
+                sampled.tokens,
+                sampled.logprobs,
+                result.prefill,
+                sampled.accepted,
+                sampled.accepted_logprobs,
+            )
         self.num_steps += 1
         batch = step.scheduled
-        self._notify(StepStats(len(batch.all), sum(i.num_new_tokens for i in batch.prefills),
-                               len(batch.decodes) + sum(i.num_new_tokens for i in batch.speculative), seconds))
+        self._notify(
+            StepStats(
+                len(batch.all),
+                sum(i.num_new_tokens for i in batch.prefills),
+                len(batch.decodes) + sum(i.num_new_tokens for i in batch.speculative),
+                seconds,
+            )
+        )
         requests = {seq.request_id: self.requests[seq.request_id] for seq in touched if seq.request_id in self.requests}
         return [out for r in requests.values() if (out := self._output(r)) is not None]
 
@@ -466,10 +570,8 @@ class LLMEngine:
         later = list(self._inflight)
         self._inflight.clear()
         for step in later:
-            try:
+            with contextlib.suppress(Exception):
                 step.future.result()
-            except Exception:  # noqa: BLE001 - StepSkipped, expected
-                pass
         for step in reversed([failed, *later]):
             self.allocator.fresh.extend(step.step_input.fresh_blocks)  # not zeroed yet
             self.scheduler.take_back(step.scheduled)
@@ -479,7 +581,10 @@ class LLMEngine:
             ids, message = exc.request_ids, str(exc)
         else:
             logger.error("model step failed", exc_info=exc)
-            ids, message = {row.request_id for row in failed.step_input.rows}, f"internal error in the model step: {exc}"
+            ids, message = (
+                {row.request_id for row in failed.step_input.rows},
+                f"internal error in the model step: {exc}",
+            )
         return [o for rid in sorted(ids) if (o := self.fail(rid, message)) is not None]
 
     def _output(self, request: Request) -> RequestOutput | None:
@@ -496,7 +601,7 @@ class LLMEngine:
         for listener in self.step_listeners:
             try:
                 listener(stats)
-            except Exception:  # noqa: BLE001 - metrics must never stop the engine
+            except Exception:
                 logger.exception("step listener failed")
 
     def stats(self) -> EngineStats:

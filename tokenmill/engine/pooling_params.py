@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tokenmill.engine.errors import InvalidRequest
+from tokenmill.errors import InvalidRequest
 
 PoolingType = Literal["last", "mean"]
 POOLING_TYPES: tuple[PoolingType, ...] = ("last", "mean")
@@ -22,7 +22,8 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLING_TYPES:
-            raise InvalidRequest(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}",
-                                 param="pooling")
+            raise InvalidRequest(
+                f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}", param="pooling"
+            )
         if not isinstance(self.normalize, bool):
             raise InvalidRequest("normalize must be a boolean", param="normalize")

@@ -29,7 +29,7 @@ _HALF_PRECISION = {"float16", "bfloat16"}
 
 def model_source_dtype(model_dir: Path | None) -> str | None:
     """The dtype a model was published in: its config's `dtype` (`torch_dtype` before transformers 5)."""
-    from tokenmill.models.hub import DEFAULT_MODEL_SOURCE_DTYPE, is_default_model
+    from tokenmill.models.model_loader.hub import DEFAULT_MODEL_SOURCE_DTYPE, is_default_model
 
     if model_dir is None:
         return None
@@ -89,20 +89,25 @@ def resolve_precision(name: str, device: torch.device, model_dir: Path | None = 
     inference precision on such CPUs)."""
     dtype = resolve_dtype(name, device, model_dir)
     if device.type == "cpu" and dtype == torch.bfloat16 and not detect().native_bf16:
-        logger.info("--dtype bfloat16: weights and KV cache in bf16, arithmetic in fp32, because this CPU has "
-                    "no native bf16 (%s)", detect().describe())
+        logger.info(
+            "--dtype bfloat16: weights and KV cache in bf16, arithmetic in fp32, because this CPU has "
+            "no native bf16 (%s)",
+            detect().describe(),
+        )
         return Precision(torch.float32, torch.bfloat16)
     return Precision(dtype, dtype)
 
 
 def resolve_kv_cache_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
     """`--kv-cache-dtype`: the model's dtype for auto; int8 for int8 rows with a scale each
-    (tokenmill.models.kv_quant); a cache wider than the model is refused (it would only cost memory)."""
+    (tokenmill.models.layers.kv_quant); a cache wider than the model is refused (it would only cost memory)."""
     if choice == "auto":
         return model_dtype
     if choice == "int8":
         return torch.int8
     dtype = DTYPES[choice]
     if dtype.itemsize > model_dtype.itemsize:
-        raise ValueError(f"--kv-cache-dtype {choice} is wider than the model's {str(model_dtype).removeprefix('torch.')}")
+        raise ValueError(
+            f"--kv-cache-dtype {choice} is wider than the model's {str(model_dtype).removeprefix('torch.')}"
+        )
     return dtype

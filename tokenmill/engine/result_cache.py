@@ -59,9 +59,17 @@ class ResultCache:
         """Store a finished request's choices; refused unless every choice ended normally."""
         if any(o.finish_reason not in _CACHEABLE_FINISH for o in outputs):
             return False
-        stored = [replace(o, token_ids=list(o.token_ids), text_delta="", token_ids_delta=[],
-                          logprobs=list(o.logprobs) if o.logprobs is not None else None, logprobs_delta=None)
-                  for o in outputs]
+        stored = [
+            replace(
+                o,
+                token_ids=list(o.token_ids),
+                text_delta="",
+                token_ids_delta=[],
+                logprobs=list(o.logprobs) if o.logprobs is not None else None,
+                logprobs_delta=None,
+            )
+            for o in outputs
+        ]
         with self._lock:
             self._entries[key] = stored
             self._entries.move_to_end(key)
@@ -77,5 +85,11 @@ class ResultCache:
 def _replayed(o: CompletionOutput) -> CompletionOutput:
     """A cached choice as one final output: everything is new to this caller."""
     logprobs = list(o.logprobs) if o.logprobs is not None else None
-    return replace(o, token_ids=list(o.token_ids), text_delta=o.text, token_ids_delta=list(o.token_ids),
-                   logprobs=logprobs, logprobs_delta=list(logprobs) if logprobs is not None else None)
+    return replace(
+        o,
+        token_ids=list(o.token_ids),
+        text_delta=o.text,
+        token_ids_delta=list(o.token_ids),
+        logprobs=logprobs,
+        logprobs_delta=list(logprobs) if logprobs is not None else None,
+    )

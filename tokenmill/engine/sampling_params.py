@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tokenmill.engine.errors import InvalidRequest
-from tokenmill.engine.structured_outputs import StructuredOutputsParams
+from tokenmill.engine.structured_output.params import StructuredOutputsParams
+from tokenmill.errors import InvalidRequest
 
 # Hard limits that keep one request from exhausting the server (see RELIABILITY.md).
 MAX_N = 16
@@ -59,7 +59,7 @@ class SamplingParams:
         self.validate()
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+    def from_dict(cls, values: dict[str, Any]) -> SamplingParams:
         """Build from user input, rejecting unknown fields by name."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
@@ -95,8 +95,9 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         elif self.max_tokens == 0:
-            raise InvalidRequest("max_tokens must be at least 1 (0 only scores the prompt: set prompt_logprobs)",
-                                 param="max_tokens")
+            raise InvalidRequest(
+                "max_tokens must be at least 1 (0 only scores the prompt: set prompt_logprobs)", param="max_tokens"
+            )
         number("temperature", self.temperature, 0.0, 100.0)
         number("top_p", self.top_p, 0.0, 1.0)
         if self.top_p <= 0.0:
@@ -107,7 +108,9 @@ class SamplingParams:
             integer("seed", self.seed, -(1 << 63), (1 << 64) - 1)
         integer("n", self.n, 1, MAX_N)
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}", param="stop")
+            raise InvalidRequest(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}", param="stop"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequest("stop strings must be non-empty strings", param="stop")

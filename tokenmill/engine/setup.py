@@ -12,14 +12,14 @@ import torch
 from transformers import AutoTokenizer
 
 from tokenmill.engine.config import EngineConfig, parse_memory
-from tokenmill.engine.kv_cache import bytes_per_block
 from tokenmill.engine.precision import Precision
-from tokenmill.models.fused_layer import fuse_decoder_layers
-from tokenmill.models.loader import load_model, load_spec, resolve_architecture
-from tokenmill.models.packed_linear import pack_linears
-from tokenmill.models.parallel import TPInfo, check_shardable
-from tokenmill.models.quant import quantize_model
-from tokenmill.models.registry import NATIVE
+from tokenmill.engine.worker.kv_cache import bytes_per_block
+from tokenmill.models.layers.fused_layer import fuse_decoder_layers
+from tokenmill.models.layers.packed_linear import pack_linears
+from tokenmill.models.layers.parallel import TPInfo, check_shardable
+from tokenmill.models.layers.quant import quantize_model
+from tokenmill.models.model_loader.loader import load_model, load_spec, resolve_architecture
+from tokenmill.models.model_loader.registry import NATIVE
 from tokenmill.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -45,17 +45,30 @@ def check_tensor_parallel(config: EngineConfig, model_dir: Path, device: torch.d
     if world == 1:
         return
     if resolve_architecture(model_dir, config.model_impl)[0].path != NATIVE:
-        raise ValueError("--tensor-parallel-size > 1 needs the native path (`tokenmill models`), "
-                         "not the generic transformers path")
+        raise ValueError(
+            "--tensor-parallel-size > 1 needs the native path (`tokenmill models`), not the generic transformers path"
+        )
     check_shardable(load_spec(model_dir), world)
 
 
-def load_prepared_model(config: EngineConfig, model_dir: Path, precision: Precision, device: torch.device,
-                        rank: int = 0, progress: bool = False) -> tuple[torch.nn.Module, ModelSpec]:
+def load_prepared_model(
+    config: EngineConfig,
+    model_dir: Path,
+    precision: Precision,
+    device: torch.device,
+    rank: int = 0,
+    progress: bool = False,
+) -> tuple[torch.nn.Module, ModelSpec]:
     """This rank's share of the model in `precision`, quantized, packed or compiled as the config asks."""
-    model, spec = load_model(model_dir, precision.compute, device, progress=progress,
-                             tp=TPInfo(rank, config.tensor_parallel_size), max_model_len=config.max_model_len,
-                             model_impl=config.model_impl)
+    model, spec = load_model(
+        model_dir,
+        precision.compute,
+        device,
+        progress=progress,
+        tp=TPInfo(rank, config.tensor_parallel_size),
+        max_model_len=config.max_model_len,
+        model_impl=config.model_impl,
+    )
     if precision.weights != precision.compute:
         round_weights(model, precision.weights)
     prepare_model(model, config, device)
@@ -102,8 +115,10 @@ def load_tokenizer(model_dir: Path) -> Any:
         logger.warning("no usable tokenizer in %s (%s): only token-id prompts will work", model_dir, exc)
         return None
     if getattr(tokenizer, "backend_tokenizer", None) is None:  # incremental detokenization needs `tokenizers`
-        raise ValueError(f"the tokenizer in {model_dir} ({type(tokenizer).__name__}) has no fast (tokenizers) "
-                         "backend; tokenmill needs one (a tokenizer.json)")
+        raise ValueError(
+            f"the tokenizer in {model_dir} ({type(tokenizer).__name__}) has no fast (tokenizers) "
+            "backend; tokenmill needs one (a tokenizer.json)"
+        )
     return tokenizer
 
 
@@ -116,14 +131,22 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     return min(int(psutil.virtual_memory().available * config.kv_cache_memory_fraction), _CPU_DEFAULT_KV_CAP)
 
 
-def num_kv_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int, extra_bytes_per_block: int = 0) -> tuple[int, int]:
+def num_kv_blocks(
+    config: EngineConfig,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    extra_bytes_per_block: int = 0,
+) -> tuple[int, int]:
     """(blocks the budget holds, bytes per block); never more blocks than every sequence slot at full
     length could use (x2 for the prefix cache). `extra_bytes_per_block`: another cache indexed by
     the same blocks (a draft model's)."""
     bs = config.block_size
     per_block = bytes_per_block(bs, spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype) + extra_bytes_per_block
-    num_blocks = min(kv_budget_bytes(config, device) // per_block, 2 * config.max_num_seqs * -(-max_model_len // bs) + 1)
+    num_blocks = min(
+        kv_budget_bytes(config, device) // per_block, 2 * config.max_num_seqs * -(-max_model_len // bs) + 1
+    )
     if num_blocks < 2:
         raise ValueError(f"--kv-cache-memory is too small for a single {bs}-token block ({per_block} bytes)")
     return num_blocks, per_block

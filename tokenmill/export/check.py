@@ -48,19 +48,24 @@ class CheckReport:
         return all(p.tokens_equal and p.batched_equal and p.max_logprob_diff <= self.tolerance for p in self.prompts)
 
     def table(self) -> str:
-        lines = [f"{self.format} ({self.dtype}) vs tokenmill, {self.new_tokens} greedy tokens per prompt, "
-                 f"tolerance {self.tolerance:g}:",
-                 f"{'prompt':>6} {'tokens':>6} {'max |d logprob|':>16} {'greedy equal':>13} {'in a batch':>11}"]
+        lines = [
+            f"{self.format} ({self.dtype}) vs tokenmill, {self.new_tokens} greedy tokens per prompt, "
+            f"tolerance {self.tolerance:g}:",
+            f"{'prompt':>6} {'tokens':>6} {'max |d logprob|':>16} {'greedy equal':>13} {'in a batch':>11}",
+        ]
         for i, p in enumerate(self.prompts):
-            lines.append(f"{i:>6} {p.prompt_tokens:>6} {p.max_logprob_diff:>16.2e} "
-                         f"{'yes' if p.tokens_equal else f'no (step {p.first_difference})':>13} "
-                         f"{'yes' if p.batched_equal else 'no':>11}")
+            lines.append(
+                f"{i:>6} {p.prompt_tokens:>6} {p.max_logprob_diff:>16.2e} "
+                f"{'yes' if p.tokens_equal else f'no (step {p.first_difference})':>13} "
+                f"{'yes' if p.batched_equal else 'no':>11}"
+            )
         lines.append("PASS" if self.passed else "FAIL")
         return "\n".join(lines)
 
 
-def greedy(runner: StepRunner, prompts: list[list[int]], new_tokens: int, empty: list[torch.Tensor],
-           pad_id: int = 0) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+def greedy(
+    runner: StepRunner, prompts: list[list[int]], new_tokens: int, empty: list[torch.Tensor], pad_id: int = 0
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Greedy tokens and each step's log-probabilities [vocab] of every prompt, run as one batch
     (left-padded to the longest prompt), feeding the presents back as the next step's past."""
     width = max(len(p) for p in prompts)
@@ -83,8 +88,9 @@ def greedy(runner: StepRunner, prompts: list[list[int]], new_tokens: int, empty:
     return tokens, logprobs
 
 
-def check_export(out_dir: Path, model_dir: Path, device: torch.device, prompts: list[str] | None = None,
-                 new_tokens: int = 32) -> CheckReport:
+def check_export(
+    out_dir: Path, model_dir: Path, device: torch.device, prompts: list[str] | None = None, new_tokens: int = 32
+) -> CheckReport:
     from tokenmill import LLM, SamplingParams
 
     manifest = json.loads((out_dir / MANIFEST).read_text())
@@ -110,6 +116,9 @@ def check_export(out_dir: Path, model_dir: Path, device: torch.device, prompts: 
         for step, token, (chosen, top) in zip(steps[:compared], ref.token_ids, ref.logprobs):
             reported = {**top, token: chosen}  # the chosen token and the top alternatives
             diff = max(diff, *(abs(float(step[t]) - lp) for t, lp in reported.items() if math.isfinite(lp)))
-        checks.append(PromptCheck(len(ids), differ is None and len(tokens) == len(ref.token_ids),
-                                  batched[i] == tokens, diff, differ))
+        checks.append(
+            PromptCheck(
+                len(ids), differ is None and len(tokens) == len(ref.token_ids), batched[i] == tokens, diff, differ
+            )
+        )
     return CheckReport(manifest["format"], dtype, new_tokens, TOLERANCE[dtype], checks)

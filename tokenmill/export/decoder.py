@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenmill.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from tokenmill.models.families.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 # Input and output names (Optimum's / onnxruntime-genai's).
 INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -66,8 +66,9 @@ class ContiguousAttention(nn.Module):
         super().__init__()
         self.attention = attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: PastKV) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: PastKV
+    ) -> torch.Tensor:
         a = self.attention
         q, k, v = a.project_qkv(x, cos, sin)
         b, s = meta.batch, meta.seq
@@ -103,8 +104,9 @@ class ExportDecoder(nn.Module):
     def num_layers(self) -> int:
         return len(self.model.layers)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         batch, seq = input_ids.shape
         meta = PastKV.build(attention_mask, seq, self.windows)
         kv = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
@@ -117,19 +119,23 @@ def check_exportable(model: nn.Module) -> None:
     """Only dense Llama-family decoders export (their attention and MLP are the ones handled here)."""
     families = "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3"
     if not isinstance(model, LlamaForCausalLM):
-        raise ValueError(f"export supports the native Llama-family architectures ({families}), "
-                         f"not {type(model).__name__}")
+        raise ValueError(
+            f"export supports the native Llama-family architectures ({families}), not {type(model).__name__}"
+        )
     for layer in model.layers:
         if not isinstance(layer.self_attn, LlamaAttention) or not isinstance(layer.mlp, LlamaMLP):
-            raise ValueError(f"export supports dense Llama-family layers ({families}); "
-                             f"{type(model).__name__} has {type(layer.mlp).__name__} layers (mixture of experts "
-                             "routing is data-dependent and is not exported)")
+            raise ValueError(
+                f"export supports dense Llama-family layers ({families}); "
+                f"{type(model).__name__} has {type(layer.mlp).__name__} layers (mixture of experts "
+                "routing is data-dependent and is not exported)"
+            )
 
 
-def load_exportable(model_dir: Path, dtype: torch.dtype, device: torch.device,
-                    max_model_len: int | None = None) -> ExportDecoder:
+def load_exportable(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, max_model_len: int | None = None
+) -> ExportDecoder:
     """The native model of `model_dir` (plain linear layers: no oneDNN packing, no quantization)."""
-    from tokenmill.models.loader import load_model
+    from tokenmill.models.model_loader.loader import load_model
 
     model, _ = load_model(model_dir, dtype, device, progress=False, max_model_len=max_model_len, model_impl="native")
     return ExportDecoder(model).eval()

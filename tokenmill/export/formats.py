@@ -13,9 +13,19 @@ import torch
 
 from tokenmill.export.decoder import INPUTS, ExportDecoder, past_names, present_names
 from tokenmill.export.layout import FILES, MANIFEST
+
 # What a runtime needs beside the graph: the tokenizer, the config (eos ids), the generation config.
-_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja")
+_COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 def example_inputs(decoder: ExportDecoder, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -25,13 +35,16 @@ def example_inputs(decoder: ExportDecoder, dtype: torch.dtype, device: torch.dev
     ids = torch.randint(0, spec.vocab_size, (batch, seq), device=device)
     mask = torch.ones(batch, past + seq, dtype=torch.long, device=device)
     positions = torch.arange(past, past + seq, device=device).expand(batch, seq)
-    kv = [torch.randn(batch, spec.num_kv_heads, past, spec.head_dim, dtype=dtype, device=device)
-          for _ in range(2 * decoder.num_layers)]
+    kv = [
+        torch.randn(batch, spec.num_kv_heads, past, spec.head_dim, dtype=dtype, device=device)
+        for _ in range(2 * decoder.num_layers)
+    ]
     return (ids, mask, positions, *kv)
 
 
-def export(decoder: ExportDecoder, fmt: str, out_dir: Path, dtype: torch.dtype, device: torch.device,
-           model_dir: Path) -> Path:
+def export(
+    decoder: ExportDecoder, fmt: str, out_dir: Path, dtype: torch.dtype, device: torch.device, model_dir: Path
+) -> Path:
     """Write the graph, its manifest and the model's tokenizer/config files to `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / FILES[fmt]
@@ -46,11 +59,18 @@ def export(decoder: ExportDecoder, fmt: str, out_dir: Path, dtype: torch.dtype, 
             shutil.copy2(model_dir / name, out_dir / name)
     spec = decoder.model.spec
     manifest = {
-        "format": fmt, "file": path.name, "dtype": str(dtype).removeprefix("torch."),
-        "model_type": spec.model_type, "num_layers": decoder.num_layers, "num_kv_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
-        "max_position": spec.context_len or spec.max_position, "eos_token_ids": spec.eos_token_ids,
-        "inputs": [*INPUTS, *past_names(decoder.num_layers)], "outputs": ["logits", *present_names(decoder.num_layers)],
+        "format": fmt,
+        "file": path.name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "model_type": spec.model_type,
+        "num_layers": decoder.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position": spec.context_len or spec.max_position,
+        "eos_token_ids": spec.eos_token_ids,
+        "inputs": [*INPUTS, *past_names(decoder.num_layers)],
+        "outputs": ["logits", *present_names(decoder.num_layers)],
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return path
@@ -64,13 +84,24 @@ def _export_onnx(decoder: ExportDecoder, args: tuple[torch.Tensor, ...], path: P
     # separate symbols per tensor would make its shape reasoning minutes slower.
     batch, seq, past = torch.export.Dim("batch"), torch.export.Dim("sequence"), torch.export.Dim("past_sequence")
     # (*past is one argument to torch.export: its shapes are one tuple.)
-    shapes = ({0: batch, 1: seq}, {0: batch, 1: torch.export.Dim.AUTO}, {0: batch, 1: seq},
-              tuple({0: batch, 2: past} for _ in args[3:]))
+    shapes = (
+        {0: batch, 1: seq},
+        {0: batch, 1: torch.export.Dim.AUTO},
+        {0: batch, 1: seq},
+        tuple({0: batch, 2: past} for _ in args[3:]),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # axis names shared by several inputs, said once per input
         program = torch.onnx.export(
-            decoder, args, dynamo=True, dynamic_shapes=shapes, input_names=[*INPUTS, *past_names(decoder.num_layers)],
-            output_names=["logits", *present_names(decoder.num_layers)], optimize=False, verbose=False)
+            decoder,
+            args,
+            dynamo=True,
+            dynamic_shapes=shapes,
+            input_names=[*INPUTS, *past_names(decoder.num_layers)],
+            output_names=["logits", *present_names(decoder.num_layers)],
+            optimize=False,
+            verbose=False,
+        )
     mask = program.model.graph.inputs[1]  # its length axis got a generated name: call it what it is
     mask.shape = ir.Shape([mask.shape[0], "past_sequence + sequence"])
     program.save(str(path))
@@ -93,8 +124,13 @@ def _export_torchscript(decoder: ExportDecoder, args: tuple[torch.Tensor, ...], 
 class StepRunner(Protocol):
     """An exported decoder step: (input_ids, attention_mask, position_ids, past) -> (logits, presents)."""
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                 past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
 
 
 class OnnxRunner:
@@ -123,8 +159,12 @@ class TorchScriptRunner:
 
     def __call__(self, input_ids, attention_mask, position_ids, past):
         with torch.inference_mode():
-            logits, *presents = self.module(input_ids.to(self.device), attention_mask.to(self.device),
-                                            position_ids.to(self.device), *(p.to(self.device) for p in past))
+            logits, *presents = self.module(
+                input_ids.to(self.device),
+                attention_mask.to(self.device),
+                position_ids.to(self.device),
+                *(p.to(self.device) for p in past),
+            )
         return logits.cpu(), list(presents)
 
 

@@ -43,7 +43,7 @@ def compile_flags(isa: str) -> list[str]:
 def build_directory(isa: str) -> Path:
     import torch
 
-    from tokenmill.models.hub import cache_root
+    from tokenmill.paths import cache_root
 
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
@@ -78,10 +78,14 @@ def load() -> bool:
             _compile(name, isa, directory)
             (directory / _DONE_MARKER).write_text("ok\n")
             logger.info("CPU kernels built in %.0f s", time.perf_counter() - start)
-    except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back, loudly
+    except Exception as exc:
         last_line = (str(exc).strip().splitlines() or [""])[-1]
-        logger.warning("tokenmill's CPU kernels could not be built or loaded (%s: %s); using pure-torch "
-                       "attention (gathers K/V blocks, slower)", type(exc).__name__, last_line)
+        logger.warning(
+            "tokenmill's CPU kernels could not be built or loaded (%s: %s); using pure-torch "
+            "attention (gathers K/V blocks, slower)",
+            type(exc).__name__,
+            last_line,
+        )
         return False
     logger.info("CPU kernels loaded: %s, on %s", isa, detect().describe())
     return True
@@ -94,9 +98,15 @@ def _compile(name: str, isa: str, directory: Path) -> None:
     logger.info("compiling tokenmill's CPU kernels for %s into %s (once, under a minute)", isa, directory)
     _put_ninja_on_path()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=compile_flags(isa),
-                       extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False,
-                       verbose=False)
+    cpp_extension.load(
+        name=name,
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=compile_flags(isa),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def _put_ninja_on_path() -> None:

@@ -45,8 +45,11 @@ class CpuCaps:
         return "generic"
 
     def describe(self) -> str:
-        names = [name for name in ("avx2", "fma", "avx512", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni",
-                                   "avx_vnni") if getattr(self, name)]
+        names = [
+            name
+            for name in ("avx2", "fma", "avx512", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni", "avx_vnni")
+            if getattr(self, name)
+        ]
         return f"{'+'.join(names) or 'no SIMD extensions'} (torch dispatch {self.torch_capability})"
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from tokenmill.lora.registry import LoRAAdapter
+    from tokenmill.lora.types import LoRAAdapter
 
 
 @dataclass(frozen=True)
@@ -90,17 +90,25 @@ class LoRASlots:
         if not distinct:
             return None
         slot_of = self.place(list(distinct.values()))
-        token_slots = torch.tensor([slot_of[a.id] if a is not None else -1
-                                    for a, n in row_adapters for _ in range(n)], dtype=torch.long)
+        token_slots = torch.tensor(
+            [slot_of[a.id] if a is not None else -1 for a, n in row_adapters for _ in range(n)], dtype=torch.long
+        )
         adapted = token_slots >= 0
         # Base rows sort after every slot; a stable sort keeps token order within a slot.
         keys = torch.where(adapted, token_slots, self.max_loras)
         rows = torch.argsort(keys, stable=True)[: int(adapted.sum())]
         counts = torch.bincount(token_slots[adapted], minlength=self.max_loras)
         ends = counts.cumsum(0)
-        segments = tuple((slot, int(ends[slot] - counts[slot]), int(ends[slot]))
-                         for slot in range(self.max_loras) if counts[slot])
+        segments = tuple(
+            (slot, int(ends[slot] - counts[slot]), int(ends[slot])) for slot in range(self.max_loras) if counts[slot]
+        )
         first, end = segments[0][0], segments[-1][0] + 1
-        return LoRABatch(token_slots, rows, (first, end), ends[first:end].to(torch.int32), segments,
-                         tuple(sorted((slot_of[i], a) for i, a in distinct.items())),
-                         _padded(rows, segments, end - first))
+        return LoRABatch(
+            token_slots,
+            rows,
+            (first, end),
+            ends[first:end].to(torch.int32),
+            segments,
+            tuple(sorted((slot_of[i], a) for i, a in distinct.items())),
+            _padded(rows, segments, end - first),
+        )

@@ -33,32 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.engine.tensors import to_device
 from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.lora.batch import LoRABatch
-from tokenmill.models.moe import grouped_mm_supported
-
-
-@dataclass(frozen=True)
-class LoRAWeights:
-    """One adapter matrix pair of one wrapped layer: `part` is the fused part it adapts (None: the
-    whole layer); `a` [r, in], `b` [out of the part (or layer), r] with the scale folded in."""
-
-    part: int | None
-    a: torch.Tensor
-    b: torch.Tensor
-
-
-@dataclass(frozen=True)
-class LoRATarget:
-    """What an adapter may put into one wrapped layer."""
-
-    in_features: int
-    part_sizes: tuple[int, ...]
-
-    @property
-    def out_features(self) -> int:
-        return sum(self.part_sizes)
+from tokenmill.lora.types import LoRATarget, LoRAWeights
+from tokenmill.models.layers.moe import grouped_mm_supported
 
 
 @dataclass
@@ -77,8 +55,16 @@ class ActiveStep:
 class LoRALinear(nn.Module):
     """`base` (an nn.Linear, or what packing/quantization made of it) plus per-slot LoRA deltas."""
 
-    def __init__(self, base: nn.Module, target: LoRATarget, state: LoRAModel, max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        target: LoRATarget,
+        state: LoRAModel,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.base = base
         self.target = target
@@ -86,10 +72,16 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         parts = len(target.part_sizes)
         # Buffers (not saved): they count in the model's memory, as they take it.
-        self.register_buffer("lora_a", torch.zeros(max_loras, parts * max_rank, target.in_features, dtype=dtype,
-                                                   device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, parts * max_rank, target.out_features, dtype=dtype,
-                                                   device=device), persistent=False)
+        self.register_buffer(
+            "lora_a",
+            torch.zeros(max_loras, parts * max_rank, target.in_features, dtype=dtype, device=device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "lora_b",
+            torch.zeros(max_loras, parts * max_rank, target.out_features, dtype=dtype, device=device),
+            persistent=False,
+        )
         # Per slot and part: (first rank column, rank, first and end output feature) of the block the
         # adapter fills (rank 0: none). Host memory: read by the CPU kernel only.
         self.blocks = torch.zeros(max_loras, parts, 4, dtype=torch.long)
@@ -102,8 +94,9 @@ class LoRALinear(nn.Module):
         if step is None or not any(self.filled[s] for s in step.slots):
             return out
         if step.kernel_segments is not None and x.dim() == 2 and x.is_contiguous() and out.is_contiguous():
-            torch.ops.tokenmill.lora_delta(x, out, self.lora_a, self.lora_b, step.rows, step.kernel_segments,
-                                           self.blocks)
+            torch.ops.tokenmill.lora_delta(
+                x, out, self.lora_a, self.lora_b, step.rows, step.kernel_segments, self.blocks
+            )
             return out
         if step.padded is not None:
             delta = self._batched(x, step)
@@ -156,8 +149,9 @@ class LoRAModel:
     """The model side of LoRA: the wrapped layers, what each slot holds, and the running step.
     Used by the model thread only (loads happen there, in step order, between forward passes)."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.layers: dict[str, LoRALinear] = {}
@@ -170,9 +164,11 @@ class LoRAModel:
             setattr(parent, attr, wrapped)
             self.layers[f"{parent_name}.{attr}" if parent_name else attr] = wrapped
         if not self.layers:
-            raise ValueError(f"LoRA: {type(model).__name__} has no layers LoRA adapters can target (supported: the "
-                             "native Llama-family models of `tokenmill models`: llama, mistral, qwen2, qwen3, gemma 1/2/3, "
-                             "phi3, and the attention of the MoE models)")
+            raise ValueError(
+                f"LoRA: {type(model).__name__} has no layers LoRA adapters can target (supported: the "
+                "native Llama-family models of `tokenmill models`: llama, mistral, qwen2, qwen3, gemma 1/2/3, "
+                "phi3, and the attention of the MoE models)"
+            )
         self.hf_to_local = type(model).hf_to_local  # checkpoint (and so PEFT) names -> wrapped layer names
         self.resident: list[int | None] = [None] * max_loras  # adapter id held by each slot
         self.active: ActiveStep | None = None
@@ -193,28 +189,36 @@ class LoRAModel:
                 for name, layer in self.layers.items():
                     layer.load_slot(slot, adapter.weights.get(name, ()))
                 self.resident[slot] = adapter.id
-        self.active = ActiveStep(batch.rows.to(device, non_blocking=True), batch.slot_range,
-                                 batch.offsets.to(device, non_blocking=True), batch.segments,
-                                 tuple(slot for slot, _ in batch.adapters),
-                                 None if batch.padded is None else to_device(batch.padded, device, non_blocking=True),
-                                 torch.tensor(batch.segments, dtype=torch.long) if self.kernel else None)
+        self.active = ActiveStep(
+            batch.rows.to(device, non_blocking=True),
+            batch.slot_range,
+            batch.offsets.to(device, non_blocking=True),
+            batch.segments,
+            tuple(slot for slot, _ in batch.adapters),
+            None if batch.padded is None else tuple(t.to(device, non_blocking=True) for t in batch.padded),
+            torch.tensor(batch.segments, dtype=torch.long) if self.kernel else None,
+        )
 
     def end(self) -> None:
         self.active = None
 
 
-def _check_slot_memory(model: nn.Module, capable: list, max_loras: int, max_rank: int, dtype: torch.dtype,
-                       device: torch.device) -> None:
+def _check_slot_memory(
+    model: nn.Module, capable: list, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+) -> None:
     """Refuse --max-loras x --max-lora-rank slots that do not fit in the free memory, naming the flags
     (rather than an allocator traceback at start)."""
-    elements = sum(len(sizes) * max_rank * (getattr(parent, attr).in_features + sum(sizes))
-                   for _, parent, attr, sizes in capable)
+    elements = sum(
+        len(sizes) * max_rank * (getattr(parent, attr).in_features + sum(sizes)) for _, parent, attr, sizes in capable
+    )
     needed = max_loras * elements * dtype.itemsize
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     if needed > free // 2:
-        raise ValueError(f"LoRA slots for --max-loras {max_loras} x --max-lora-rank {max_rank} need "
-                         f"{needed / 2**30:.1f} GiB, more than half the free memory ({free / 2**30:.1f} GiB): "
-                         "lower --max-loras or --max-lora-rank")
+        raise ValueError(
+            f"LoRA slots for --max-loras {max_loras} x --max-lora-rank {max_rank} need "
+            f"{needed / 2**30:.1f} GiB, more than half the free memory ({free / 2**30:.1f} GiB): "
+            "lower --max-loras or --max-lora-rank"
+        )
 
 
 def _lora_capable(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, tuple[int, ...]]]:

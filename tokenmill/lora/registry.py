@@ -22,14 +22,14 @@ import pickle
 import re
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tokenmill.engine.errors import InvalidRequest
-from tokenmill.lora.layers import LoRATarget, LoRAWeights
+from tokenmill.errors import InvalidRequest
+from tokenmill.lora.types import LoRAAdapter, LoRATarget, LoRAWeights
 
 logger = logging.getLogger(__name__)
 
@@ -58,23 +58,6 @@ class LoRARequest:
     lora_path: str
 
 
-@dataclass(frozen=True, eq=False)
-class LoRAAdapter:
-    """A loaded adapter: its matrices per wrapped layer (CPU, model dtype), immutable once built."""
-
-    name: str
-    path: str
-    id: int
-    rank: int
-    weights: Mapping[str, tuple[LoRAWeights, ...]] = field(repr=False)
-    base_model_name: str | None = None
-
-    @property
-    def prefix_key(self) -> int:
-        """The root of this adapter's prefix-cache hash chains (the base model's root is None)."""
-        return hash(("lora", self.id))
-
-
 @dataclass(frozen=True)
 class LoRAModulePath:
     """One `--lora-modules` entry."""
@@ -92,9 +75,9 @@ def parse_lora_module(text: str) -> LoRAModulePath:
         except json.JSONDecodeError as exc:
             raise ValueError(f"--lora-modules: {text!r} is not valid JSON ({exc})") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
-            raise ValueError(f"--lora-modules: {text!r} needs string fields \"name\" and \"path\"")
+            raise ValueError(f'--lora-modules: {text!r} needs string fields "name" and "path"')
         if not isinstance(spec.get("base_model_name", ""), (str, type(None))):
-            raise ValueError(f"--lora-modules: {text!r}: \"base_model_name\" must be a string")
+            raise ValueError(f'--lora-modules: {text!r}: "base_model_name" must be a string')
         unknown = set(spec) - {"name", "path", "base_model_name"}
         if unknown:
             raise ValueError(f"--lora-modules: {text!r} has unknown fields {sorted(unknown)}")
@@ -109,8 +92,14 @@ class LoRARegistry:
     """The adapters a server or LLM can serve, by name (thread-safe: the server loads adapters on
     worker threads while the engine thread reads them)."""
 
-    def __init__(self, targets: Mapping[str, LoRATarget], hf_to_local: Callable[[str], tuple[str, int | None, Any]],
-                 max_rank: int, dtype: torch.dtype, base_model_name: str) -> None:
+    def __init__(
+        self,
+        targets: Mapping[str, LoRATarget],
+        hf_to_local: Callable[[str], tuple[str, int | None, Any]],
+        max_rank: int,
+        dtype: torch.dtype,
+        base_model_name: str,
+    ) -> None:
         self.targets = dict(targets)
         self.hf_to_local = hf_to_local
         self.max_rank = max_rank
@@ -130,7 +119,9 @@ class LoRARegistry:
     def load(self, name: str, path: str | Path, base_model_name: str | None = None) -> LoRAAdapter:
         """Read, check and register an adapter under a new name (LoRAError on any problem)."""
         if not name or not str(path):
-            raise LoRAError("both lora_name and lora_path must be given", param="lora_name" if not name else "lora_path")
+            raise LoRAError(
+                "both lora_name and lora_path must be given", param="lora_name" if not name else "lora_path"
+            )
         if name == self.base_model_name:
             raise LoRAError(f"{name!r} is the base model's name; give the adapter another", param="lora_name")
         if name in self._adapters:
@@ -159,8 +150,9 @@ class LoRARegistry:
         if adapter is None:
             return self.load(request.lora_name, request.lora_path)
         if Path(adapter.path) != Path(request.lora_path):
-            raise LoRAError(f"the LoRA adapter {request.lora_name!r} is already loaded from {adapter.path}, "
-                            f"not {request.lora_path}")
+            raise LoRAError(
+                f"the LoRA adapter {request.lora_name!r} is already loaded from {adapter.path}, not {request.lora_path}"
+            )
         return adapter
 
     # -- reading a PEFT directory ------------------------------------------------------------
@@ -178,8 +170,10 @@ class LoRARegistry:
             else:
                 pairs.setdefault(match["module"], {})[match["matrix"]] = tensor
         if unknown:
-            raise LoRAError(f"{where}: tensors that are not LoRA A/B weights (DoRA, trained biases, "
-                            f"modules_to_save or embedding adapters are not supported): {_listed(unknown)}")
+            raise LoRAError(
+                f"{where}: tensors that are not LoRA A/B weights (DoRA, trained biases, "
+                f"modules_to_save or embedding adapters are not supported): {_listed(unknown)}"
+            )
         if not pairs:
             raise LoRAError(f"{where}: the weights file holds no LoRA matrices")
         weights: dict[str, list[LoRAWeights]] = {}
@@ -196,8 +190,9 @@ class LoRARegistry:
             rank = max(rank, a.shape[0])
         return {k: tuple(v) for k, v in weights.items()}, rank
 
-    def _checked_pair(self, where: str, module: str, matrices: dict[str, torch.Tensor]) \
-            -> tuple[str, int | None, torch.Tensor, torch.Tensor]:
+    def _checked_pair(
+        self, where: str, module: str, matrices: dict[str, torch.Tensor]
+    ) -> tuple[str, int | None, torch.Tensor, torch.Tensor]:
         if set(matrices) != {"A", "B"}:
             missing = "lora_B" if "A" in matrices else "lora_A"
             raise LoRAError(f"{where}: {module} has no {missing} weight")
@@ -205,16 +200,22 @@ class LoRARegistry:
         local = local.removesuffix(".weight")
         target = self.targets.get(local)
         if target is None or (part is not None and part >= len(target.part_sizes)):
-            raise LoRAError(f"{where}: target module {module} is not a layer this model serves with LoRA "
-                            "(supported: the q/k/v/o and gate/up/down projections of every decoder layer)")
+            raise LoRAError(
+                f"{where}: target module {module} is not a layer this model serves with LoRA "
+                "(supported: the q/k/v/o and gate/up/down projections of every decoder layer)"
+            )
         a, b = matrices["A"], matrices["B"]
         out = target.out_features if part is None else target.part_sizes[part]
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-            raise LoRAError(f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
-                            "are not a [r, in] / [out, r] pair")
+            raise LoRAError(
+                f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                "are not a [r, in] / [out, r] pair"
+            )
         if a.shape[1] != target.in_features or b.shape[0] != out:
-            raise LoRAError(f"{where}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
-                            f"model's layer ({target.in_features} in, {out} out): an adapter of another base model?")
+            raise LoRAError(
+                f"{where}: {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the "
+                f"model's layer ({target.in_features} in, {out} out): an adapter of another base model?"
+            )
         if a.shape[0] == 0:
             raise LoRAError(f"{where}: {module} has rank 0 (empty lora_A / lora_B)")
         if a.shape[0] > self.max_rank:
@@ -287,8 +288,10 @@ def _check_alpha_pattern(pattern: Any, where: str) -> None:
             if problem:
                 break
     if problem:
-        raise LoRAError(f"{where}: alpha_pattern must be an object of module patterns to positive numbers "
-                        f"in {CONFIG_FILE}: {problem}")
+        raise LoRAError(
+            f"{where}: alpha_pattern must be an object of module patterns to positive numbers "
+            f"in {CONFIG_FILE}: {problem}"
+        )
 
 
 def _read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
@@ -306,7 +309,8 @@ def _read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
             raise LoRAError(f"{where}: {file_name} is unreadable ({' '.join(str(exc).split())[:200]})") from None
         if not isinstance(tensors, dict) or not all(
-                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
+        ):
             raise LoRAError(f"{where}: {file_name} must hold a dict of named tensors")
         return tensors
     raise LoRAError(f"{where}: no {' or '.join(WEIGHT_FILES)}")

@@ -21,14 +21,13 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
-
-from . import lora_api, openapi, tokenizer_api
-from .errors import APIError, bad_request, error_body, error_response
-from .generation import Generation
-from .metrics import CONTENT_TYPE, ServerMetrics
-from .embeddings import prepare_embedding
-from .openai_api import Job, prepare_chat, prepare_completion
-from .protocol import (
+from tokenmill.server import lora_api, openapi, tokenizer_api
+from tokenmill.server.embeddings import prepare_embedding
+from tokenmill.server.errors import APIError, bad_request, error_body, error_response
+from tokenmill.server.generation import Generation
+from tokenmill.server.metrics import CONTENT_TYPE, ServerMetrics
+from tokenmill.server.openai_api import Job, prepare_chat, prepare_completion
+from tokenmill.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -38,9 +37,9 @@ from .protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingRequest,
-    LoadLoRAAdapterRequest,
     EmbeddingResponse,
     HealthStatus,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
@@ -49,8 +48,8 @@ from .protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from .settings import ServerSettings
-from .state import GENERATION_ENDPOINTS, RequestRecord, ServerState, status_of
+from tokenmill.server.settings import ServerSettings
+from tokenmill.server.state import GENERATION_ENDPOINTS, RequestRecord, ServerState, status_of
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +99,9 @@ class SSEResponse(StreamingResponse):
     before the first byte (a never-started body iterator would otherwise skip its cleanup)."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -131,8 +131,12 @@ async def read_body(request: Request, settings: ServerSettings) -> bytes:
     except ClientDisconnect:  # the client left mid-body: an abort (499), not a server error with a traceback
         raise ClientDisconnected() from None
     except asyncio.TimeoutError:  # not the builtin on 3.10
-        raise APIError(408, f"The request body did not arrive within {settings.body_timeout:g} s.",
-                       code="request_timeout", headers={"Connection": "close"}) from None
+        raise APIError(
+            408,
+            f"The request body did not arrive within {settings.body_timeout:g} s.",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     return bytes(body)
 
 
@@ -192,8 +196,9 @@ async def _events(job: Job, gen: Generation, outcome: _StreamOutcome) -> AsyncIt
     yield "data: [DONE]\n\n"
 
 
-async def _serve_generation(request: Request, endpoint: str,
-                            prepare: Callable[[ServerState, RequestRecord, bytes], Any]) -> Response:
+async def _serve_generation(
+    request: Request, endpoint: str, prepare: Callable[[ServerState, RequestRecord, bytes], Any]
+) -> Response:
     """The shared life of a generation request: validate, admit, start, then respond or stream."""
     state: ServerState = request.app.state.server
     record = state.begin(request.state.request_id, endpoint)
@@ -247,8 +252,12 @@ def _require_api_key(request: Request) -> None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     # compare_digest: the time taken must not reveal how much of the key matched.
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "Invalid or missing API key (send `Authorization: Bearer <key>`).", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401,
+            "Invalid or missing API key (send `Authorization: Bearer <key>`).",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def _require_json(request: Request) -> None:
@@ -266,7 +275,7 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM inference", version=__version__)
     app.state.server = state
     if settings.otlp_traces_endpoint:  # OpenTelemetry is imported only then
-        from .tracing import RequestTracing
+        from tokenmill.server.tracing import RequestTracing
 
         state.tracing = RequestTracing(settings, engine.model_name)
         state.tracing.instrument_http(app)
@@ -276,26 +285,43 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
     auth = [Depends(_require_api_key)]
     json_api = [Depends(_require_api_key), Depends(_require_json)]
 
-    @app.post(COMPLETIONS, dependencies=json_api, openapi_extra=openapi.json_body(CompletionRequest),
-              responses=openapi.generation_responses(CompletionResponse, CompletionChunk))
+    @app.post(
+        COMPLETIONS,
+        dependencies=json_api,
+        openapi_extra=openapi.json_body(CompletionRequest),
+        responses=openapi.generation_responses(CompletionResponse, CompletionChunk),
+    )
     async def completions(request: Request) -> Response:
         return await _serve_generation(request, COMPLETIONS, prepare_completion)
 
-    @app.post(CHAT, dependencies=json_api, openapi_extra=openapi.json_body(ChatCompletionRequest),
-              responses=openapi.generation_responses(ChatCompletionResponse, ChatCompletionChunk))
+    @app.post(
+        CHAT,
+        dependencies=json_api,
+        openapi_extra=openapi.json_body(ChatCompletionRequest),
+        responses=openapi.generation_responses(ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def chat_completions(request: Request) -> Response:
         return await _serve_generation(request, CHAT, prepare_chat)
 
-    @app.post(EMBEDDINGS, dependencies=json_api, openapi_extra=openapi.json_body(EmbeddingRequest),
-              responses=openapi.json_responses(EmbeddingResponse, "One pooled vector per input"))
+    @app.post(
+        EMBEDDINGS,
+        dependencies=json_api,
+        openapi_extra=openapi.json_body(EmbeddingRequest),
+        responses=openapi.json_responses(EmbeddingResponse, "One pooled vector per input"),
+    )
     async def embeddings(request: Request) -> Response:
         return await _serve_generation(request, EMBEDDINGS, prepare_embedding)
 
     def model_card(adapter: Any = None) -> ModelCard:
         if adapter is None:
             return ModelCard(id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
-        return ModelCard(id=adapter.name, created=state.started_at, max_model_len=engine.max_model_len,
-                         root=adapter.path, parent=adapter.base_model_name or engine.model_name)
+        return ModelCard(
+            id=adapter.name,
+            created=state.started_at,
+            max_model_len=engine.max_model_len,
+            root=adapter.path,
+            parent=adapter.base_model_name or engine.model_name,
+        )
 
     @app.get("/v1/models", dependencies=auth, responses=openapi.errors(401))
     async def models() -> ModelList:
@@ -307,28 +333,47 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
         return model_card(state.resolve_model(model_id))
 
     # Success is vLLM's plain-text line; errors are JSON like everywhere else.
-    lora_responses = openapi.text_responses("Success: LoRA adapter '...' added (removed) successfully.",
-                                            400, 401, 403, 404, 408, 413, 415)
+    lora_responses = openapi.text_responses(
+        "Success: LoRA adapter '...' added (removed) successfully.", 400, 401, 403, 404, 408, 413, 415
+    )
 
-    @app.post("/v1/load_lora_adapter", dependencies=json_api, response_class=PlainTextResponse,
-              openapi_extra=openapi.json_body(LoadLoRAAdapterRequest), responses=lora_responses)
+    @app.post(
+        "/v1/load_lora_adapter",
+        dependencies=json_api,
+        response_class=PlainTextResponse,
+        openapi_extra=openapi.json_body(LoadLoRAAdapterRequest),
+        responses=lora_responses,
+    )
     async def load_lora_adapter(request: Request) -> Response:
         return await _serve_text(request, lambda raw: lora_api.load_adapter(state, raw))
 
-    @app.post("/v1/unload_lora_adapter", dependencies=json_api, response_class=PlainTextResponse,
-              openapi_extra=openapi.json_body(UnloadLoRAAdapterRequest), responses=lora_responses)
+    @app.post(
+        "/v1/unload_lora_adapter",
+        dependencies=json_api,
+        response_class=PlainTextResponse,
+        openapi_extra=openapi.json_body(UnloadLoRAAdapterRequest),
+        responses=lora_responses,
+    )
     async def unload_lora_adapter(request: Request) -> Response:
         return await _serve_text(request, lambda raw: lora_api.unload_adapter(state, raw))
 
-    @app.post("/tokenize", dependencies=json_api, response_model=TokenizeResponse,
-              openapi_extra=openapi.json_body(TokenizePromptRequest, TokenizeChatRequest),
-              responses=openapi.errors(400, 401, 404, 408, 413, 415))
+    @app.post(
+        "/tokenize",
+        dependencies=json_api,
+        response_model=TokenizeResponse,
+        openapi_extra=openapi.json_body(TokenizePromptRequest, TokenizeChatRequest),
+        responses=openapi.errors(400, 401, 404, 408, 413, 415),
+    )
     async def tokenize(request: Request) -> Response:
         return await _serve_json(request, lambda raw: tokenizer_api.tokenize(state, raw))
 
-    @app.post("/detokenize", dependencies=json_api, response_model=DetokenizeResponse,
-              openapi_extra=openapi.json_body(DetokenizeRequest),
-              responses=openapi.errors(400, 401, 404, 408, 413, 415))
+    @app.post(
+        "/detokenize",
+        dependencies=json_api,
+        response_model=DetokenizeResponse,
+        openapi_extra=openapi.json_body(DetokenizeRequest),
+        responses=openapi.errors(400, 401, 404, 408, 413, 415),
+    )
     async def detokenize(request: Request) -> Response:
         return await _serve_json(request, lambda raw: tokenizer_api.detokenize(state, raw))
 
@@ -357,14 +402,28 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus text exposition format"}})
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format"}},
+    )
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    openapi.install(app, [CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizePromptRequest,
-                          TokenizeChatRequest, DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest],
-                    [CompletionChunk, ChatCompletionChunk])
+    openapi.install(
+        app,
+        [
+            CompletionRequest,
+            ChatCompletionRequest,
+            EmbeddingRequest,
+            TokenizePromptRequest,
+            TokenizeChatRequest,
+            DetokenizeRequest,
+            LoadLoRAAdapterRequest,
+            UnloadLoRAAdapterRequest,
+        ],
+        [CompletionChunk, ChatCompletionChunk],
+    )
     return app
 
 

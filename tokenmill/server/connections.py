@@ -89,5 +89,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
 def limited_http_protocol(header_timeout: float, max_connections: int) -> type[LimitedHttpProtocol]:
     """A protocol class for uvicorn.Config(http=...) with these limits."""
-    return type("LimitedHttpProtocol", (LimitedHttpProtocol,),
-                {"header_timeout": header_timeout, "max_connections": max_connections, "closed": _ClosedCount()})
+    return type(
+        "LimitedHttpProtocol",
+        (LimitedHttpProtocol,),
+        {"header_timeout": header_timeout, "max_connections": max_connections, "closed": _ClosedCount()},
+    )

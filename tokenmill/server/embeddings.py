@@ -11,12 +11,11 @@ import numpy as np
 
 from tokenmill.engine.input_processor import PromptInput
 from tokenmill.engine.pooling_params import PoolingParams
-
-from .errors import bad_request
-from .generation import Generation
-from .openai_api import Job, _checked, _final_outputs
-from .protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, parse_request
-from .state import RequestRecord, ServerState
+from tokenmill.server.errors import bad_request
+from tokenmill.server.generation import Generation
+from tokenmill.server.openai_api import Job, _checked, _final_outputs
+from tokenmill.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, parse_request
+from tokenmill.server.state import RequestRecord, ServerState
 
 
 def encode(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -36,11 +35,13 @@ class EmbeddingJob(Job):
 
     async def full(self, gen: Generation) -> EmbeddingResponse:
         finals = await _final_outputs(gen)
-        data = [EmbeddingData(index=i, embedding=encode(finals[i].embedding, self.encoding_format))
-                for i in sorted(finals)]
+        data = [
+            EmbeddingData(index=i, embedding=encode(finals[i].embedding, self.encoding_format)) for i in sorted(finals)
+        ]
         tokens = sum(len(out.prompt_token_ids) for out in finals.values())
-        return EmbeddingResponse(data=data, model=self.model,
-                                 usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        return EmbeddingResponse(
+            data=data, model=self.model, usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
+        )
 
 
 async def prepare_embedding(state: ServerState, record: RequestRecord, raw: bytes) -> EmbeddingJob:
@@ -48,8 +49,12 @@ async def prepare_embedding(state: ServerState, record: RequestRecord, raw: byte
     adapter = state.resolve_model(req.model)
     hidden_size = state.engine.hidden_size
     if req.dimensions is not None and req.dimensions != hidden_size:
-        raise bad_request(f"dimensions must be {hidden_size} (this model's hidden size) or unset: its embeddings "
-                          f"cannot be shortened to {req.dimensions}", param="dimensions", code="invalid_value")
+        raise bad_request(
+            f"dimensions must be {hidden_size} (this model's hidden size) or unset: its embeddings "
+            f"cannot be shortened to {req.dimensions}",
+            param="dimensions",
+            code="invalid_value",
+        )
     params = PoolingParams(req.pooling or state.settings.embedding_pooling, normalize=req.normalize)
     batch = req.inputs()
     processor = state.engine.input_processor
@@ -61,6 +66,12 @@ async def prepare_embedding(state: ServerState, record: RequestRecord, raw: byte
     prompts = await _checked(asyncio.to_thread(process))
     if state.settings.log_prompts:
         record.prompt_text = repr(req.input)
-    return EmbeddingJob(prompts=prompts, params=params, stream=False, include_usage=False,
-                        model=state.model_name(adapter), response_id=f"embd-{record.request_id}",
-                        encoding_format=req.encoding_format)
+    return EmbeddingJob(
+        prompts=prompts,
+        params=params,
+        stream=False,
+        include_usage=False,
+        model=state.model_name(adapter),
+        response_id=f"embd-{record.request_id}",
+        encoding_format=req.encoding_format,
+    )

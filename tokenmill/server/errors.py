@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from tokenmill.engine.errors import InvalidRequest
+from tokenmill.errors import InvalidRequest
 
 # OpenAI's `type` values by status; clients (and the official SDK) key their exception classes off the status.
 _TYPES = {
@@ -26,8 +26,16 @@ _TYPES = {
 class APIError(Exception):
     """Raised anywhere in request handling; turned into the OpenAI error body by the app's handler."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message

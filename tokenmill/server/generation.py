@@ -8,13 +8,12 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.input_processor import PromptInput
 from tokenmill.engine.outputs import RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
-
-from .errors import APIError, from_invalid_request
-from .state import RequestRecord, ServerState
+from tokenmill.errors import InvalidRequest
+from tokenmill.server.errors import APIError, from_invalid_request
+from tokenmill.server.state import RequestRecord, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,9 @@ class Generation:
             if not self.state.engine.is_alive():  # generate() refuses once the engine loop is gone
                 raise APIError(503, "The inference engine is not running.", code="engine_unavailable") from None
             logger.exception("engine failed to start request %s", self.record.request_id)
-            raise APIError(500, f"The engine failed to start this request ({type(exc).__name__}).", code="engine_error") from None
+            raise APIError(
+                500, f"The engine failed to start this request ({type(exc).__name__}).", code="engine_error"
+            ) from None
 
     def outputs(self) -> AsyncIterator[tuple[int, Any]]:
         """Every output of every prompt, in arrival order; the primed first outputs come first."""
@@ -151,4 +152,3 @@ def failure_of(out: Any) -> str | None:
     if out.finished and any(o.finish_reason == "abort" for o in out.outputs):
         return "the engine aborted this request"
     return None
-

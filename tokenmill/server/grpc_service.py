@@ -16,14 +16,13 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.outputs import RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
-
-from .errors import APIError, bad_request, from_invalid_request
-from .generation import Generation, failure_of
-from .proto import tokenmill_pb2 as pb
-from .state import GRPC_GENERATE, GRPC_GENERATE_STREAM, RequestRecord, ServerState, status_of
+from tokenmill.errors import InvalidRequest
+from tokenmill.server.errors import APIError, bad_request, from_invalid_request
+from tokenmill.server.generation import Generation, failure_of
+from tokenmill.server.proto import tokenmill_pb2 as pb
+from tokenmill.server.state import GRPC_GENERATE, GRPC_GENERATE_STREAM, RequestRecord, ServerState, status_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +57,13 @@ class GenerationService:
                 final = out
             choice = final.outputs[0]
             self.state.finish(record, "ok")
-            return pb.GenerateResponse(request_id=record.request_id, text=choice.text, token_ids=choice.token_ids,
-                                       finish_reason=choice.finish_reason or "", usage=_usage(final))
+            return pb.GenerateResponse(
+                request_id=record.request_id,
+                text=choice.text,
+                token_ids=choice.token_ids,
+                finish_reason=choice.finish_reason or "",
+                usage=_usage(final),
+            )
         except APIError as err:
             await self._fail(record, context, err)
             raise  # unreachable: abort() raises
@@ -81,8 +85,11 @@ class GenerationService:
                 if not (choice.text_delta or choice.token_ids_delta or choice.finish_reason):
                     continue
                 yield pb.GenerateChunk(
-                    request_id=record.request_id, text=choice.text_delta, token_ids=choice.token_ids_delta,
-                    finish_reason=choice.finish_reason or "", usage=_usage(out) if out.finished else None,
+                    request_id=record.request_id,
+                    text=choice.text_delta,
+                    token_ids=choice.token_ids_delta,
+                    finish_reason=choice.finish_reason or "",
+                    usage=_usage(out) if out.finished else None,
                 )
             self.state.finish(record, "ok")
         except APIError as err:
@@ -102,8 +109,11 @@ class GenerationService:
 
     async def _fail(self, record: RequestRecord, context: grpc.aio.ServicerContext, err: APIError) -> None:
         self.state.finish(record, status_of(err), http_status=err.status, error=err.message)
-        await context.abort(_STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL), err.message,
-                            trailing_metadata=(("x-request-id", record.request_id),))
+        await context.abort(
+            _STATUS_CODES.get(err.status, grpc.StatusCode.INTERNAL),
+            err.message,
+            trailing_metadata=(("x-request-id", record.request_id),),
+        )
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         key = self.state.settings.api_key
@@ -113,8 +123,9 @@ class GenerationService:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "Invalid or missing API key (metadata `authorization: Bearer <key>`).")
 
-    async def _start(self, raw: bytes, context: grpc.aio.ServicerContext, record: RequestRecord,
-                     stream: bool) -> Generation:
+    async def _start(
+        self, raw: bytes, context: grpc.aio.ServicerContext, record: RequestRecord, stream: bool
+    ) -> Generation:
         """Authorize, decode, validate and admit, then submit: the same order as the HTTP endpoints."""
         self._authorize(context)
         request = _decode(raw, record)
@@ -125,8 +136,13 @@ class GenerationService:
         adapter = self.state.resolve_model(request.model or None)  # NOT_FOUND for an unknown name
         try:
             params = _sampling_params(request)
-            prompt = await asyncio.to_thread(self.state.engine.input_processor.process, _prompt_of(request), params,
-                                             escape_special=escape, lora=adapter)
+            prompt = await asyncio.to_thread(
+                self.state.engine.input_processor.process,
+                _prompt_of(request),
+                params,
+                escape_special=escape,
+                lora=adapter,
+            )
         except InvalidRequest as exc:
             raise from_invalid_request(exc) from None
         if self.state.settings.log_prompts:
@@ -147,8 +163,13 @@ def _decode(raw: bytes, record: RequestRecord) -> pb.GenerateRequest:
     try:
         return pb.GenerateRequest.FromString(raw)
     except DecodeError as exc:
-        logger.warning("malformed gRPC message on %s (%d bytes): %s", record.endpoint, len(raw), exc,
-                       extra={"request_id": record.request_id})
+        logger.warning(
+            "malformed gRPC message on %s (%d bytes): %s",
+            record.endpoint,
+            len(raw),
+            exc,
+            extra={"request_id": record.request_id},
+        )
         raise bad_request(f"Malformed request message: {exc}") from None
 
 
@@ -163,8 +184,11 @@ def _prompt_of(request: pb.GenerateRequest) -> str | list[int]:
 
 
 def _sampling_params(request: pb.GenerateRequest) -> SamplingParams:
-    values: dict[str, Any] = {"max_tokens": request.max_tokens if request.HasField("max_tokens") else 16,
-                              "stop": list(request.stop), "ignore_eos": request.ignore_eos}
+    values: dict[str, Any] = {
+        "max_tokens": request.max_tokens if request.HasField("max_tokens") else 16,
+        "stop": list(request.stop),
+        "ignore_eos": request.ignore_eos,
+    }
     for name in ("temperature", "top_p", "top_k", "seed"):
         if request.HasField(name):
             values[name] = getattr(request, name)
@@ -187,9 +211,11 @@ def _add_generation_service(server: grpc.aio.Server, service: GenerationService)
     GenerationService)."""
     handlers = {
         "Generate": grpc.unary_unary_rpc_method_handler(
-            service.Generate, response_serializer=pb.GenerateResponse.SerializeToString),
+            service.Generate, response_serializer=pb.GenerateResponse.SerializeToString
+        ),
         "GenerateStream": grpc.unary_stream_rpc_method_handler(
-            service.GenerateStream, response_serializer=pb.GenerateChunk.SerializeToString),
+            service.GenerateStream, response_serializer=pb.GenerateChunk.SerializeToString
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -215,8 +241,9 @@ async def start_grpc_server(state: ServerState, host: str, port: int) -> GrpcSer
     """Bind and start the gRPC server on the running loop; raises RuntimeError if the port is taken."""
     limit = state.settings.max_body_bytes
     interceptors = state.tracing.grpc_interceptors() if state.tracing is not None else None
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)],
-                             interceptors=interceptors)
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)], interceptors=interceptors
+    )
     _add_generation_service(server, GenerationService(state))
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):

@@ -9,7 +9,12 @@ import time
 from typing import Any
 
 # Attributes every LogRecord has; anything else was passed via `extra=` and belongs in the JSON line.
-_STANDARD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName", "color_message"}
+_STANDARD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):
@@ -38,7 +43,9 @@ class TextFormatter(logging.Formatter):
         base = super().format(record)
         extras = {k: v for k, v in record.__dict__.items() if k not in _STANDARD_ATTRS and not k.startswith("_")}
         if extras:
-            base += " " + " ".join(f"{k}={json.dumps(v, default=str) if isinstance(v, str) else v}" for k, v in extras.items())
+            base += " " + " ".join(
+                f"{k}={json.dumps(v, default=str) if isinstance(v, str) else v}" for k, v in extras.items()
+            )
         return base
 
 

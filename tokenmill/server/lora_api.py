@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import asyncio
 
-from tokenmill.engine.errors import InvalidRequest
+from tokenmill.errors import InvalidRequest
 from tokenmill.lora.registry import LoRANotFound
-
-from .errors import APIError, from_invalid_request
-from .protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_request
-from .state import ServerState
+from tokenmill.server.errors import APIError, from_invalid_request
+from tokenmill.server.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_request
+from tokenmill.server.state import ServerState
 
 
 def _registry(state: ServerState):
     if not state.settings.enable_lora_runtime_updates:
-        raise APIError(403, "Loading and unloading LoRA adapters at run time is off: start the server with "
-                       "--enable-lora-runtime-updates (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).",
-                       code="lora_runtime_updates_disabled")
+        raise APIError(
+            403,
+            "Loading and unloading LoRA adapters at run time is off: start the server with "
+            "--enable-lora-runtime-updates (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).",
+            code="lora_runtime_updates_disabled",
+        )
     if state.engine.loras is None:
         raise APIError(400, "This server serves no LoRA adapters: start it with --enable-lora.", code="lora_disabled")
     return state.engine.loras

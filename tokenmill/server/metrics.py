@@ -65,8 +65,16 @@ class EngineStatsCollector(Collector):
         preemptions.add_metric([], s.num_preemptions_total)
         yield preemptions
         for name, doc, value in (
-            ("tokenmill_result_cache_hits", "Deterministic requests answered from the result cache.", s.result_cache_hits_total),
-            ("tokenmill_result_cache_misses", "Deterministic requests not found in the result cache.", s.result_cache_misses_total),
+            (
+                "tokenmill_result_cache_hits",
+                "Deterministic requests answered from the result cache.",
+                s.result_cache_hits_total,
+            ),
+            (
+                "tokenmill_result_cache_misses",
+                "Deterministic requests not found in the result cache.",
+                s.result_cache_misses_total,
+            ),
         ):
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
@@ -102,7 +110,9 @@ class _GpuProbe:
     def collect(self) -> Iterable[Metric]:
         if self._torch is None:
             return
-        mem = GaugeMetricFamily("tokenmill_gpu_memory_used_bytes", "GPU memory allocated by tokenmill (torch).", labels=["gpu"])
+        mem = GaugeMetricFamily(
+            "tokenmill_gpu_memory_used_bytes", "GPU memory allocated by tokenmill (torch).", labels=["gpu"]
+        )
         for i in range(self._torch.cuda.device_count()):
             mem.add_metric([str(i)], float(self._torch.cuda.memory_allocated(i)))
         yield mem
@@ -121,17 +131,26 @@ def _spec_decode_counters(s: Any) -> Iterable[Metric]:
     """Speculative decoding (vLLM's names): acceptance rate = accepted / draft tokens, mean accepted
     length = 1 + accepted / drafts (zeros while speculation is off)."""
     for name, doc, value in (
-        ("tokenmill_spec_decode_num_drafts", "Speculative verification steps (one per sequence and step).",
-         s.spec_decode_num_drafts),
+        (
+            "tokenmill_spec_decode_num_drafts",
+            "Speculative verification steps (one per sequence and step).",
+            s.spec_decode_num_drafts,
+        ),
         ("tokenmill_spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_decode_num_draft_tokens),
-        ("tokenmill_spec_decode_num_accepted_tokens", "Draft tokens accepted by the model.",
-         s.spec_decode_num_accepted_tokens),
+        (
+            "tokenmill_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by the model.",
+            s.spec_decode_num_accepted_tokens,
+        ),
     ):
         family = CounterMetricFamily(name, doc)
         family.add_metric([], value)
         yield family
-    per_position = CounterMetricFamily("tokenmill_spec_decode_num_accepted_tokens_per_pos",
-                                       "Draft tokens accepted, by position in the draft (0 = first).", labels=["position"])
+    per_position = CounterMetricFamily(
+        "tokenmill_spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = first).",
+        labels=["position"],
+    )
     for position, value in enumerate(s.spec_decode_accepted_per_position):
         per_position.add_metric([str(position)], value)
     yield per_position
@@ -143,8 +162,11 @@ def _lora_info(s: Any) -> Iterable[Metric]:
     with LoRA on. Dashboards read which adapters are hot and which wait for a slot."""
     if not s.max_loras:
         return
-    info = GaugeMetricFamily("tokenmill_lora_requests_info", "Running/waiting LoRA adapters and the slots (--max-loras).",
-                             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    info = GaugeMetricFamily(
+        "tokenmill_lora_requests_info",
+        "Running/waiting LoRA adapters and the slots (--max-loras).",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
     info.add_metric([",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_loras)], time.time())
     yield info
 
@@ -158,19 +180,41 @@ class ServerMetrics:
 
     def __init__(self, engine: _StatsSource, endpoints: Iterable[str] = (), rate_window_s: float = 10.0) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("tokenmill_requests_total", "Finished requests by outcome.", ["status", "endpoint"], registry=r)
+        self.requests = Counter(
+            "tokenmill_requests_total", "Finished requests by outcome.", ["status", "endpoint"], registry=r
+        )
         for endpoint in endpoints:  # export zeros up front so rate() and dashboards see every series
             for status in REQUEST_STATUSES:
                 self.requests.labels(status=status, endpoint=endpoint)
-        self.ttft = Histogram("tokenmill_time_to_first_token_seconds", "Arrival to first generated token.", registry=r, buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("tokenmill_time_per_output_token_seconds", "Decode time per generated token after the first.", registry=r, buckets=_TPOT_BUCKETS)
-        self.e2e = Histogram("tokenmill_e2e_request_latency_seconds", "Arrival to last token.", registry=r, buckets=_LATENCY_BUCKETS)
-        self.queue = Histogram("tokenmill_request_queue_time_seconds", "Arrival to first scheduled.", registry=r, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "tokenmill_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "tokenmill_time_per_output_token_seconds",
+            "Decode time per generated token after the first.",
+            registry=r,
+            buckets=_TPOT_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "tokenmill_e2e_request_latency_seconds", "Arrival to last token.", registry=r, buckets=_LATENCY_BUCKETS
+        )
+        self.queue = Histogram(
+            "tokenmill_request_queue_time_seconds", "Arrival to first scheduled.", registry=r, buckets=_LATENCY_BUCKETS
+        )
         self.prompt_tokens = Counter("tokenmill_prompt_tokens_total", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("tokenmill_generation_tokens_total", "Tokens generated.", registry=r)
-        self.batch_size = Histogram("tokenmill_batch_size", "Sequences per engine step.", registry=r, buckets=_BATCH_BUCKETS)
+        self.batch_size = Histogram(
+            "tokenmill_batch_size", "Sequences per engine step.", registry=r, buckets=_BATCH_BUCKETS
+        )
         self.token_rate = SlidingWindowRate(rate_window_s)
-        tps = Gauge("tokenmill_generation_tokens_per_second", f"Generated tokens per second over the last {rate_window_s:g}s.", registry=r)
+        tps = Gauge(
+            "tokenmill_generation_tokens_per_second",
+            f"Generated tokens per second over the last {rate_window_s:g}s.",
+            registry=r,
+        )
         tps.set_function(self.token_rate.rate)
         r.register(EngineStatsCollector(engine))
 
@@ -186,7 +230,9 @@ class ServerMetrics:
     def on_request_done(self, endpoint: str, status: str) -> None:
         self.requests.labels(status=status, endpoint=endpoint).inc()
 
-    def on_engine_request_done(self, metrics: Any, prompt_tokens: int, completion_tokens: int, longest_choice: int) -> None:
+    def on_engine_request_done(
+        self, metrics: Any, prompt_tokens: int, completion_tokens: int, longest_choice: int
+    ) -> None:
         """Stage histograms and token counters for one engine request (one prompt of a batch)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)

@@ -17,15 +17,14 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from tokenmill.engine.detokenizer import TokenText
-from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.input_processor import PromptInput, render_chat
 from tokenmill.engine.outputs import RankedLogprob, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
-
-from .errors import APIError, from_invalid_request
-from .generation import Generation, failure_of
-from .protocol import (
+from tokenmill.errors import InvalidRequest
+from tokenmill.server.errors import APIError, from_invalid_request
+from tokenmill.server.generation import Generation, failure_of
+from tokenmill.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -41,15 +40,15 @@ from .protocol import (
     CompletionResponse,
     PromptLogprob,
     PromptLogprobs,
+    SamplingRequest,
     TokenLogprob,
     TopLogprob,
     Usage,
-    _SamplingRequest,
     parse_request,
 )
-from .state import RequestRecord, ServerState
-from .tools.plan import ToolPlan, constrained, plan_tools
-from .tools.response import StreamedToolCalls, finish_reason, parsed_message
+from tokenmill.server.state import RequestRecord, ServerState
+from tokenmill.server.tools.plan import ToolPlan, constrained, plan_tools
+from tokenmill.server.tools.response import StreamedToolCalls, finish_reason, parsed_message
 
 __all__ = ["ChatJob", "CompletionJob", "Job", "prepare_chat", "prepare_completion", "render_chat"]
 
@@ -64,9 +63,11 @@ def _finite(x: float) -> float:
 
 def usage_of(record: RequestRecord) -> Usage:
     outs = record.last_outputs.values()
-    return Usage.of(sum(len(o.prompt_token_ids) for o in outs),
-                    sum(c.num_tokens for o in outs for c in o.outputs),
-                    cached_tokens=sum(o.num_cached_tokens for o in outs))
+    return Usage.of(
+        sum(len(o.prompt_token_ids) for o in outs),
+        sum(c.num_tokens for o in outs for c in o.outputs),
+        cached_tokens=sum(o.num_cached_tokens for o in outs),
+    )
 
 
 @dataclass
@@ -119,13 +120,16 @@ def _top_of(entry: dict[int, RankedLogprob], token: int, num_top: int) -> list[t
     return [(t, lp) for t, lp in entry.items() if t == token or lp.rank <= num_top]
 
 
-def vllm_prompt_logprobs(entries: list[Any], prompt_ids: list[int], num_top: int,
-                         tokens: TokenText) -> PromptLogprobs:
+def vllm_prompt_logprobs(entries: list[Any], prompt_ids: list[int], num_top: int, tokens: TokenText) -> PromptLogprobs:
     """vLLM's prompt_logprobs shape: null for the first token, then {token id: {logprob, rank, decoded_token}}."""
     out: PromptLogprobs = [None]
     for token, entry in zip(prompt_ids[1:], entries[1:]):
-        out.append({str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=tokens(t)[0])
-                    for t, lp in _top_of(entry, token, num_top)})
+        out.append(
+            {
+                str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=tokens(t)[0])
+                for t, lp in _top_of(entry, token, num_top)
+            }
+        )
     return out
 
 
@@ -152,11 +156,13 @@ class CompletionJob(Job):
         choices = []
         for i in sorted(finals):
             for o in finals[i].outputs:
-                choice, _ = self._choice(i, finals[i], o.index, o.text, o.token_ids, o.logprobs, o.finish_reason,
-                                         first=True, offset=0)
+                choice, _ = self._choice(
+                    i, finals[i], o.index, o.text, o.token_ids, o.logprobs, o.finish_reason, first=True, offset=0
+                )
                 choices.append(choice)
-        return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                  choices=choices, usage=usage_of(gen.record))
+        return CompletionResponse(
+            id=self.response_id, created=self.created, model=self.model, choices=choices, usage=usage_of(gen.record)
+        )
 
     async def chunks(self, gen: Generation) -> AsyncIterator[BaseModel]:
         held: dict[int, list[Any]] = {}  # outputs of a prompt whose echoed logprobs are not known yet
@@ -171,8 +177,9 @@ class CompletionJob(Job):
                 for choice in self._stream_choices(i, pending):
                     yield CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[choice])
         if self.include_usage:
-            yield CompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
-                                  usage=usage_of(gen.record))
+            yield CompletionChunk(
+                id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage_of(gen.record)
+            )
 
     def _stream_choices(self, prompt_index: int, out: Any) -> list[CompletionChoice]:
         choices = []
@@ -184,41 +191,67 @@ class CompletionJob(Job):
                 self._ended.add(index)
             first = index not in self._offsets  # the echo rides on a choice's first chunk
             choice, self._offsets[index] = self._choice(
-                prompt_index, out, o.index, o.text_delta, o.token_ids_delta, o.logprobs_delta, o.finish_reason,
-                first=first, offset=self._offsets.get(index, 0))
+                prompt_index,
+                out,
+                o.index,
+                o.text_delta,
+                o.token_ids_delta,
+                o.logprobs_delta,
+                o.finish_reason,
+                first=first,
+                offset=self._offsets.get(index, 0),
+            )
             if choice.logprobs is not None and not choice.logprobs.tokens:
                 choice.logprobs = None  # (a piece with text but no new token, or only the finish reason)
             choices.append(choice)
         return choices
 
-    def _choice(self, prompt_index: int, out: Any, choice_index: int, text: str, token_ids: list[int],
-                entries: list[Any] | None, finish_reason: str | None, *, first: bool,
-                offset: int) -> tuple[CompletionChoice, int]:
+    def _choice(
+        self,
+        prompt_index: int,
+        out: Any,
+        choice_index: int,
+        text: str,
+        token_ids: list[int],
+        entries: list[Any] | None,
+        finish_reason: str | None,
+        *,
+        first: bool,
+        offset: int,
+    ) -> tuple[CompletionChoice, int]:
         """A choice (or a streamed piece of one): with echo, the first piece starts with the prompt."""
         echo_prompt = self.echo and first
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = CompletionLogprobs()
             if echo_prompt:
-                offset = self._add_prompt_logprobs(logprobs, out.prompt_token_ids,
-                                                   self._prompt_entries[prompt_index], offset)
+                offset = self._add_prompt_logprobs(
+                    logprobs, out.prompt_token_ids, self._prompt_entries[prompt_index], offset
+                )
             offset = self._add_logprobs(logprobs, token_ids, entries, offset)
         prompt_logprobs = None
         if self.prompt_logprobs is not None and first:
-            prompt_logprobs = vllm_prompt_logprobs(self._prompt_entries[prompt_index], out.prompt_token_ids,
-                                                   self.prompt_logprobs, self.tokens)
+            prompt_logprobs = vllm_prompt_logprobs(
+                self._prompt_entries[prompt_index], out.prompt_token_ids, self.prompt_logprobs, self.tokens
+            )
         if echo_prompt:
             text = self.echo_texts[prompt_index] + text
-        choice = CompletionChoice(index=self._index(prompt_index, choice_index), text=text, logprobs=logprobs,
-                                  finish_reason=finish_reason, prompt_logprobs=prompt_logprobs)
+        choice = CompletionChoice(
+            index=self._index(prompt_index, choice_index),
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            prompt_logprobs=prompt_logprobs,
+        )
         return choice, offset
 
     def _index(self, prompt_index: int, choice_index: int) -> int:
         # OpenAI numbers a batch's choices prompt-major: prompt i's n choices are i*n .. i*n+n-1.
         return prompt_index * self.params.n + choice_index
 
-    def _add_prompt_logprobs(self, lp: CompletionLogprobs, prompt_ids: list[int], entries: list[Any],
-                             offset: int) -> int:
+    def _add_prompt_logprobs(
+        self, lp: CompletionLogprobs, prompt_ids: list[int], entries: list[Any], offset: int
+    ) -> int:
         """The echoed prompt tokens, as OpenAI shows them: null logprob and alternatives for the first."""
         assert self.tokens is not None and self.num_logprobs is not None
         for i, token in enumerate(prompt_ids):
@@ -229,14 +262,16 @@ class CompletionJob(Job):
                 lp.top_logprobs.append(None)
             else:
                 lp.token_logprobs.append(_finite(entries[i][token].logprob))
-                lp.top_logprobs.append({self.tokens(t)[0]: _finite(v.logprob)
-                                        for t, v in _top_of(entries[i], token, self.num_logprobs)})
+                lp.top_logprobs.append(
+                    {self.tokens(t)[0]: _finite(v.logprob) for t, v in _top_of(entries[i], token, self.num_logprobs)}
+                )
             lp.text_offset.append(offset)
             offset += len(text)
         return offset
 
-    def _add_logprobs(self, lp: CompletionLogprobs, token_ids: list[int], entries: list[Any] | None,
-                      offset: int) -> int:
+    def _add_logprobs(
+        self, lp: CompletionLogprobs, token_ids: list[int], entries: list[Any] | None, offset: int
+    ) -> int:
         assert self.tokens is not None
         for tid, (chosen, top) in zip(token_ids, entries or []):
             text = self.tokens(tid)[0]
@@ -253,8 +288,9 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     adapter = state.resolve_model(req.model)
     req.check_unsupported()
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = req.sampling_params(max_tokens=max_tokens, logprobs=req.logprobs,
-                                 prompt_logprobs=req.engine_prompt_logprobs(max_tokens))
+    params = req.sampling_params(
+        max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=req.engine_prompt_logprobs(max_tokens)
+    )
     batch = req.prompts()
     processor = state.engine.input_processor
     escape = state.settings.escape_special_tokens_in_prompts
@@ -267,20 +303,28 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     echo_texts = None
     if req.echo:  # a token-id prompt is echoed as its text, special tokens included
         echo_texts = await asyncio.to_thread(
-            lambda: [p.prompt if p.prompt is not None else processor.tokenizer.decode(p.prompt_token_ids)
-                     for p in prompts])
+            lambda: [
+                p.prompt if p.prompt is not None else processor.tokenizer.decode(p.prompt_token_ids) for p in prompts
+            ]
+        )
     if state.settings.log_prompts:
         record.prompt_text = repr(req.prompt)
     shows_logprobs = req.logprobs is not None or req.prompt_logprobs is not None
     return CompletionJob(
-        prompts=prompts, params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
-        model=state.model_name(adapter), response_id=f"cmpl-{record.request_id}",
+        prompts=prompts,
+        params=params,
+        stream=req.stream,
+        include_usage=req.include_usage_in_stream,
+        model=state.model_name(adapter),
+        response_id=f"cmpl-{record.request_id}",
         tokens=state.engine.token_text if shows_logprobs else None,
-        num_logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs, echo_texts=echo_texts,
+        num_logprobs=req.logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        echo_texts=echo_texts,
     )
 
 
-async def _checked(work: Awaitable[T], req: _SamplingRequest | None = None) -> T:
+async def _checked(work: Awaitable[T], req: SamplingRequest | None = None) -> T:
     """The input processor's typed errors as OpenAI 400s (naming the request's field, when given)."""
     try:
         return await work
@@ -307,14 +351,27 @@ class ChatJob(Job):
             if self.tools is not None:
                 message = parsed_message(self.tools.new_parser(), o.text)
                 reason = finish_reason(o.finish_reason, called=bool(message.tool_calls))
-            choices.append(ChatChoice(index=o.index, message=message, finish_reason=reason,
-                                      logprobs=self._logprobs(o.token_ids, o.logprobs)))
+            choices.append(
+                ChatChoice(
+                    index=o.index,
+                    message=message,
+                    finish_reason=reason,
+                    logprobs=self._logprobs(o.token_ids, o.logprobs),
+                )
+            )
         prompt_logprobs = None
         if self.prompt_logprobs is not None:
-            prompt_logprobs = vllm_prompt_logprobs(entries[0], finals[0].prompt_token_ids, self.prompt_logprobs,
-                                                   self.tokens)
-        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                      choices=choices, usage=usage_of(gen.record), prompt_logprobs=prompt_logprobs)
+            prompt_logprobs = vllm_prompt_logprobs(
+                entries[0], finals[0].prompt_token_ids, self.prompt_logprobs, self.tokens
+            )
+        return ChatCompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage_of(gen.record),
+            prompt_logprobs=prompt_logprobs,
+        )
 
     async def chunks(self, gen: Generation) -> AsyncIterator[BaseModel]:
         # OpenAI opens every choice with a role-only delta; clients rely on it to start a message.
@@ -334,11 +391,18 @@ class ChatJob(Job):
                     for choice in self._tool_choices(calls[o.index], o, logprobs):
                         yield self._chunk(choice)
                     continue
-                yield self._chunk(ChatStreamChoice(index=o.index, delta=ChatDelta(content=o.text_delta),
-                                                   logprobs=logprobs, finish_reason=o.finish_reason))
+                yield self._chunk(
+                    ChatStreamChoice(
+                        index=o.index,
+                        delta=ChatDelta(content=o.text_delta),
+                        logprobs=logprobs,
+                        finish_reason=o.finish_reason,
+                    )
+                )
         if self.include_usage:
-            yield ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=[],
-                                      usage=usage_of(gen.record))
+            yield ChatCompletionChunk(
+                id=self.response_id, created=self.created, model=self.model, choices=[], usage=usage_of(gen.record)
+            )
 
     @staticmethod
     def _tool_choices(calls: StreamedToolCalls, o: Any, logprobs: ChatLogprobs | None) -> list[ChatStreamChoice]:
@@ -364,10 +428,12 @@ class ChatJob(Job):
         content = []
         for tid, (chosen, top) in zip(token_ids, entries or []):
             ranked = sorted(top.items(), key=lambda kv: -kv[1])[: self.top_logprobs]
-            content.append(TokenLogprob(
-                **self._entry(tid, chosen),
-                top_logprobs=[TopLogprob(**self._entry(t, v)) for t, v in ranked],
-            ))
+            content.append(
+                TokenLogprob(
+                    **self._entry(tid, chosen),
+                    top_logprobs=[TopLogprob(**self._entry(t, v)) for t, v in ranked],
+                )
+            )
         return ChatLogprobs(content=content)
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -385,9 +451,15 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     processor = state.engine.input_processor
     trusted = state.settings.allow_special_tokens_in_messages
     # Templating + tokenizing a 1 MiB conversation takes a while: keep it off the event loop.
-    rendered = await _checked(asyncio.to_thread(processor.render_chat_input, req.template_messages(),
-                                                tools=req.template_tools(), special_tokens_in_content=trusted,
-                                                **req.template_options()))
+    rendered = await _checked(
+        asyncio.to_thread(
+            processor.render_chat_input,
+            req.template_messages(),
+            tools=req.template_tools(),
+            special_tokens_in_content=trusted,
+            **req.template_options(),
+        )
+    )
     requested = req.requested_max_tokens()
     try:  # OpenAI's default max_tokens is "the rest of the context"
         max_tokens = processor.remaining_context(len(rendered.prompt_token_ids)) if requested is None else requested
@@ -396,13 +468,18 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
     if tools is not None and tools.output_schema is not None:  # tool_choice required / named
         params = await asyncio.to_thread(constrained, tools, req, params)  # parses the schema: off the loop
-    prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages", lora=adapter),
-                            req)
+    prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages", lora=adapter), req)
     if state.settings.log_prompts:
         record.prompt_text = repr(req.template_messages())
     return ChatJob(
-        prompts=[prompt], params=params, stream=req.stream, include_usage=req.include_usage_in_stream,
-        model=state.model_name(adapter), response_id=f"chatcmpl-{record.request_id}",
+        prompts=[prompt],
+        params=params,
+        stream=req.stream,
+        include_usage=req.include_usage_in_stream,
+        model=state.model_name(adapter),
+        response_id=f"chatcmpl-{record.request_id}",
         tokens=state.engine.token_text if logprobs is not None or req.prompt_logprobs is not None else None,
-        top_logprobs=logprobs or 0, tools=tools, prompt_logprobs=req.prompt_logprobs,
+        top_logprobs=logprobs or 0,
+        tools=tools,
+        prompt_logprobs=req.prompt_logprobs,
     )

@@ -12,7 +12,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from .protocol import ErrorResponse
+from tokenmill.server.protocol import ErrorResponse
 
 _REF = "#/components/schemas/{model}"
 _ERRORS = {
@@ -44,25 +44,42 @@ def text_responses(success: str, *error_statuses: int) -> dict[int | str, dict[s
     """A route answering plain text on success (response_class=PlainTextResponse) and OpenAI's
     JSON errors otherwise (named explicitly: `errors` would document them as text too)."""
     error = {"application/json": {"schema": {"$ref": _REF.format(model=ErrorResponse.__name__)}}}
-    return {200: {"description": success, "content": {"text/plain": {"schema": {"type": "string"}}}},
-            **{s: {"description": _ERRORS[s], "content": error} for s in error_statuses}}
+    return {
+        200: {"description": success, "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **{s: {"description": _ERRORS[s], "content": error} for s in error_statuses},
+    }
 
 
 def generation_responses(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
     """JSON, or with `"stream": true` server-sent events (one `chunk` per event, or an error event
     if the engine fails mid-stream, then `[DONE]`), or an error."""
     event = {  # OpenAPI < 3.2: the schema of one event; `data` holds a JSON chunk or the final [DONE]
-        "type": "object", "required": ["data"],
-        "properties": {"data": {"anyOf": [
-            {"const": "[DONE]"},
-            {"type": "string", "contentMediaType": "application/json",
-             "contentSchema": {"anyOf": [{"$ref": _REF.format(model=chunk.__name__)},
-                                         {"$ref": _REF.format(model=ErrorResponse.__name__)}]}},
-        ]}},
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {
+                            "anyOf": [
+                                {"$ref": _REF.format(model=chunk.__name__)},
+                                {"$ref": _REF.format(model=ErrorResponse.__name__)},
+                            ]
+                        },
+                    },
+                ]
+            }
+        },
     }
-    ok = {"model": model, "description": "The completion; with `stream: true`, server-sent events: "
-                                         "`data: {chunk}` lines, then `data: [DONE]`",
-          "content": {"text/event-stream": {"schema": event}}}
+    ok = {
+        "model": model,
+        "description": "The completion; with `stream: true`, server-sent events: "
+        "`data: {chunk}` lines, then `data: [DONE]`",
+        "content": {"text/event-stream": {"schema": event}},
+    }
     return {200: ok, **errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}
 
 
@@ -78,8 +95,10 @@ def install(app: FastAPI, body_models: list[type[BaseModel]], event_models: list
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             spec = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            _, defs = models_json_schema([(m, "validation") for m in body_models]
-                                         + [(m, "serialization") for m in event_models], ref_template=_REF)
+            _, defs = models_json_schema(
+                [(m, "validation") for m in body_models] + [(m, "serialization") for m in event_models],
+                ref_template=_REF,
+            )
             schemas = spec.setdefault("components", {}).setdefault("schemas", {})
             schemas.update(defs.get("$defs", {}))
             for operations in spec["paths"].values():

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 import prometheus_client
 import uvicorn
 
-from .app import build_app
-from .connections import limited_http_protocol
-from .settings import ServerSettings
-from .state import ServerState
+from tokenmill.server.app import build_app
+from tokenmill.server.connections import limited_http_protocol
+from tokenmill.server.settings import ServerSettings
+from tokenmill.server.state import ServerState
 
 if TYPE_CHECKING:
-    from .grpc_service import GrpcServer
+    from tokenmill.server.grpc_service import GrpcServer
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +84,21 @@ async def serve(engine: Any, settings: ServerSettings) -> int:
     app = build_app(engine, settings)
     state: ServerState = app.state.server
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
         http=limited_http_protocol(settings.header_timeout, settings.max_connections),
         # After the drain, anything still open gets this long before uvicorn cancels it.
-        timeout_graceful_shutdown=5, timeout_keep_alive=settings.keep_alive_timeout, lifespan="off",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=settings.keep_alive_timeout,
+        lifespan="off",
     )
     http = _Uvicorn(config)
     grpc_server = None
     if settings.grpc_port:
-        from .grpc_service import start_grpc_server  # grpc is only imported when served
+        from tokenmill.server.grpc_service import start_grpc_server  # grpc is only imported when served
 
         try:
             grpc_server = await start_grpc_server(state, settings.host, settings.grpc_port)

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from tokenmill.engine.config import parse_memory
 from tokenmill.engine.pooling_params import POOLING_TYPES
 from tokenmill.options import option
-
-from .tools.parsers import PARSERS
+from tokenmill.server.tools.parsers import PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime LoRA endpoints
@@ -18,9 +17,13 @@ OTLP_ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_E
 OTLP_PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 # What tracing imports: the SDK, both OTLP exporters and the FastAPI and gRPC instrumentations (the `otel` extra).
-TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
-                   "opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.instrumentation.fastapi",
-                   "opentelemetry.instrumentation.grpc")
+TRACING_MODULES = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.instrumentation.fastapi",
+    "opentelemetry.instrumentation.grpc",
+)
 
 
 def env_setting(names: tuple[str, ...]) -> str | None:
@@ -38,8 +41,10 @@ def check_tracing_installed() -> None:
         except ImportError:  # a parent package is missing (or broken)
             found = False
         if not found:
-            raise ValueError(f"--otlp-traces-endpoint needs the OpenTelemetry packages ({name} is not installed): "
-                             "pip install 'tokenmill[otel]'")
+            raise ValueError(
+                f"--otlp-traces-endpoint needs the OpenTelemetry packages ({name} is not installed): "
+                "pip install 'tokenmill[otel]'"
+            )
 
 
 @dataclass
@@ -57,47 +62,65 @@ class ServerSettings:
     # at most max_connections sockets are open at once; idle keep-alive connections close after
     # keep_alive_timeout.
     header_timeout: float = option(
-        10.0, "seconds a client gets to send a request's headers, counted from the connection opening (or the "
-        "previous response); slower connections are closed (slowloris)")
+        10.0,
+        "seconds a client gets to send a request's headers, counted from the connection opening (or the "
+        "previous response); slower connections are closed (slowloris)",
+    )
     body_timeout: float = option(
-        30.0, "seconds a client gets to send the whole request body once its headers are in; slower requests "
-        "get 408")
+        30.0, "seconds a client gets to send the whole request body once its headers are in; slower requests get 408"
+    )
     max_connections: int = option(1024, "open HTTP connections at most; connections beyond it are closed at once")
     keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive HTTP connection stays open")
     log_format: str = option("json", "log line format", choices=["json", "text"])
     log_prompts: bool = option(False, "include prompt text in request logs (off: prompts are never logged)")
     # Chat role injection (see tokenmill.engine.input_processor).
     allow_special_tokens_in_messages: bool = option(
-        False, "parse special-token strings inside chat message contents (e.g. <|im_start|>) as control tokens; "
-        "off by default, where they are plain text so no message can forge a turn. Only for trusted clients")
+        False,
+        "parse special-token strings inside chat message contents (e.g. <|im_start|>) as control tokens; "
+        "off by default, where they are plain text so no message can forge a turn. Only for trusted clients",
+    )
     escape_special_tokens_in_prompts: bool = option(
-        False, "tokenize special-token strings inside /v1/completions and gRPC prompts as plain text (off by "
-        "default: a raw prompt is the caller's own template)")
+        False,
+        "tokenize special-token strings inside /v1/completions and gRPC prompts as plain text (off by "
+        "default: a raw prompt is the caller's own template)",
+    )
     # How tool_choice "auto" outputs are read as calls. See tokenmill/server/tools.
     tool_call_parser: str = option(
-        "auto", "how tool_choice \"auto\" outputs become tool_calls: hermes (<tool_call>{...}</tool_call>: Qwen "
-        "2.5/3, Hermes), llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.1/3.2); auto picks from the "
+        "auto",
+        'how tool_choice "auto" outputs become tool_calls: hermes (<tool_call>{...}</tool_call>: Qwen '
+        '2.5/3, Hermes), llama3_json ({"name": ..., "parameters": ...}: Llama 3.1/3.2); auto picks from the '
         "chat template (hermes if it writes <tool_call>, llama3_json for Llama 3 tool templates, else none); "
-        "none: always plain text. tool_choice \"required\" and named functions do not depend on it",
-        choices=["auto", "none", *PARSERS])
+        'none: always plain text. tool_choice "required" and named functions do not depend on it',
+        choices=["auto", "none", *PARSERS],
+    )
     # OpenTelemetry traces, one per request (tokenmill.server.tracing): off while the endpoint is None.
     # The CLI falls back to the standard OTEL_EXPORTER_OTLP_* variables (see server.commands).
     otlp_traces_endpoint: str | None = option(
-        None, "export one OpenTelemetry trace per request (HTTP/gRPC server span, GenAI attributes, tokenize/"
+        None,
+        "export one OpenTelemetry trace per request (HTTP/gRPC server span, GenAI attributes, tokenize/"
         "queue/prefill/decode/stream stages) to this OTLP collector, e.g. http://127.0.0.1:4317 (grpc) or "
         "http://127.0.0.1:4318/v1/traces (http/protobuf); file:///path writes the spans as JSON lines. Default: "
         f"${OTLP_ENDPOINT_ENV[0]} or ${OTLP_ENDPOINT_ENV[1]}; unset = tracing off (nothing imported, no cost). "
-        "Needs pip install 'tokenmill[otel]'", metavar="URL")
+        "Needs pip install 'tokenmill[otel]'",
+        metavar="URL",
+    )
     otlp_traces_protocol: str | None = option(
-        None, f"OTLP transport (default: ${OTLP_PROTOCOL_ENV[0]}, ${OTLP_PROTOCOL_ENV[1]}, else grpc)",
-        choices=list(OTLP_PROTOCOLS))
+        None,
+        f"OTLP transport (default: ${OTLP_PROTOCOL_ENV[0]}, ${OTLP_PROTOCOL_ENV[1]}, else grpc)",
+        choices=list(OTLP_PROTOCOLS),
+    )
     embedding_pooling: str = option(
-        "last", "/v1/embeddings: pool the final hidden states of the last token (default, as vLLM does for decoder "
-        "LMs) or the mean over all tokens; a request may choose with `pooling`", choices=list(POOLING_TYPES))
+        "last",
+        "/v1/embeddings: pool the final hidden states of the last token (default, as vLLM does for decoder "
+        "LMs) or the mean over all tokens; a request may choose with `pooling`",
+        choices=list(POOLING_TYPES),
+    )
     enable_lora_runtime_updates: bool = option(
-        False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; they read adapter "
+        False,
+        "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; they read adapter "
         "directories from this machine's disk, so they are off by default; default: vLLM's "
-        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING). Needs --enable-lora")
+        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING). Needs --enable-lora",
+    )
     # Sequences the engine runs at once (the engine's --max-num-seqs); requests beyond it count as
     # waiting for back-pressure.
     max_num_seqs: int = option(128, "", cli=False)
@@ -109,8 +132,11 @@ class ServerSettings:
             raise ValueError("--drain-timeout must be >= 0")
         if self.max_body_bytes <= 0:
             raise ValueError("--max-body-bytes must be > 0")
-        for flag, value in (("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout),
-                            ("--keep-alive-timeout", self.keep_alive_timeout)):
+        for flag, value in (
+            ("--header-timeout", self.header_timeout),
+            ("--body-timeout", self.body_timeout),
+            ("--keep-alive-timeout", self.keep_alive_timeout),
+        ):
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0 seconds")
         if self.max_connections < 1:
@@ -125,7 +151,8 @@ class ServerSettings:
             self.api_key = None
         self.otlp_traces_protocol = self.otlp_traces_protocol or "grpc"
         if self.otlp_traces_protocol not in OTLP_PROTOCOLS:
-            raise ValueError(f"--otlp-traces-protocol must be one of {', '.join(OTLP_PROTOCOLS)}, "
-                             f"got {self.otlp_traces_protocol!r}")
+            raise ValueError(
+                f"--otlp-traces-protocol must be one of {', '.join(OTLP_PROTOCOLS)}, got {self.otlp_traces_protocol!r}"
+            )
         if self.otlp_traces_endpoint:
             check_tracing_installed()

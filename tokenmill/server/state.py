@@ -10,18 +10,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import APIError
-from .metrics import ServerMetrics
-from .settings import ServerSettings
-from .tools.plan import resolve_auto_parser
+from tokenmill.server.errors import APIError
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.settings import ServerSettings
+from tokenmill.server.tools.plan import resolve_auto_parser
 
 request_log = logging.getLogger("tokenmill.server.requests")
 
 # The `endpoint` label values of tokenmill_requests_total (fixed set: bounded metric cardinality).
 GRPC_GENERATE = "/tokenmill.v1.Generation/Generate"
 GRPC_GENERATE_STREAM = "/tokenmill.v1.Generation/GenerateStream"
-GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", GRPC_GENERATE,
-                        GRPC_GENERATE_STREAM)
+GENERATION_ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    GRPC_GENERATE,
+    GRPC_GENERATE_STREAM,
+)
 
 
 @dataclass
@@ -83,8 +88,12 @@ class ServerState:
         loras = self.engine.loras
         adapter = loras.get(model) if loras is not None else None
         if adapter is None:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves {self._served_names()}.",
-                           code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves {self._served_names()}.",
+                code="model_not_found",
+                param="model",
+            )
         return adapter
 
     def check_model(self, model: str | None) -> None:
@@ -111,8 +120,12 @@ class ServerState:
         engine_waiting = int(self.engine.stats().num_waiting)
         would_wait = max(0, self.active_seqs + n_seqs - self.settings.max_num_seqs)
         if would_wait > self.settings.max_queue or 0 < engine_waiting >= self.settings.max_queue:
-            raise APIError(429, f"Too many requests waiting (limit {self.settings.max_queue}); retry later.",
-                           code="queue_full", headers={"Retry-After": "1"})
+            raise APIError(
+                429,
+                f"Too many requests waiting (limit {self.settings.max_queue}); retry later.",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
         record.admitted_seqs = n_seqs
         self.active_requests += 1
         self.active_seqs += n_seqs
@@ -165,8 +178,15 @@ class ServerState:
         if self.tracing is not None:
             self.tracing.record(record, status, error, token_counts)
 
-    def _log(self, record: RequestRecord, status: str, http_status: int, error: str | None,
-             prompt_tokens: int, completion_tokens: int) -> None:
+    def _log(
+        self,
+        record: RequestRecord,
+        status: str,
+        http_status: int,
+        error: str | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
         now = time.time()
         fields: dict[str, Any] = {
             "request_id": record.request_id,
@@ -178,7 +198,9 @@ class ServerState:
             "total_s": round(now - record.started, 6),
         }
         fields.update(_stage_timings(list(record.last_outputs.values()), now))
-        reasons = sorted({o.finish_reason for out in record.last_outputs.values() for o in out.outputs if o.finish_reason})
+        reasons = sorted(
+            {o.finish_reason for out in record.last_outputs.values() for o in out.outputs if o.finish_reason}
+        )
         if reasons:
             fields["finish_reason"] = ",".join(reasons)
         cached = sum(getattr(out, "num_cached_tokens", 0) for out in record.last_outputs.values())

@@ -8,10 +8,9 @@ from typing import Any
 
 import pydantic_core
 
-from tokenmill.engine.errors import InvalidRequest
-
-from .errors import bad_request, from_invalid_request
-from .protocol import (
+from tokenmill.errors import InvalidRequest
+from tokenmill.server.errors import bad_request, from_invalid_request
+from tokenmill.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
@@ -19,7 +18,7 @@ from .protocol import (
     TokenizeResponse,
     parse_request,
 )
-from .state import ServerState
+from tokenmill.server.state import ServerState
 
 
 def _is_chat(raw: bytes) -> bool:
@@ -32,27 +31,37 @@ def _is_chat(raw: bytes) -> bool:
 
 async def tokenize(state: ServerState, raw: bytes) -> TokenizeResponse:
     req: TokenizePromptRequest | TokenizeChatRequest = parse_request(
-        TokenizeChatRequest if _is_chat(raw) else TokenizePromptRequest, raw)
+        TokenizeChatRequest if _is_chat(raw) else TokenizePromptRequest, raw
+    )
     state.check_model(req.model)
     processor = state.engine.input_processor
     settings = state.settings
     if isinstance(req, TokenizeChatRequest):
         if req.add_special_tokens:
-            raise bad_request("add_special_tokens is not supported with messages: the chat template places "
-                              "the special tokens", param="add_special_tokens")
-        work: Any = asyncio.to_thread(processor.render_chat, req.template_messages(), tools=req.template_tools(),
-                                      special_tokens_in_content=settings.allow_special_tokens_in_messages,
-                                      **req.template_options())
+            raise bad_request(
+                "add_special_tokens is not supported with messages: the chat template places the special tokens",
+                param="add_special_tokens",
+            )
+        work: Any = asyncio.to_thread(
+            processor.render_chat,
+            req.template_messages(),
+            tools=req.template_tools(),
+            special_tokens_in_content=settings.allow_special_tokens_in_messages,
+            **req.template_options(),
+        )
     else:
-        work = asyncio.to_thread(processor.tokenize, req.prompt, add_special_tokens=req.add_special_tokens,
-                                 escape_special=settings.escape_special_tokens_in_prompts)
+        work = asyncio.to_thread(
+            processor.tokenize,
+            req.prompt,
+            add_special_tokens=req.add_special_tokens,
+            escape_special=settings.escape_special_tokens_in_prompts,
+        )
     try:
         tokens = await work  # a 1 MiB prompt takes a while: off the event loop
     except InvalidRequest as exc:
         raise from_invalid_request(exc) from None
     strs = processor.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
-    return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens,
-                            token_strs=strs)
+    return TokenizeResponse(count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens, token_strs=strs)
 
 
 async def detokenize(state: ServerState, raw: bytes) -> DetokenizeResponse:

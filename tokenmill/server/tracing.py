@@ -37,15 +37,18 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as ge
 from opentelemetry.trace import Status, StatusCode
 
 from tokenmill import __version__
-
-from .settings import ServerSettings
-from .state import GRPC_GENERATE, GRPC_GENERATE_STREAM, RequestRecord
+from tokenmill.server.settings import ServerSettings
+from tokenmill.server.state import GRPC_GENERATE, GRPC_GENERATE_STREAM, RequestRecord
 
 # Probes and scrapes are not requests anyone wants traces of (regexes searched in the URL).
 EXCLUDED_URLS = "/health,/metrics,/version"
 # GenAI operation names (gen_ai.operation.name) of the generation endpoints.
-OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
-              GRPC_GENERATE: "text_completion", GRPC_GENERATE_STREAM: "text_completion"}
+OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    GRPC_GENERATE: "text_completion",
+    GRPC_GENERATE_STREAM: "text_completion",
+}
 PROVIDER = "tokenmill"
 
 # tokenmill's own attributes (no GenAI convention covers them).
@@ -74,7 +77,7 @@ class _JsonLinesExporter(ConsoleSpanExporter):
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by shutdown()
+        self._file = open(path, "a", encoding="utf-8")
         super().__init__(out=self._file, formatter=lambda span: span.to_json(indent=None) + "\n")
 
     def shutdown(self) -> None:
@@ -122,8 +125,9 @@ class RequestTracing:
 
     def instrument_http(self, app: FastAPI) -> None:
         # One server span per request; none per ASGI message (a stream would get one per chunk).
-        FastAPIInstrumentor.instrument_app(app, tracer_provider=self.provider, excluded_urls=EXCLUDED_URLS,
-                                           exclude_spans=["receive", "send"])
+        FastAPIInstrumentor.instrument_app(
+            app, tracer_provider=self.provider, excluded_urls=EXCLUDED_URLS, exclude_spans=["receive", "send"]
+        )
 
     def grpc_interceptors(self) -> list[Any]:
         return [aio_server_interceptor(tracer_provider=self.provider)]
@@ -137,19 +141,24 @@ class RequestTracing:
         """Export what is still batched, then stop."""
         self.provider.shutdown()
 
-    def record(self, record: RequestRecord, status: str, error: str | None,
-               token_counts: Mapping[int, tuple[int, int]]) -> None:
+    def record(
+        self, record: RequestRecord, status: str, error: str | None, token_counts: Mapping[int, tuple[int, int]]
+    ) -> None:
         """The generation span of a finished request and its stage spans; `token_counts` is
         (prompt tokens, output tokens) per prompt index, as the usage reports them."""
         end = time.time()
-        span = self.tracer.start_span(f"{OPERATIONS.get(record.endpoint, 'generate')} {self.model}",
-                                      context=record.trace_context, start_time=_ns(record.started),
-                                      attributes=self._request_attributes(record, status, token_counts))
+        span = self.tracer.start_span(
+            f"{OPERATIONS.get(record.endpoint, 'generate')} {self.model}",
+            context=record.trace_context,
+            start_time=_ns(record.started),
+            attributes=self._request_attributes(record, status, token_counts),
+        )
         parent = trace.set_span_in_context(span)
         for index, out in sorted(record.last_outputs.items()):
             for name, start, stop, attributes in _stages(out, token_counts.get(index, (0, 0)), end):
-                stage = self.tracer.start_span(name, context=parent, start_time=_ns(start),
-                                               attributes={PROMPT_INDEX: index, **attributes})
+                stage = self.tracer.start_span(
+                    name, context=parent, start_time=_ns(start), attributes={PROMPT_INDEX: index, **attributes}
+                )
                 stage.end(end_time=_ns(max(start, stop)))
         # Only the server's own failures are span errors; a client's mistake (invalid, unauthorized,
         # rejected, aborted) leaves the status unset, as OTel's HTTP conventions do for 4xx.
@@ -159,8 +168,9 @@ class RequestTracing:
             span.set_attribute(ERROR_MESSAGE, error)
         span.end(end_time=_ns(end))
 
-    def _request_attributes(self, record: RequestRecord, status: str,
-                            token_counts: Mapping[int, tuple[int, int]]) -> dict[str, Any]:
+    def _request_attributes(
+        self, record: RequestRecord, status: str, token_counts: Mapping[int, tuple[int, int]]
+    ) -> dict[str, Any]:
         outputs = list(record.last_outputs.values())
         attributes: dict[str, Any] = {
             gen_ai.GEN_AI_OPERATION_NAME: OPERATIONS.get(record.endpoint, "generate"),
@@ -171,7 +181,8 @@ class RequestTracing:
             gen_ai.GEN_AI_USAGE_OUTPUT_TOKENS: sum(o for _, o in token_counts.values()),
             gen_ai.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: sum(o.num_cached_tokens for o in outputs),
             gen_ai.GEN_AI_RESPONSE_FINISH_REASONS: sorted(
-                {c.finish_reason for o in outputs for c in o.outputs if c.finish_reason}),
+                {c.finish_reason for o in outputs for c in o.outputs if c.finish_reason}
+            ),
             REQUEST_ID: record.request_id,
             STATUS: status,
         }
@@ -181,10 +192,14 @@ class RequestTracing:
             attributes[gen_ai.GEN_AI_REQUEST_STREAM] = record.stream
         params = record.params
         if params is not None:
-            attributes.update({gen_ai.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
-                               gen_ai.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-                               gen_ai.GEN_AI_REQUEST_TOP_P: params.top_p,
-                               gen_ai.GEN_AI_REQUEST_CHOICE_COUNT: params.n})
+            attributes.update(
+                {
+                    gen_ai.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
+                    gen_ai.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+                    gen_ai.GEN_AI_REQUEST_TOP_P: params.top_p,
+                    gen_ai.GEN_AI_REQUEST_CHOICE_COUNT: params.n,
+                }
+            )
             if params.top_k > 0:
                 attributes[gen_ai.GEN_AI_REQUEST_TOP_K] = params.top_k
             if params.seed is not None:
@@ -208,4 +223,3 @@ def _stages(out: Any, counts: tuple[int, int], end: float) -> Iterator[tuple[str
             continue
         stop = getattr(m, end_field) if end_field else end
         yield name, start, stop if stop is not None else end, attributes.get(name, {})
-

@@ -16,10 +16,18 @@ def parser(engine: str) -> argparse.ArgumentParser:
     p.add_argument("--workload", required=True, help="workload JSON written by peers.py")
     p.add_argument("--model", required=True, help="HF model directory")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--kv-cache", default="compute", choices=["compute", "int8"],
-                   help="KV cache precision: the compute precision, or 8-bit integers with scales")
-    p.add_argument("--weights", default="compute", choices=["compute", "int8"],
-                   help="weight precision: the compute precision, or 8-bit integers with scales")
+    p.add_argument(
+        "--kv-cache",
+        default="compute",
+        choices=["compute", "int8"],
+        help="KV cache precision: the compute precision, or 8-bit integers with scales",
+    )
+    p.add_argument(
+        "--weights",
+        default="compute",
+        choices=["compute", "int8"],
+        help="weight precision: the compute precision, or 8-bit integers with scales",
+    )
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--out", required=True, help="result JSON path")
     return p
@@ -34,7 +42,7 @@ def max_len(workload: list[dict]) -> int:
 
 
 class Timer:
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self.start = time.perf_counter()
         return self
 
@@ -42,14 +50,30 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
-def write_result(out: str, engine: str, precision: str, output_tokens: int, wall_s: float, requested: int,
-                 kv_cache: str, weights: str | None = None, **extra) -> None:
+def write_result(
+    out: str,
+    engine: str,
+    precision: str,
+    output_tokens: int,
+    wall_s: float,
+    requested: int,
+    kv_cache: str,
+    weights: str | None = None,
+    **extra,
+) -> None:
     """`kv_cache`: the KV cache precision the engine really ran with, in its own words (e.g. f32, u8);
     `weights`: the 8-bit weight format it ran with (None: weights in the compute precision)."""
-    result = {"engine": engine, "precision": precision, "kv_cache": kv_cache, "weights": weights,
-              "output_tokens": output_tokens,
-              "wall_s": wall_s,
-              "output_tok_s": output_tokens / wall_s, "requested_tokens": requested, **extra}
+    result = {
+        "engine": engine,
+        "precision": precision,
+        "kv_cache": kv_cache,
+        "weights": weights,
+        "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "output_tok_s": output_tokens / wall_s,
+        "requested_tokens": requested,
+        **extra,
+    }
     Path(out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
     if output_tokens != requested:

@@ -17,16 +17,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Timer, load_workload, max_len, parser, wait_until_ok, write_result  # noqa: E402
+from common import Timer, load_workload, max_len, parser, wait_until_ok, write_result
 
 
 def convert(model: str, script: Path, gguf: Path, outtype: str, python: str) -> None:
     if gguf.exists():
         return
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([python, str(script), model, "--outtype", outtype,
-                    "--outfile", str(gguf)], check=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(script.parent / "gguf-py"), os.environ.get("PYTHONPATH", "")]),
+    }
+    subprocess.run([python, str(script), model, "--outtype", outtype, "--outfile", str(gguf)], check=True, env=env)
 
 
 def free_port() -> int:
@@ -46,8 +48,11 @@ def main() -> None:
     p.add_argument("--server", required=True, help="llama-server binary")
     p.add_argument("--convert-script", required=True, help="llama.cpp's convert_hf_to_gguf.py")
     p.add_argument("--gguf", required=True, help="converted model path (made once)")
-    p.add_argument("--convert-python", default=sys.executable,
-                   help="interpreter with the converter's requirements (default: this one)")
+    p.add_argument(
+        "--convert-python",
+        default=sys.executable,
+        help="interpreter with the converter's requirements (default: this one)",
+    )
     p.add_argument("--no-repack", action="store_true", help="pass --no-repack to llama-server")
     args = p.parse_args()
     workload = load_workload(args.workload)
@@ -56,8 +61,22 @@ def main() -> None:
     convert(args.model, Path(args.convert_script), Path(args.gguf), outtype, args.convert_python)
     port = free_port()
     slots = len(workload)
-    command = [args.server, "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-               "-c", str(slots * (max_len(workload) + 16)), "-t", str(args.threads), "--no-webui"]
+    command = [
+        args.server,
+        "-m",
+        args.gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * (max_len(workload) + 16)),
+        "-t",
+        str(args.threads),
+        "--no-webui",
+    ]
     if args.no_repack:
         command.append("--no-repack")
     # The KV cache in the compute precision (llama.cpp's default is f16), or q8_0 (8-bit blocks with a
@@ -72,8 +91,14 @@ def main() -> None:
         wait_until_ok(f"{base}/health", server, timeout=600)
 
         def complete(request: dict) -> int:
-            body = {"prompt": request["prompt_token_ids"], "n_predict": request["output_len"], "ignore_eos": True,
-                    "temperature": 0.0, "top_k": 1, "cache_prompt": False}
+            body = {
+                "prompt": request["prompt_token_ids"],
+                "n_predict": request["output_len"],
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "top_k": 1,
+                "cache_prompt": False,
+            }
             return int(post(f"{base}/completion", body)["tokens_predicted"])
 
         complete({"prompt_token_ids": workload[0]["prompt_token_ids"], "output_len": 8})  # warmup
@@ -82,8 +107,17 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(timeout=60)
-    write_result(args.out, "llama.cpp", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload),
-                 kv_cache=kv_cache, weights="q8_0, blocks of 32" if args.weights == "int8" else None, slots=slots)
+    write_result(
+        args.out,
+        "llama.cpp",
+        args.precision,
+        tokens,
+        t.seconds,
+        sum(r["output_len"] for r in workload),
+        kv_cache=kv_cache,
+        weights="q8_0, blocks of 32" if args.weights == "int8" else None,
+        slots=slots,
+    )
 
 
 if __name__ == "__main__":

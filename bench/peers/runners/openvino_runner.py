@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Timer, load_workload, parser, write_result  # noqa: E402
+from common import Timer, load_workload, parser, write_result
 
 
 def export(model: str, target: Path, precision: str, weights: str) -> None:
@@ -25,8 +25,21 @@ def export(model: str, target: Path, precision: str, weights: str) -> None:
         return
     cli = Path(sys.executable).parent / "optimum-cli"
     weight_format = "int8" if weights == "int8" else "fp16" if precision == "bf16" else "fp32"
-    subprocess.run([str(cli), "export", "openvino", "--model", model, "--task", "text-generation-with-past",
-                    "--weight-format", weight_format, str(target)], check=True)
+    subprocess.run(
+        [
+            str(cli),
+            "export",
+            "openvino",
+            "--model",
+            model,
+            "--task",
+            "text-generation-with-past",
+            "--weight-format",
+            weight_format,
+            str(target),
+        ],
+        check=True,
+    )
 
 
 def main() -> None:
@@ -47,8 +60,11 @@ def main() -> None:
     compute = "bf16" if args.precision == "bf16" else "f32"
     native_bf16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     kv_cache = "u8" if args.kv_cache == "int8" else compute if native_bf16 else "f32"
-    properties = {"INFERENCE_PRECISION_HINT": compute, "KV_CACHE_PRECISION": kv_cache,
-                  "INFERENCE_NUM_THREADS": args.threads}
+    properties = {
+        "INFERENCE_PRECISION_HINT": compute,
+        "KV_CACHE_PRECISION": kv_cache,
+        "INFERENCE_NUM_THREADS": args.threads,
+    }
     pipe = ov_genai.ContinuousBatchingPipeline(args.export_dir, scheduler, "CPU", properties)
 
     def config(max_new_tokens: int):
@@ -62,9 +78,16 @@ def main() -> None:
     with Timer() as t:
         results = pipe.generate(inputs, [config(r["output_len"]) for r in workload])
     tokens = sum(len(r.m_generation_ids[0]) for r in results)
-    write_result(args.out, "openvino-genai", args.precision, tokens, t.seconds,
-                 sum(r["output_len"] for r in workload), kv_cache=kv_cache,
-                 weights="int8, per channel (NNCF)" if args.weights == "int8" else None)
+    write_result(
+        args.out,
+        "openvino-genai",
+        args.precision,
+        tokens,
+        t.seconds,
+        sum(r["output_len"] for r in workload),
+        kv_cache=kv_cache,
+        weights="int8, per channel (NNCF)" if args.weights == "int8" else None,
+    )
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Timer, load_workload, parser, write_result  # noqa: E402
+from common import Timer, load_workload, parser, write_result
 
 
 def int8_format(llm) -> str | None:
     """The int8 weight format the engine's model really holds (None: none of its layers is int8)."""
-    from tokenmill.models.quant import GROUP_SIZE, WeightOnlyInt8Linear
+    from tokenmill.models.layers.quant import GROUP_SIZE, WeightOnlyInt8Linear
 
     int8 = any(isinstance(m, WeightOnlyInt8Linear) for m in llm.engine.model.modules())
     return f"int8, groups of {GROUP_SIZE}" if int8 else None
@@ -26,8 +26,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     workload = load_workload(args.workload)
     kv_cache_dtype = "int8" if args.kv_cache == "int8" else "auto"  # auto: the compute dtype
-    llm = LLM(args.model, progress=False, dtype={"bf16": "bfloat16", "fp32": "float32"}[args.precision],
-              kv_cache_dtype=kv_cache_dtype, quantization="int8" if args.weights == "int8" else None)
+    llm = LLM(
+        args.model,
+        progress=False,
+        dtype={"bf16": "bfloat16", "fp32": "float32"}[args.precision],
+        kv_cache_dtype=kv_cache_dtype,
+        quantization="int8" if args.weights == "int8" else None,
+    )
     prompts = [r["prompt_token_ids"] for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in workload]
     # Warm-up on prompts that are not the measured ones (reversed): the prefix cache would answer
@@ -36,10 +41,17 @@ def main() -> None:
     with Timer() as t:
         outputs = llm.generate(prompts, params)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    write_result(args.out, "tokenmill", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload),
-                 kv_cache=str(llm.engine.kv_cache.data.dtype).removeprefix("torch."),
-                 weights=int8_format(llm),
-                 cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs))  # (0: no prompt seen before)
+    write_result(
+        args.out,
+        "tokenmill",
+        args.precision,
+        tokens,
+        t.seconds,
+        sum(r["output_len"] for r in workload),
+        kv_cache=str(llm.engine.kv_cache.data.dtype).removeprefix("torch."),
+        weights=int8_format(llm),
+        cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs),
+    )  # (0: no prompt seen before)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import Timer, load_workload, max_len, parser, write_result  # noqa: E402
+from common import Timer, load_workload, max_len, parser, write_result
 
 
 def main() -> None:
@@ -17,16 +17,28 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     workload = load_workload(args.workload)
-    llm = LLM(model=args.model, dtype={"bf16": "bfloat16", "fp32": "float32"}[args.precision],
-              max_model_len=max_len(workload) + 16, max_num_seqs=len(workload), enable_prefix_caching=False)
+    llm = LLM(
+        model=args.model,
+        dtype={"bf16": "bfloat16", "fp32": "float32"}[args.precision],
+        max_model_len=max_len(workload) + 16,
+        max_num_seqs=len(workload),
+        enable_prefix_caching=False,
+    )
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in workload]
     llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2, use_tqdm=False)
     with Timer() as t:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    write_result(args.out, "vllm-cpu", args.precision, tokens, t.seconds, sum(r["output_len"] for r in workload),
-                 kv_cache=args.precision)  # vLLM-CPU's cache is in the model dtype (no int8 KV there)
+    write_result(
+        args.out,
+        "vllm-cpu",
+        args.precision,
+        tokens,
+        t.seconds,
+        sum(r["output_len"] for r in workload),
+        kv_cache=args.precision,
+    )  # vLLM-CPU's cache is in the model dtype (no int8 KV there)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,6 @@ class NgramProposer:
         if cached is None or len(cached) > count:  # (a taken-back step dropped tokens)
             cached = np.asarray(seq.token_ids, dtype=np.int64)
         elif len(cached) < count:
-            cached = np.concatenate([cached, np.asarray(seq.token_ids[len(cached):], dtype=np.int64)])
+            cached = np.concatenate([cached, np.asarray(seq.token_ids[len(cached) :], dtype=np.int64)])
         self._arrays[seq] = cached
         return cached

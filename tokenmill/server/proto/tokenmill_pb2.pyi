@@ -1,13 +1,27 @@
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from google.protobuf.internal import containers as _containers
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "request_id", "model")
+    __slots__ = (
+        "prompt",
+        "prompt_token_ids",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "request_id",
+        "model",
+    )
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -30,7 +44,20 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     request_id: str
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(
+        self,
+        prompt: str | None = ...,
+        prompt_token_ids: _Iterable[int] | None = ...,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        seed: int | None = ...,
+        stop: _Iterable[str] | None = ...,
+        ignore_eos: bool | None = ...,
+        request_id: str | None = ...,
+        model: str | None = ...,
+    ) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -40,7 +67,9 @@ class Usage(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(
+        self, prompt_tokens: int | None = ..., completion_tokens: int | None = ..., total_tokens: int | None = ...
+    ) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage")
@@ -54,7 +83,14 @@ class GenerateResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        text: str | None = ...,
+        token_ids: _Iterable[int] | None = ...,
+        finish_reason: str | None = ...,
+        usage: Usage | _Mapping | None = ...,
+    ) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage")
@@ -68,4 +104,11 @@ class GenerateChunk(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    def __init__(
+        self,
+        request_id: str | None = ...,
+        text: str | None = ...,
+        token_ids: _Iterable[int] | None = ...,
+        finish_reason: str | None = ...,
+        usage: Usage | _Mapping | None = ...,
+    ) -> None: ...

@@ -32,11 +32,14 @@ def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:
-        raise PydanticCustomError("json_schema", "not a valid JSON schema: {error} (at {where})",
-                                  {"error": exc.message, "where": exc.json_path}) from None
+        raise PydanticCustomError(
+            "json_schema",
+            "not a valid JSON schema: {error} (at {where})",
+            {"error": exc.message, "where": exc.json_path},
+        ) from None
     kind = schema.get("type", "object")
     if kind != "object":
-        raise PydanticCustomError("json_schema", "the schema must have type \"object\", got {kind}", {"kind": kind})
+        raise PydanticCustomError("json_schema", 'the schema must have type "object", got {kind}', {"kind": kind})
     return schema
 
 
@@ -44,8 +47,7 @@ def arguments_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(parameters) if parameters else dict(NO_ARGUMENTS)
 
 
-def required_calls_schema(functions: Sequence[tuple[str, Mapping[str, Any] | None]],
-                          parallel: bool) -> dict[str, Any]:
+def required_calls_schema(functions: Sequence[tuple[str, Mapping[str, Any] | None]], parallel: bool) -> dict[str, Any]:
     """One or more calls (exactly one unless `parallel`), each to one of `functions` (name,
     parameters) with arguments valid for it. Each function's `$defs` move to the root under a
     per-function prefix, so their `$ref`s still resolve inside the combined schema."""
@@ -54,12 +56,14 @@ def required_calls_schema(functions: Sequence[tuple[str, Mapping[str, Any] | Non
     for i, (name, parameters) in enumerate(functions):
         arguments, own_defs = _hoist_defs(arguments_schema(parameters), prefix=f"f{i}_")
         defs.update(own_defs)
-        alternatives.append({
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": arguments},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        })
+        alternatives.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
     if not parallel:
         schema["maxItems"] = 1
@@ -85,8 +89,10 @@ def _hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], di
 
 def _rewrite_refs(node: Any, renamed: dict[str, str]) -> Any:
     if isinstance(node, dict):
-        return {k: (renamed.get(v, v) if k == "$ref" and isinstance(v, str) else _rewrite_refs(v, renamed))
-                for k, v in node.items()}
+        return {
+            k: (renamed.get(v, v) if k == "$ref" and isinstance(v, str) else _rewrite_refs(v, renamed))
+            for k, v in node.items()
+        }
     if isinstance(node, list):
         return [_rewrite_refs(v, renamed) for v in node]
     return node

@@ -225,7 +225,11 @@ class CallScanner:
         if not isinstance(loads_or_invalid(self.raw), dict) or self.name is None:
             self._fail()
             return
-        if self._args is not None and self._args.kind is _Kind.OBJECT and not isinstance(loads_or_invalid(self._args.text), dict):
+        if (
+            self._args is not None
+            and self._args.kind is _Kind.OBJECT
+            and not isinstance(loads_or_invalid(self._args.text), dict)
+        ):
             self._fail()
             return
         if self._args_final is None and self._args is None:

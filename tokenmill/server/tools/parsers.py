@@ -19,10 +19,10 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
 from enum import Enum, auto
+from typing import ClassVar
 
-from .json_scan import CallScanner, ValueScan, loads_or_invalid
+from tokenmill.server.tools.json_scan import CallScanner, ValueScan, loads_or_invalid
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class ToolCallParser(ABC):
         self._calls.append(call)
         return call
 
+
 class _Call:
     """One call being scanned, and what of it was sent."""
 
@@ -104,7 +105,7 @@ class _Call:
             out.append(CallDelta(self.index, name=self.scanner.name))
         arguments = self.scanner.arguments()
         if len(arguments) > self._sent:
-            out.append(CallDelta(self.index, arguments=arguments[self._sent:]))
+            out.append(CallDelta(self.index, arguments=arguments[self._sent :]))
             self._sent = len(arguments)
         return out
 
@@ -127,7 +128,7 @@ class _Content:
             text, self._skip_leading = stripped, False
         text = self._held + text
         body = text.rstrip()
-        self._held = text[len(body):]
+        self._held = text[len(body) :]
         return body
 
     def call_starts(self) -> None:
@@ -314,14 +315,14 @@ class HermesParser(_CallsInText):
             return False
         out.content += self._content.add(self._pending[:start])
         self._content.call_starts()
-        self._pending = self._pending[start + len(self.OPEN):]
+        self._pending = self._pending[start + len(self.OPEN) :]
         self._start_call()
         return True
 
     def _after_call(self, out: ParsedDelta, final: bool) -> bool:
         rest = self._pending.lstrip()
         if rest.startswith(self.CLOSE):
-            self._pending = rest[len(self.CLOSE):]
+            self._pending = rest[len(self.CLOSE) :]
         elif not final and self.CLOSE.startswith(rest):
             return False  # whitespace or part of the closing tag so far
         self._content.call_ends()
@@ -347,7 +348,7 @@ class Llama3JsonParser(_CallsInText):
     def _before_call(self, out: ParsedDelta, final: bool) -> bool:
         rest = self._pending.lstrip()
         if rest.startswith(self.PYTHON_TAG):
-            rest = rest[len(self.PYTHON_TAG):].lstrip()
+            rest = rest[len(self.PYTHON_TAG) :].lstrip()
         if not final and (not rest or self.PYTHON_TAG.startswith(rest)):
             return False
         if not rest.startswith("{"):
@@ -402,7 +403,7 @@ class ArgumentsOnly(ToolCallParser):
             self._value.scan(text, 0)
         arguments = self._value.text
         if len(arguments) > self._sent:
-            out.calls.append(CallDelta(0, arguments=arguments[self._sent:]))
+            out.calls.append(CallDelta(0, arguments=arguments[self._sent :]))
             self._sent = len(arguments)
         return out
 

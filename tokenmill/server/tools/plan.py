@@ -16,14 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.errors import InvalidRequest
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured_outputs import StructuredOutputsParams
-
-from ..errors import bad_request
-from ..protocol import ChatCompletionRequest, NamedToolChoice
-from .definitions import arguments_schema, required_calls_schema
-from .parsers import PARSERS, ArgumentsOnly, JsonCallList, ToolCallParser, default_parser_name
+from tokenmill.engine.structured_output.params import StructuredOutputsParams
+from tokenmill.errors import InvalidRequest
+from tokenmill.server.errors import bad_request
+from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
+from tokenmill.server.tools.definitions import arguments_schema, required_calls_schema
+from tokenmill.server.tools.parsers import PARSERS, ArgumentsOnly, JsonCallList, ToolCallParser, default_parser_name
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +63,10 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolCallParser] | N
     if isinstance(choice, NamedToolChoice):
         function = by_name.get(choice.function.name)
         if function is None:
-            raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools",
-                              param="tool_choice.function.name")
+            raise bad_request(
+                f"tool_choice names function {choice.function.name!r}, which is not in tools",
+                param="tool_choice.function.name",
+            )
         return ToolPlan(lambda: ArgumentsOnly(function.name), arguments_schema(function.parameters))
     schema = required_calls_schema([(f.name, f.parameters) for f in by_name.values()], parallel=max_calls is None)
     return ToolPlan(lambda: JsonCallList(max_calls=max_calls), schema)
@@ -78,8 +79,10 @@ def constrained(plan: ToolPlan, req: ChatCompletionRequest, params: SamplingPara
     assert plan.output_schema is not None
     if params.structured_outputs is not None:
         source = req.structured_output()[1]  # type: ignore[index]
-        raise bad_request(f"{source} cannot be combined with tool_choice {choice_label(req)}, which sets the output "
-                          "format itself", param=source)
+        raise bad_request(
+            f"{source} cannot be combined with tool_choice {choice_label(req)}, which sets the output format itself",
+            param=source,
+        )
     # json.dumps' layout (one space after "," and ":", no other whitespace): the arguments read as
     # models write them, and no tokens go to whitespace.
     constraint = StructuredOutputsParams(json=plan.output_schema, disable_any_whitespace=True)
@@ -94,7 +97,9 @@ def _unenforceable_tool(req: ChatCompletionRequest) -> str:
     """The first tool whose parameters alone xgrammar rejects (else the list as a whole)."""
     for i, tool in enumerate(req.tools or []):
         try:
-            StructuredOutputsParams(json=arguments_schema(tool.function.parameters), disable_any_whitespace=True).validate()
+            StructuredOutputsParams(
+                json=arguments_schema(tool.function.parameters), disable_any_whitespace=True
+            ).validate()
         except InvalidRequest:
             return f"tools[{i}].function.parameters"
     return "tools"
@@ -110,8 +115,11 @@ def resolve_auto_parser(name: str, tokenizer: Any) -> type[ToolCallParser] | Non
     parser = _pick(name, getattr(tokenizer, "chat_template", None))
     dropped = [m for m in (parser.MARKERS if parser else ()) if not _survives_decoding(tokenizer, m)]
     if dropped:
-        logger.warning("the tool-call markers %s are special tokens of this tokenizer, which outputs leave out: "
-                       "tool_choice \"auto\" cannot read calls from this model", ", ".join(dropped))
+        logger.warning(
+            "the tool-call markers %s are special tokens of this tokenizer, which outputs leave out: "
+            'tool_choice "auto" cannot read calls from this model',
+            ", ".join(dropped),
+        )
     return parser
 
 
@@ -127,13 +135,15 @@ def _pick(name: str, chat_template: str | None) -> type[ToolCallParser] | None:
     if name == AUTO:
         picked = default_parser_name(chat_template)
         if picked is None:
-            logger.info("no tool-call parser for this chat template: tool_choice \"auto\" answers in plain text "
-                        "(set --tool-call-parser to read calls)")
+            logger.info(
+                'no tool-call parser for this chat template: tool_choice "auto" answers in plain text '
+                "(set --tool-call-parser to read calls)"
+            )
             return None
         logger.info("tool-call parser picked from the chat template", extra={"tool_call_parser": picked})
         return PARSERS[picked]
     if name == NONE:
-        logger.info("tool-call parsing is off (--tool-call-parser none): tool_choice \"auto\" answers in plain text")
+        logger.info('tool-call parsing is off (--tool-call-parser none): tool_choice "auto" answers in plain text')
         return None
     logger.info("tool-call parser", extra={"tool_call_parser": name})
     return PARSERS[name]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from ..protocol import AssistantMessage, DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
-from .parsers import ParsedDelta, ToolCallParser, parse_text
+from tokenmill.server.protocol import AssistantMessage, DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from tokenmill.server.tools.parsers import ParsedDelta, ToolCallParser, parse_text
 
 TOOL_CALLS = "tool_calls"
 
@@ -15,7 +15,7 @@ def new_call_id() -> str:
 
 
 def finish_reason(engine_reason: str | None, called: bool) -> str | None:
-    """"tool_calls" when the choice called tools and ended on its own ("length" stays: a cut-off output)."""
+    """ "tool_calls" when the choice called tools and ended on its own ("length" stays: a cut-off output)."""
     return TOOL_CALLS if called and engine_reason == "stop" else engine_reason
 
 
@@ -23,8 +23,9 @@ def parsed_message(parser: ToolCallParser, text: str) -> AssistantMessage:
     parsed = parse_text(parser, text)
     if not parsed.calls:
         return AssistantMessage(content=parsed.content)
-    calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-             for c in parsed.calls]
+    calls = [
+        ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls
+    ]
     return AssistantMessage(content=parsed.content, tool_calls=calls)
 
 
@@ -46,8 +47,14 @@ class StreamedToolCalls:
         for piece in parsed.calls:
             if piece.name is not None:
                 self.called = True
-                deltas.append(DeltaToolCall(index=piece.index, id=new_call_id(), type="function",
-                                            function=DeltaFunctionCall(name=piece.name, arguments="")))
+                deltas.append(
+                    DeltaToolCall(
+                        index=piece.index,
+                        id=new_call_id(),
+                        type="function",
+                        function=DeltaFunctionCall(name=piece.name, arguments=""),
+                    )
+                )
             if piece.arguments:
                 deltas.append(DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments)))
         return parsed.content, deltas

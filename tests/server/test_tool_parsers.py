@@ -1,0 +1,348 @@
+"""Tool-call parsers on realistic model outputs (Hermes/Qwen, Llama 3 JSON, and the forced formats of
+tool_choice required / named), whole and streamed: every way of cutting the text into deltas gives
+the same calls and content as parsing it at once, and no call markup leaks into the content."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.utils.tool_models import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+from tokenmill.server.tools.definitions import required_calls_schema
+from tokenmill.server.tools.parsers import (
+    PARSERS,
+    ArgumentsOnly,
+    HermesParser,
+    JsonCallList,
+    Llama3JsonParser,
+    ParsedCall,
+    ParsedText,
+    ToolCallParser,
+    default_parser_name,
+    parse_text,
+)
+
+WEATHER = '{"city": "Paris", "unit": "celsius"}'
+TRICKY = '{"query": "a } b { \\"quoted\\" </tool_call> <tool_call> ; ]", "n": [1, {"x": null}], "ok": true}'
+
+
+def streamed(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[ParsedCall], bool]:
+    """Feed `pieces` one by one; the concatenated content, the calls rebuilt from their deltas (each
+    call's first delta must name it and carry no arguments, as OpenAI's does) and `failed`."""
+    content, calls = "", {}
+    deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
+    for delta in deltas:
+        content += delta.content
+        for piece in delta.calls:
+            if piece.name is not None:
+                assert piece.index not in calls and piece.index == len(calls) and piece.arguments == ""
+                calls[piece.index] = ParsedCall(piece.name, "")
+            else:
+                assert piece.arguments, "an argument delta carries text"
+            calls[piece.index].arguments += piece.arguments
+    return content, list(calls.values()), parser.failed
+
+
+def assert_all_splits_agree(new_parser, text: str, expected: ParsedText) -> None:
+    """The whole text parses to `expected`; so does the stream, cut at every single position and
+    character by character."""
+    assert parse_text(new_parser(), text) == expected
+    want = (expected.content or "", expected.calls, False)
+    for cut in range(len(text) + 1):
+        assert streamed(new_parser(), [text[:cut], text[cut:]]) == want, cut
+    assert streamed(new_parser(), list(text)) == want
+
+
+# ---------------------------------------------------------------------------------------------- Hermes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>',
+            ParsedText(None, [ParsedCall("get_weather", WEATHER)]),
+            id="one call (Qwen 2.5 layout)",
+        ),
+        pytest.param(
+            f'I will look that up.\n\n<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>'
+            f'\n<tool_call>\n{{"name": "search", "arguments": {TRICKY}}}\n</tool_call>',
+            ParsedText("I will look that up.", [ParsedCall("get_weather", WEATHER), ParsedCall("search", TRICKY)]),
+            id="text then two calls, markup and braces inside strings",
+        ),
+        pytest.param(
+            '<tool_call>{"name":"f","arguments":{}}</tool_call><tool_call>{"name":"g","arguments":{"a":1}}</tool_call>'
+            " Done: see results.",
+            ParsedText("Done: see results.", [ParsedCall("f", "{}"), ParsedCall("g", '{"a":1}')]),
+            id="compact calls back to back, text after",
+        ),
+        pytest.param(
+            '<tool_call>\n{"arguments": {"q": "x"}, "name": "search"}\n</tool_call>',
+            ParsedText(None, [ParsedCall("search", '{"q": "x"}')]),
+            id="arguments before the name",
+        ),
+        pytest.param(
+            '<tool_call>\n{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}\n</tool_call>',
+            ParsedText(None, [ParsedCall("search", '{"q": "x"}')]),
+            id="arguments as a JSON string",
+        ),
+        pytest.param(
+            '<tool_call>\n{"name": "now"}\n</tool_call>', ParsedText(None, [ParsedCall("now", "{}")]), id="no arguments"
+        ),
+        pytest.param(
+            '<tool_call>\n{"name": "now", "arguments": null}\n</tool_call>',
+            ParsedText(None, [ParsedCall("now", "{}")]),
+            id="null arguments",
+        ),
+        pytest.param(
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 東京 🌧"}}',
+            ParsedText(None, [ParsedCall("get_weather", '{"city": "Zürich 東京 🌧"}')]),
+            id="no closing tag, non-ASCII",
+        ),
+        pytest.param(
+            "The answer is 3 < 4 and <b>bold</b> <tool_ca",
+            ParsedText("The answer is 3 < 4 and <b>bold</b> <tool_ca", []),
+            id="text with '<' and a partial tag at the end",
+        ),
+        pytest.param("  Plain answer.  \n", ParsedText("  Plain answer.  \n", []), id="plain text is kept verbatim"),
+    ],
+)
+def test_hermes(text: str, expected: ParsedText) -> None:
+    assert_all_splits_agree(HermesParser, text, expected)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}\n</tool_call>',  # unclosed object
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',  # not JSON
+        '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',  # arguments not an object
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',  # cut off (max_tokens)
+    ],
+)
+def test_hermes_malformed_call_after_its_name_is_content_when_parsed_whole(text: str) -> None:
+    """A call that breaks after its name was readable: the whole output is content (vLLM's rule)."""
+    assert parse_text(HermesParser(), text) == ParsedText(text, [])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Sure <tool_call> is how I call tools. Anyway, hi.",
+        '<tool_call>\n[{"name": "get_weather"}]\n</tool_call> then text',
+        '<tool_call>\n{"city": "Paris"}\n</tool_call>',  # no name: not a call
+        '<tool_call>\n{"name": 42, "arguments": {}}\n</tool_call>',
+    ],
+)
+def test_hermes_markup_that_is_no_call_is_content_streamed_or_not(text: str) -> None:
+    assert_all_splits_agree(HermesParser, text, ParsedText(text, []))
+
+
+def test_hermes_without_parallel_calls_keeps_the_first() -> None:
+    text = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    )
+    assert_all_splits_agree(lambda: HermesParser(max_calls=1), text, ParsedText(None, [ParsedCall("a", "{}")]))
+
+
+def test_hermes_arguments_stream_as_they_are_generated() -> None:
+    """Argument text is sent as it arrives, not at the end of the call; partial markup is held back."""
+    parser = HermesParser()
+    assert parser.feed("Checking.\n<tool_").content == "Checking."
+    first = parser.feed('call>\n{"name": "get_weather", "argu')
+    assert first.content == "" and [(d.index, d.name, d.arguments) for d in first.calls] == [(0, "get_weather", "")]
+    assert [d.arguments for d in parser.feed('ments": {"city": "Pa').calls] == ['{"city": "Pa']
+    assert [d.arguments for d in parser.feed('ris"}}\n</tool').calls] == ['ris"}']
+    end = parser.feed("_call>")
+    assert end.content == "" and end.calls == []
+
+
+def test_hermes_streamed_with_real_token_boundaries(default_model_dir) -> None:
+    """Deltas as the detokenizer produces them for a real BPE vocabulary (pieces straddle the markup)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    text = (
+        f'Let me check both.\n<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>\n'
+        f'<tool_call>\n{{"name": "search", "arguments": {TRICKY}}}\n</tool_call>'
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode(ids[: k + 1])[len(tokenizer.decode(ids[:k])) :] for k in range(len(ids))]
+    assert "".join(pieces) == text
+    expected = parse_text(HermesParser(), text)
+    assert expected.calls == [ParsedCall("get_weather", WEATHER), ParsedCall("search", TRICKY)]
+    assert streamed(HermesParser(), pieces) == (expected.content, expected.calls, False)
+
+
+# ---------------------------------------------------------------------------------------------- Llama 3
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            f'{{"name": "get_weather", "parameters": {WEATHER}}}',
+            ParsedText(None, [ParsedCall("get_weather", WEATHER)]),
+            id="one call",
+        ),
+        pytest.param(
+            f'<|python_tag|>{{"name": "get_weather", "parameters": {WEATHER}}}; {{"name": "search", "parameters": {TRICKY}}}',  # noqa: E501
+            ParsedText(None, [ParsedCall("get_weather", WEATHER), ParsedCall("search", TRICKY)]),
+            id="python tag, two calls separated by ;",
+        ),
+        pytest.param(
+            '\n{"type": "function", "name": "now", "arguments": {}}',
+            ParsedText(None, [ParsedCall("now", "{}")]),
+            id="leading newline, extra key, 'arguments'",
+        ),
+        pytest.param(
+            '{"name": "now", "parameters": {}}\n\nI called it.',
+            ParsedText("I called it.", [ParsedCall("now", "{}")]),
+            id="text after the call",
+        ),
+        pytest.param(
+            "The capital of France is Paris.", ParsedText("The capital of France is Paris.", []), id="plain text"
+        ),
+        pytest.param(
+            ' {"answer": 42, "unit": "km"}',
+            ParsedText(' {"answer": 42, "unit": "km"}', []),
+            id="JSON that is no call stays content",
+        ),
+        pytest.param(
+            'Here: {"name": "now", "parameters": {}}',
+            ParsedText('Here: {"name": "now", "parameters": {}}', []),
+            id="a call must open the output",
+        ),
+    ],
+)
+def test_llama3_json(text: str, expected: ParsedText) -> None:
+    assert_all_splits_agree(Llama3JsonParser, text, expected)
+
+
+def test_llama3_malformed_call_is_content_when_parsed_whole() -> None:
+    text = '{"name": "get_weather", "parameters": {"city": "Paris"'
+    assert parse_text(Llama3JsonParser(), text) == ParsedText(text, [])
+
+
+# ---------------------------------------------------------------------------------------------- forced formats
+
+
+def test_required_list_and_named_arguments() -> None:
+    text = f' [{{"name": "get_weather", "arguments": {WEATHER}}}, {{"name": "search", "arguments": {TRICKY}}}] '
+    assert_all_splits_agree(
+        JsonCallList, text, ParsedText(None, [ParsedCall("get_weather", WEATHER), ParsedCall("search", TRICKY)])
+    )
+    assert_all_splits_agree(
+        lambda: ArgumentsOnly("search"), f"\n{TRICKY}\n", ParsedText(None, [ParsedCall("search", TRICKY)])
+    )
+    # Named: the name is sent before any argument text arrives.
+    assert [d.name for d in ArgumentsOnly("search").feed("").calls] == ["search"]
+    for broken in ('[{"name": "a", "arguments": {}}', "[]", '{"name": "a"}'):
+        assert parse_text(JsonCallList(), broken) == ParsedText(broken, [])
+    assert parse_text(ArgumentsOnly("a"), '{"x": ') == ParsedText('{"x": ', [])
+
+
+def test_required_schema_accepts_calls_and_keeps_refs_resolvable() -> None:
+    """The schema for tool_choice "required": anyOf the functions; a function's $defs are hoisted
+    with its refs rewritten, so a valid call validates and a wrong one does not."""
+    import jsonschema
+
+    item = {"type": "object", "properties": {"v": {"type": "integer"}}, "required": ["v"]}
+    params_a = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+        "required": ["items"],
+        "$defs": {"Item": item},
+    }
+    params_b = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    schema = required_calls_schema([("a", params_a), ("b", params_b), ("c", None)], parallel=True)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    ok = [
+        {"name": "a", "arguments": {"items": [{"v": 1}]}},
+        {"name": "b", "arguments": {"q": "x"}},
+        {"name": "c", "arguments": {}},
+    ]
+    jsonschema.validate(ok, schema)
+    for bad in (
+        [],
+        [{"name": "a", "arguments": {"items": [{"v": "1"}]}}],
+        [{"name": "d", "arguments": {}}],
+        [{"name": "b", "arguments": {}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    single = required_calls_schema([("b", params_b)], parallel=False)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([ok[1], ok[1]], single)
+
+
+# ---------------------------------------------------------------------------------------------- properties
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+_arguments = st.dictionaries(st.text(max_size=6), _json_values, max_size=4)
+_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_-]{0,20}", fullmatch=True)
+_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20).filter(
+    lambda t: "<tool_call>" not in t
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    before=_text,
+    calls=st.lists(st.tuples(_names, _arguments, st.booleans()), min_size=1, max_size=3),
+    indent=st.sampled_from([None, 2]),
+    cuts=st.lists(st.integers(0, 10_000), max_size=6),
+)
+def test_hermes_any_arguments_any_cuts(before, calls, indent, cuts) -> None:
+    """Whatever the arguments (any JSON, escapes, unicode) and however the text is cut into deltas,
+    the calls come back with exactly those arguments, streamed or whole."""
+    body = "".join(
+        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a}, indent=indent, ensure_ascii=ascii_)}\n</tool_call>"
+        for n, a, ascii_ in calls
+    )
+    text = before + body
+    whole = parse_text(HermesParser(), text)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == [(n, a) for n, a, _ in calls]
+    assert whole.content == (before.rstrip() or None)
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    assert streamed(HermesParser(), pieces) == (whole.content or "", whole.calls, False)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+def test_default_parser_from_the_chat_template() -> None:
+    assert default_parser_name(HERMES_TEMPLATE) == "hermes"
+    assert default_parser_name(LLAMA3_TEMPLATE) == "llama3_json"
+    smollm2 = (
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']}}{% endfor %}"
+    )
+    assert default_parser_name(smollm2) is None and default_parser_name(None) is None
+    assert {"hermes", "llama3_json"} <= set(PARSERS)
+
+
+def test_markers_the_detokenizer_drops_are_reported(default_model_dir, caplog) -> None:
+    """A tokenizer where <tool_call> is a special token: outputs leave it out, so the startup log
+    says auto calls cannot be read; where it is text (SmolLM2's BPE, Qwen's added tokens), no warning."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.server.tools.plan import resolve_auto_parser
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    with caplog.at_level("WARNING", logger="tokenmill.server.tools.plan"):
+        assert resolve_auto_parser("hermes", tokenizer) is HermesParser
+    assert not caplog.records
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    with caplog.at_level("WARNING", logger="tokenmill.server.tools.plan"):
+        assert resolve_auto_parser("auto", tokenizer) is None  # SmolLM2's template offers no tools
+        assert resolve_auto_parser("hermes", tokenizer) is HermesParser
+    (warning,) = caplog.records
+    assert "<tool_call>, </tool_call>" in warning.getMessage() and "cannot read calls" in warning.getMessage()

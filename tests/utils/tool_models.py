@@ -1,0 +1,115 @@
+"""Models for tool-calling tests: chat templates that offer tools (the bundled SmolLM2 template has
+none) and a scripted model that writes a given reply to a given conversation.
+
+HERMES_TEMPLATE follows the layout of Qwen 2.5's template (tools as JSON in <tools>, calls in
+<tool_call> with the arguments object, tool results as <tool_response> in a user turn), written
+for these tests; LLAMA3_TEMPLATE only has the markers the default-parser choice looks at.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'user' or message.role == 'system' or (message.role == 'assistant' and not message.tool_calls) %}"  # noqa: E501
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- set call = tool_call.function if tool_call.function is defined else tool_call %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}{{- call.arguments | tojson }}'
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}{%- if tools %}<|start_header_id|>system<|end_header_id|>\\n\\n"
+    'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+    "{%- for t in tools %}{{ t | tojson }}{%- endfor %}<|eot_id|>{%- endif %}"
+    "{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\\n\\n"
+    "{%- if m.tool_calls %}<|python_tag|>{{ m.tool_calls[0].function | tojson }}{%- else %}{{ m.content }}{%- endif %}"
+    "<|eot_id|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\\n\\n{%- endif %}"
+)
+
+
+def with_chat_template(model_dir: Path, target: Path, template: str) -> Path:
+    """A copy of `model_dir` (weights linked, not copied) whose tokenizer has `template`."""
+    from transformers import AutoTokenizer
+
+    target.mkdir(parents=True, exist_ok=True)
+    for item in model_dir.iterdir():
+        if item.suffix == ".safetensors":
+            (target / item.name).symlink_to(item)
+        elif item.is_file():
+            shutil.copy(item, target / item.name)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def scripted_model(tokenizer_dir: Path, target: Path, template: str, prompt_ids: list[int], reply: str) -> Path:
+    """A GPT-2 whose greedy reply to `prompt_ids` is `reply` followed by EOS, token for token.
+
+    A random model cannot decide to call a tool; this one is told to. Attention and MLP write
+    nothing (zero output projections), so the last hidden state is wte[token] + wpe[position]; the
+    position embedding of each reply position is a distinct axis scaled by POSITION_GAIN and the
+    (tied) embedding of each reply token points along the axes of the positions it must follow,
+    so the position picks the next token (repeated tokens are fine) and every other token scores 0.
+    Runs through tokenmill's native GPT-2 path like any checkpoint."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    script = [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_token_id]
+    width = 2 * len(script)  # twice the axes needed: LayerNorm's mean shift stays small
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=1024,
+        n_embd=width,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+        model.transformer.ln_f.weight.fill_(1.0)
+        for k, token in enumerate(script):
+            model.transformer.wpe.weight[len(prompt_ids) - 1 + k, k] = POSITION_GAIN
+            model.transformer.wte.weight[token, k] = 1.0
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(target)
+    return target
+
+
+POSITION_GAIN = 10.0

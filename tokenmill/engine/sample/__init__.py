@@ -1,0 +1,1 @@
+"""Token selection from a step's logits, and verification of draft tokens."""

@@ -1,0 +1,1 @@
+"""Running a scheduled step: input tensors, the model over the paged KV cache, CUDA graphs, tensor parallelism."""

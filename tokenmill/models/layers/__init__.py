@@ -1,0 +1,1 @@
+"""Layers shared by the model families: paged attention, linear backends, the vocabulary head, MoE, TP."""

@@ -1,0 +1,235 @@
+"""Llama-shaped decoder layers as one C++ call on CPU fp32 and bf16 steps (`--fused-layers`).
+
+A batch-1 decode step of a small model is a few milliseconds of memory-bound GEMMs and, around them,
+~25 Python-level op dispatches, module calls and views per layer: on SmolLM2 (30 layers) taking it
+out brought a batch-1 step from ~23 to ~18.5 ms (bench/README.md). `tokenmill::llama_decoder_layer`
+(kernels/csrc/decoder_layer.cpp) runs the same kernels in the same order from C++, so its output is
+bit-identical to the Python layer's; the layer takes it whenever the step's attention all runs on
+the paged kernel (decodes and chunks with cached context; first prefill chunks go through SDPA in
+Python), over fp32, bf16 or int8 caches (the layer writes K/V rows into their slots itself,
+quantizing int8 rows as kv_quant.to_cache does). Fused: layers of exactly the Llama structure (RMSNorm, fused qkv
+with optional bias, no q/k norm, SiLU-gated MLP, no tensor parallelism) in fp32 whose four
+projections are on the panel GEMM: fp32 or bf16 panels (`--packed-linear`; bf16 holds the bf16-valued
+weights of a model published in bf16: the kernel widens them back to fp32) or int8 (`--quantization int8`);
+or in bf16 with the four on oneDNN (`--dtype bfloat16` on a CPU with AMX or AVX512-BF16: the same
+bf16 kernels as the Python layer, whose elementwise ops then also run fused) or int8 panels
+(`--dtype bfloat16 --quantization int8`).
+Anything wrapped later (LoRA) makes the layer stand aside. When every layer of the model is fused,
+the model's forward runs them as one C++ loop (FusedStack): one check per step instead of one per
+layer, and no Python between layers (~25 us a layer: Python's loop, module calls, the op's 32 boxed
+arguments). A step of up to 6 tokens (batch-1 and small-batch decode; up to 64 for a bf16 model whose
+projections are all on AMX tiles), fp32 or bf16, runs every layer in one parallel region, the
+threads sharing each GEMM's panels or AMX blocks, the RoPE and cache writes and the attention's
+items and meeting at a barrier after each (no fork/join, allocation or op checks per kernel:
+SmolLM2 int8 batch-1, ~5.8 -> ~4.8 ms of layers a step; bf16 on AMX, batch-1 ~14 -> ~12.5 ms a
+step); the same arithmetic, so the same bits (kernels/csrc/decoder_layer.cpp).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from operator import getitem
+
+import torch
+from torch import nn
+
+from tokenmill.models.families.llama import LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
+from tokenmill.models.layers.attention import AttentionMetadata
+from tokenmill.models.layers.packed_linear import OneDnnLinear, PanelLinear
+from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+
+logger = logging.getLogger(__name__)
+
+
+class HeldModules:
+    """The modules fused weights came from, each as (its owner's _modules dict, name, module)."""
+
+    def __init__(self, entries: tuple) -> None:
+        self.entries = entries
+        self._dicts, self._names, expected = zip(*entries)
+        self._expected = list(expected)
+
+    def intact(self) -> bool:
+        """Whether every module is still where it was (LoRA wraps projections after loading). The
+        lookups and comparisons run in C (map over the dicts; a list compares its items by identity
+        first, and modules have no __eq__): ~3 us a step for SmolLM2's 180 modules, where Python's
+        loop took ~12 and nn.Module attribute lookups ~7 a layer."""
+        return list(map(getitem, self._dicts, self._names)) == self._expected
+
+
+@dataclass(frozen=True, eq=False)
+class FusedLayer:
+    held: HeldModules  # the attention, the MLP and the four projections fused
+    weights: tuple  # the op's arguments from the input norm to the intermediate size
+    attention: tuple  # scale, window, softcap
+
+    def applies(self, meta: AttentionMetadata) -> bool:
+        return meta.paged_only and self.held.intact()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        p = meta.paged
+        return torch.ops.tokenmill.llama_decoder_layer(
+            x,
+            *self.weights,
+            cos,
+            sin,
+            kv[0],
+            kv[1],
+            meta.slot_mapping,
+            p.query_start,
+            p.query_lens,
+            p.block_tables,
+            p.context_lens,
+            meta.block_size,
+            *self.attention,
+        )
+
+
+def _held_modules(layer: LlamaLayer) -> HeldModules:
+    """FusedLayer.held of a layer as it is now."""
+    owners = (
+        (layer, ("self_attn", "mlp")),
+        (layer.self_attn, ("qkv_proj", "o_proj")),
+        (layer.mlp, ("gate_up_proj", "down_proj")),
+    )
+    return HeldModules(tuple((owner._modules, name, owner._modules[name]) for owner, names in owners for name in names))
+
+
+class FusedStack:
+    """Every decoder layer of a model fused: a step's layers run as one C++ loop
+    (`torch.classes.tokenmill.DecoderStack`, holding each layer's weights), with one check per step
+    instead of one per layer and no Python between layers (LlamaForCausalLM.forward takes it). The
+    RoPE rows of the step's positions are gathered and the model's final norm applied in the same
+    call (~0.15 ms of cold Python ops a step of SmolLM2 after a step's weights went through the
+    caches)."""
+
+    def __init__(self, layers: tuple[LlamaLayer, ...], final_norm: RMSNorm) -> None:
+        self.layers = layers
+        # Every layer's held modules in one check per step (a call per layer was ~3 us a layer).
+        self._held = HeldModules(tuple(entry for layer in layers for entry in layer.fused.held.entries))
+        tensors, ints, floats = [], [], []
+        for layer in layers:
+            norm, post_norm, eps, *projections, heads, kv_heads, intermediate = layer.fused.weights
+            scale, window, softcap = layer.fused.attention
+            tensors += [norm, post_norm, *projections]
+            ints += [heads, kv_heads, intermediate, window]
+            floats += [eps, scale, softcap]
+        self.native = torch.classes.tokenmill.DecoderStack(
+            tensors, ints, floats, final_norm.weight.detach(), final_norm.eps
+        )
+
+    def applies(self, meta: AttentionMetadata) -> bool:
+        return meta.paged_only and self._held.intact()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope_tables: tuple[torch.Tensor, torch.Tensor],
+        kv_caches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final norm of the last layer's output (x: the embedded tokens; rope_tables: the model's
+        cos/sin [positions, rotary])."""
+        p = meta.paged
+        return self.native.forward(
+            x,
+            positions,
+            *rope_tables,
+            [kv[0] for kv in kv_caches],
+            [kv[1] for kv in kv_caches],
+            meta.slot_mapping,
+            p.query_start,
+            p.query_lens,
+            p.block_tables,
+            p.context_lens,
+            meta.block_size,
+        )
+
+
+def _fusable(layer: LlamaLayer) -> bool:
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        type(layer).forward is LlamaLayer.forward
+        and type(layer.input_layernorm) is RMSNorm
+        and type(layer.post_attention_layernorm) is RMSNorm
+        and isinstance(attn, LlamaAttention)
+        and type(attn).forward is LlamaAttention.forward
+        and type(attn).project_qkv is LlamaAttention.project_qkv
+        and attn.qk_norm_class is None
+        and not attn.tp.enabled
+        and isinstance(mlp, LlamaMLP)
+        and type(mlp).forward is LlamaMLP.forward
+        and mlp.silu
+        and not mlp.tp.enabled
+        and all(
+            _fusable_projection(m, layer.input_layernorm.weight.dtype)
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        )
+    )
+
+
+def _fusable_projection(linear: nn.Module, activations: torch.dtype) -> bool:
+    """fp32 activations (the layer's norm weight's dtype): fp32, bf16 or int8 panels; bf16
+    activations: bf16 weights on oneDNN (CPUs with native bf16), or int8 panels."""
+    if type(linear) is WeightOnlyInt8Linear:
+        return linear.use_cpu_kernel and activations in (torch.float32, torch.bfloat16)
+    if activations == torch.bfloat16:
+        return type(linear) is OneDnnLinear and linear.native and linear.packed_weight.dtype == torch.bfloat16
+    return activations == torch.float32 and type(linear) is PanelLinear
+
+
+def _projection_arguments(linear: nn.Module) -> tuple:
+    """(weight, scales or None, bias or None) of a fusable projection."""
+    if type(linear) in (PanelLinear, OneDnnLinear):
+        return linear.packed_weight, None, linear.bias
+    bias = None if linear.bias is None else linear.bias.detach()
+    return linear.qweight, linear.scales, bias
+
+
+def fuse_decoder_layers(model: nn.Module) -> int:
+    """Give every fusable decoder layer of `model` its one-call path (see the module docstring);
+    returns how many."""
+    count = 0
+    for layer in model.modules():
+        if not isinstance(layer, LlamaLayer) or not _fusable(layer):
+            continue
+        attn, mlp = layer.self_attn, layer.mlp
+        norm = layer.input_layernorm
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        layer.fused = FusedLayer(
+            _held_modules(layer),
+            (
+                norm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                norm.eps,
+                *(t for m in linears for t in _projection_arguments(m)),
+                attn.num_heads,
+                attn.num_kv_heads,
+                mlp.intermediate,
+            ),
+            (attn.scale, attn.window or 0, attn.softcap or 0.0),
+        )
+        count += 1
+    layers = getattr(model, "layers", None)
+    final_norm = getattr(model, "norm", None)
+    if (
+        count
+        and hasattr(model, "fused_stack")
+        and all(getattr(layer, "fused", None) is not None for layer in layers)
+        and not any(getattr(model, "layer_rope", ()))  # (one RoPE table for all: the stack takes one)
+        and type(final_norm) is RMSNorm
+        and final_norm.weight.dtype == layers[0].input_layernorm.weight.dtype
+    ):
+        model.fused_stack = FusedStack(tuple(layers), final_norm)
+    if count:
+        logger.info("decoder layers fused into one call per step: %d", count)
+    return count

@@ -1,0 +1,1 @@
+"""Where a model comes from and how its weights become a tokenmill model: hub, registry, loader, generic path."""
