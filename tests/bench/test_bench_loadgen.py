@@ -23,7 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tokenmill.bench import commands, compare
+from tokenmill.bench import compare
 from tokenmill.bench.serve import (
     BenchReport,
     BenchRequest,
@@ -40,6 +40,7 @@ from tokenmill.bench.serve import (
     synthetic_requests,
     warmup_requests,
 )
+from tokenmill.cli import bench as commands
 
 FIRST_DELAY_S = 0.2  # before the first content chunk
 GAP_S = 0.05  # between later content chunks

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-PEERS = Path(__file__).resolve().parents[1] / "bench" / "peers" / "peers.py"
+PEERS = Path(__file__).resolve().parents[2] / "bench" / "peers" / "peers.py"
 
 
 def _run(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -294,7 +294,7 @@ def test_serve_config_file_builds():
 
     import yaml
 
-    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "deploy" / "ray" / "serve-config.yaml").read_text())
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "ray" / "serve-config.yaml").read_text())
     (app_cfg,) = config["applications"]
     module, _, attr = app_cfg["import_path"].partition(":")
     builder = getattr(importlib.import_module(module), attr)

@@ -163,7 +163,7 @@ def test_moe_grouped_gemm_in_bf16_agrees_with_the_expert_loop(families_root, mon
     """bf16 MoE on CUDA takes torch's grouped GEMM (and so can be graphed); the per-expert loop is the
     reference. Same model, same dtype: greedy tokens agree apart from rare bf16 near-ties."""
     from tests.models.test_models_generic import _built, _prompts
-    from tokenmill.models import moe
+    from tokenmill.models.layers import moe
 
     model_dir, _ = _built("qwen3_moe", families_root)
     prompts = _prompts(16, 3, 60, seed=9)

@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import hf_greedy, mixed_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine import model_runner
+from tokenmill.engine.worker import model_runner
 from tokenmill.engine.worker.model_runner import build_forward
 from tokenmill.kernels import build
 from tokenmill.models.layers.attention import AttentionMetadata, PagedQueries, _attend, paged_attention
@@ -614,7 +614,7 @@ def test_pack_linears_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, 
     """bf16 linears go to the panel GEMM where the CPU has no native bf16 (AMX / AVX512-BF16; torch's
     bf16 GEMMs are slow there), to oneDNN where it has; the tied embedding reads bf16 panels too."""
     from tokenmill.kernels.cpu_caps import CpuCaps
-    from tokenmill.models import packed_linear
+    from tokenmill.models.layers import packed_linear
 
     if not build.load():
         pytest.skip("kernels off")
@@ -651,7 +651,7 @@ def test_pack_linears_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, 
 def test_pack_linears_picks_the_panel_kernel_for_fp32(monkeypatch, kernels):
     """fp32 linears go to the panel GEMM when tokenmill's kernels load, to oneDNN when they cannot;
     either gives nn.Linear's result, for 2-D and 3-D inputs, with and without a bias."""
-    from tokenmill.models import packed_linear
+    from tokenmill.models.layers import packed_linear
 
     if kernels and not build.load():
         pytest.skip("kernels off")
@@ -738,7 +738,7 @@ def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim, dtype):
 
 def test_vocab_projection_paths_agree(monkeypatch):
     """A plain CPU head (vocab-major product or nn.Linear) and a packed one give the same logits."""
-    from tokenmill.models import lm_head
+    from tokenmill.models.layers import lm_head
     from tokenmill.models.layers.packed_linear import pack_linears
 
     head = torch.nn.Linear(96, 1000, bias=False)

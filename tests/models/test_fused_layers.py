@@ -265,7 +265,7 @@ def test_bf16_valued_weights_run_from_bf16_panels_bit_identically(bf16_sharp_tin
     bf16 panels, half the bytes, and the fused layers read them; tokens and logprobs equal those of
     the same engine on fp32 panels to the last bit, and the greedy tokens HF fp32 generate's."""
     from tests.conftest import hf_greedy
-    from tokenmill.models import packed_linear
+    from tokenmill.models.layers import packed_linear
     from tokenmill.models.layers.packed_linear import PanelEmbedding, PanelLinear
 
     prompts = mixed_prompts(4, 1, 60, seed=7)
