@@ -109,7 +109,10 @@ def profiler_scopes() -> Iterator[None]:
 
     from tokenmill.engine.sample.sampler import Sampler
 
-    owners = [importlib.import_module(f"tokenmill.models.{m}") for m in ("llama", "gpt2", "transformers_backend")]
+    owners = [
+        importlib.import_module(f"tokenmill.models.{m}")
+        for m in ("families.llama", "families.gpt2", "model_loader.transformers_backend")
+    ]
     with _scoped(Sampler, "__call__", "tokenmill::sampler"):
         stack = [_scoped(m, "paged_attention", "tokenmill::attention") for m in owners if hasattr(m, "paged_attention")]
         for cm in stack:
