@@ -129,6 +129,32 @@ def test_tools_tool_calls_and_template_options(tokenizer):
     assert exc.value.param == "messages[0].content"
 
 
+CALL_WEATHER = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+@pytest.mark.parametrize(
+    "assistant",
+    [
+        pytest.param(
+            {"role": "assistant", "content": None, "tool_calls": [CALL_WEATHER]}, id="null content (openai SDK)"
+        ),
+        pytest.param({"role": "assistant", "tool_calls": [CALL_WEATHER]}, id="no content key (litellm)"),
+        pytest.param({"role": "assistant", "content": "", "tool_calls": [CALL_WEATHER]}, id="empty content"),
+        pytest.param({"role": "assistant", "content": [], "tool_calls": [CALL_WEATHER]}, id="no content parts"),
+    ],
+)
+def test_a_tool_calling_turn_renders_whatever_its_content(tokenizer, assistant):
+    """The second request of a tool loop: the assistant's calls with null, absent or empty content
+    render like empty content in a template that concatenates `content` (SmolLM2's), as vLLM does."""
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        assistant,
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    as_text = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": ""}, messages[2]]
+    assert render_chat(tokenizer, messages) == render_chat(tokenizer, as_text)
+
+
 # ---------------------------------------------------------------------------------------------- prompts
 
 

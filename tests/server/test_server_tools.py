@@ -191,6 +191,21 @@ def test_auto_output_without_a_call_is_the_text_streamed_or_not(tool_server: Ser
 
 
 @pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param({"content": None}, id="null (openai SDK, LangChain, openai-agents)"),
+        pytest.param({}, id="absent (litellm)"),
+    ],
+)
+def test_the_tool_result_turn_is_accepted_by_a_template_without_tools(server: ServerProcess, content: dict) -> None:
+    """The second request of every tool loop, on SmolLM2's template (which concatenates `content`):
+    the assistant's calls without content render as empty text, not a 400."""
+    assistant = {k: v for k, v in HISTORY[1].items() if k != "content"} | content
+    body = chat(server, messages=[HISTORY[0], assistant, HISTORY[2]], tools=[WEATHER_TOOL], max_tokens=2)
+    assert body["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
     ("body", "param"),
     [
         ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),

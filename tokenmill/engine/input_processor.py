@@ -128,8 +128,10 @@ def _normalized_message(message: Message | Any, index: int) -> dict[str, Any]:
                 )
             texts.append(part["text"])
         turn["content"] = "".join(texts)
-    elif content is None and not turn.get("tool_calls"):
-        turn["content"] = ""  # templates concatenate it
+    elif content is None:
+        # Templates concatenate it, also on an assistant turn that only called tools (OpenAI clients
+        # send null there, litellm leaves it out): empty text, as vLLM renders it.
+        turn["content"] = ""
     if turn.get("tool_calls"):
         turn["tool_calls"] = [_template_tool_call(call) for call in turn["tool_calls"]]
     return turn
