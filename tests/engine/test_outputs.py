@@ -15,6 +15,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenText
 from tokenmill.engine.outputs import RequestOutputKind
 
+IM_START = 1  # SmolLM2's <|im_start|>, a special token
 TEXT = "Grüße aus Köln: 世界你好 🎉🚀 naïve café — ok, the end of it"
 
 
@@ -107,6 +108,22 @@ def test_detokenizer_streams_with_holdback_and_cuts_at_stop(tokenizer):
         plain.add_token(t)
         pieces.append(plain.take_delta(finished=False))
     assert "".join(pieces) == TEXT  # no stop strings: nothing held back
+
+
+def test_special_tokens_are_kept_when_asked_except_the_eos(tokenizer):
+    """skip_special_tokens=False (vLLM's; the Mistral tool parser's) keeps the special tokens the model
+    writes in the text; the EOS that ends the sequence stays out of it either way."""
+    marker = tokenizer.convert_ids_to_tokens(IM_START)
+    ids = [IM_START, *tokenizer.encode("call", add_special_tokens=False), tokenizer.eos_token_id]
+    texts = {}
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(
+            tokenizer, [], [], False, skip_special_tokens=skip, silent_token_ids=[tokenizer.eos_token_id]
+        )
+        for t in ids:
+            detok.add_token(t)
+        texts[skip] = detok.text
+    assert texts == {True: "call", False: marker + "call"}
 
 
 def test_token_text_bytes_of_partial_characters(tokenizer):

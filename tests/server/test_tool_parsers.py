@@ -1,6 +1,7 @@
-"""Tool-call parsers on realistic model outputs (Hermes/Qwen, Llama 3 JSON, and the forced formats of
-tool_choice required / named), whole and streamed: every way of cutting the text into deltas gives
-the same calls and content as parsing it at once, and no call markup leaks into the content."""
+"""Tool-call parsers on realistic model outputs (Hermes/Qwen, Llama 3 JSON, Mistral, pythonic,
+Qwen3-Coder XML, Phi-4-mini, and the forced formats of tool_choice required / named), whole and
+streamed: every way of cutting the text into deltas gives the same calls and content as parsing it
+at once, and no call markup leaks into the content."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from tests.utils.tool_models import HERMES_TEMPLATE, LLAMA3_TEMPLATE
 from tokenmill.server.tools.definitions import required_calls_schema
+from tokenmill.server.tools.formats import MistralParser, Phi4MiniJsonParser, PythonicParser, Qwen3CoderParser
 from tokenmill.server.tools.parsers import (
     PARSERS,
     ArgumentsOnly,
@@ -227,6 +229,207 @@ def test_llama3_malformed_call_is_content_when_parsed_whole() -> None:
     assert parse_text(Llama3JsonParser(), text) == ParsedText(text, [])
 
 
+# ---------------------------------------------------------------------------------------------- Mistral
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER}}}, '
+            f'{{"name": "search", "arguments": {TRICKY}}}]',
+            ParsedText(None, [ParsedCall("get_weather", WEATHER), ParsedCall("search", TRICKY)]),
+            id="v3: a JSON list after [TOOL_CALLS]",
+        ),
+        pytest.param(
+            f'Checking. [TOOL_CALLS] {{"name": "get_weather", "arguments": {WEATHER}}}',
+            ParsedText("Checking.", [ParsedCall("get_weather", WEATHER)]),
+            id="text, then one call object",
+        ),
+        pytest.param(
+            f"[TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]search[ARGS]{TRICKY}",
+            ParsedText(None, [ParsedCall("get_weather", WEATHER), ParsedCall("search", TRICKY)]),
+            id="v11: name[ARGS]{...} per call",
+        ),
+        pytest.param(
+            f"[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{WEATHER}",
+            ParsedText(None, [ParsedCall("get_weather", WEATHER)]),
+            id="v13: with a call id",
+        ),
+        pytest.param(
+            "Use [TOOL_CALLS] to call: [TOOL_CALLS]",
+            ParsedText("Use [TOOL_CALLS] to call: [TOOL_CALLS]", []),
+            id="the marker in prose",
+        ),
+        pytest.param(
+            "[TOOL_CALLS][1, 2] and [ARGS]", ParsedText("[TOOL_CALLS][1, 2] and [ARGS]", []), id="a list of no calls"
+        ),
+    ],
+)
+def test_mistral(text: str, expected: ParsedText) -> None:
+    assert_all_splits_agree(MistralParser, text, expected)
+
+
+# ---------------------------------------------------------------------------------------------- pythonic
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            '[get_weather(city="Paris", unit="celsius"), search(query=\'a "b" ) ] c\', n=[1, {"x": None}], ok=true)]',
+            ParsedText(
+                None,
+                [
+                    ParsedCall("get_weather", WEATHER),
+                    ParsedCall("search", '{"query": "a \\"b\\" ) ] c", "n": [1, {"x": null}], "ok": true}'),
+                ],
+            ),
+            id="two calls, brackets and quotes inside strings, JSON and Python literals",
+        ),
+        pytest.param(
+            "<|python_start|>[now()]<|python_end|>",
+            ParsedText("<|python_end|>", [ParsedCall("now", "{}")]),
+            id="Llama 4 markers kept as text",
+        ),
+        pytest.param(
+            ' [get_weather(city="Zürich 東京")]\nDone.',
+            ParsedText("Done.", [ParsedCall("get_weather", '{"city": "Zürich 東京"}')]),
+            id="leading space, non-ASCII, text after the list",
+        ),
+        pytest.param("[f(x) for x in items]", ParsedText("[f(x) for x in items]", []), id="a comprehension"),
+        pytest.param("[docs](https://example.com)", ParsedText("[docs](https://example.com)", []), id="a link"),
+        pytest.param("[f(1, 2)]", ParsedText("[f(1, 2)]", []), id="positional arguments"),
+        pytest.param("[f(a=g(b=1))]", ParsedText("[f(a=g(b=1))]", []), id="a call as a value"),
+        pytest.param("[1, 2, 3] are numbers", ParsedText("[1, 2, 3] are numbers", []), id="a list of numbers"),
+        pytest.param("Call [now()] later", ParsedText("Call [now()] later", []), id="a call list must open the output"),
+    ],
+)
+def test_pythonic(text: str, expected: ParsedText) -> None:
+    assert_all_splits_agree(PythonicParser, text, expected)
+
+
+# ---------------------------------------------------------------------------------------------- Qwen3-Coder
+
+XML_TOOLS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "ratio": {"type": ["number", "null"]},
+            "hot": {"type": "boolean"},
+            "filters": {"type": "object"},
+            "tags": {"anyOf": [{"type": "array"}, {"type": "null"}]},
+        },
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            "Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n<parameter=hot>\nTrue\n"
+            "</parameter>\n<parameter=filters>\n{\"a\": [1, 2]}\n</parameter>\n<parameter=tags>\n['x']\n"
+            "</parameter>\n</function>\n</tool_call>",
+            ParsedText(
+                "Let me check.",
+                [
+                    ParsedCall(
+                        "get_weather",
+                        '{"city": "New York", "days": 3, "ratio": 0.5, "hot": true, "filters": {"a": [1, 2]}, '
+                        '"tags": ["x"]}',
+                    )
+                ],
+            ),
+            id="values typed by the schema",
+        ),
+        pytest.param(
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\n  <b>x</b> = 1 \n</parameter>\n<parameter=days>"
+            "\nmany\n</parameter>\n<parameter=extra>\n5\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n<function=now>\n</function>\n</tool_call>",
+            ParsedText(
+                None,
+                [
+                    ParsedCall("get_weather", '{"city": "  <b>x</b> = 1 ", "days": "many", "extra": "5"}'),
+                    ParsedCall("now", "{}"),
+                ],
+            ),
+            id="markup in a string, an unreadable integer, an unknown key, no parameters",
+        ),
+        pytest.param(
+            "<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>\n2\n</function>",
+            ParsedText(None, [ParsedCall("get_weather", '{"city": "Paris", "days": 2}')]),
+            id="no <tool_call>, no </parameter>",
+        ),
+        pytest.param(
+            "The <tool_call> tag wraps calls.",
+            ParsedText("The <tool_call> tag wraps calls.", []),
+            id="the tag in prose",
+        ),
+        pytest.param(
+            "Write <function=f> here", ParsedText("Write <function=f> here", []), id="a function tag in prose"
+        ),
+    ],
+)
+def test_qwen3_coder(text: str, expected: ParsedText) -> None:
+    assert_all_splits_agree(lambda: Qwen3CoderParser(tools=XML_TOOLS), text, expected)
+
+
+# ---------------------------------------------------------------------------------------------- Phi-4-mini
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param(
+            f'functools[{{"name": "get_weather", "arguments": {WEATHER}}}, '
+            f'{{"name": "search", "arguments": {TRICKY}}}]',
+            ParsedText(None, [ParsedCall("get_weather", WEATHER), ParsedCall("search", TRICKY)]),
+            id="two calls",
+        ),
+        pytest.param(
+            'Sure. functools[{"name": "now", "arguments": {}}]',
+            ParsedText("Sure.", [ParsedCall("now", "{}")]),
+            id="text before",
+        ),
+        pytest.param(
+            "Use functools[partial] for that.", ParsedText("Use functools[partial] for that.", []), id="Python prose"
+        ),
+    ],
+)
+def test_phi4_mini_json(text: str, expected: ParsedText) -> None:
+    assert_all_splits_agree(Phi4MiniJsonParser, text, expected)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (MistralParser, '[TOOL_CALLS]get_weather[ARGS]{"city": "Par'),
+        (PythonicParser, '[get_weather(city="Paris"), now('),
+        (Qwen3CoderParser, "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),
+        (Phi4MiniJsonParser, 'functools[{"name": "get_weather", "arguments": {"city": 1'),
+    ],
+)
+def test_a_call_cut_off_after_its_name_is_content_when_parsed_whole(parser, text: str) -> None:
+    assert parse_text(parser(), text) == ParsedText(text, [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_in_every_format() -> None:
+    for parser, text in (
+        (MistralParser, "[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{}"),
+        (PythonicParser, "[a(), b()]"),
+        (
+            Qwen3CoderParser,
+            "<tool_call>\n<function=a>\n</function>\n</tool_call>\n<tool_call>\n<function=b>\n</function>",
+        ),
+        (Phi4MiniJsonParser, 'functools[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]'),
+    ):
+        assert_all_splits_agree(lambda p=parser: p(max_calls=1), text, ParsedText(None, [ParsedCall("a", "{}")]))
+
+
 # ---------------------------------------------------------------------------------------------- forced formats
 
 
@@ -326,7 +529,11 @@ def test_default_parser_from_the_chat_template() -> None:
         "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']}}{% endfor %}"
     )
     assert default_parser_name(smollm2) is None and default_parser_name(None) is None
-    assert {"hermes", "llama3_json"} <= set(PARSERS)
+    qwen3_coder = "{{ '<tool_call>\\n<function=' + name + '>\\n<parameter=' + key + '>' }}"
+    assert default_parser_name(qwen3_coder) == "qwen3_coder"
+    assert default_parser_name("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert default_parser_name("{{ '<|header_start|>' }}<|python_start|>") == "pythonic"
+    assert set(PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "phi4_mini_json"}
 
 
 def test_markers_the_detokenizer_drops_are_reported(default_model_dir, caplog) -> None:

@@ -12,6 +12,7 @@ bytes of tokens that hold part of a UTF-8 character.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
@@ -24,10 +25,21 @@ _CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: tuple[int, ...] | list[int], stop: list[str], include_stop: bool
+        self,
+        tokenizer: Any,
+        prompt_token_ids: tuple[int, ...] | list[int],
+        stop: list[str],
+        include_stop: bool,
+        skip_special_tokens: bool = True,
+        silent_token_ids: Iterable[int] = (),
     ) -> None:
+        """`skip_special_tokens=False` keeps special tokens in the text, except `silent_token_ids`
+        (the EOS that ends the sequence)."""
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=True)
+        self._stream = DecodeStream(
+            ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=skip_special_tokens
+        )
+        self._silent = frozenset() if skip_special_tokens else frozenset(silent_token_ids)
         self._pieces: list[str] = []  # the text so far, in the order decoded
         self._length = 0
         self._taken = 0  # characters handed out by take_delta
@@ -43,6 +55,8 @@ class IncrementalDetokenizer:
 
     def add_token(self, token: int) -> str | None:
         """Append a token; returns the stop string if the text now contains one (text is cut there)."""
+        if token in self._silent:
+            return None
         delta = self._stream.step(self._backend, token)
         if not delta:
             return None  # an incomplete UTF-8 sequence (or a skipped special token): wait for more

@@ -387,7 +387,14 @@ class LLMEngine:
         params = request.params
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, params.include_stop_str_in_output)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt,
+                params.stop,
+                params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+                silent_token_ids=() if params.ignore_eos else self.eos_token_ids,
+            )
         return Sequence(
             next(self._seq_ids), request.request_id, index, prompt, params, detok, request.metrics, lora=request.lora
         )

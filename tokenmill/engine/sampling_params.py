@@ -40,6 +40,9 @@ class SamplingParams:
     # each (0: only the token's own). max_tokens may then be 0: score the prompt, generate nothing.
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # False: special tokens the model writes (Mistral's [TOOL_CALLS]) stay in the text; the EOS that
+    # ends the sequence never does.
+    skip_special_tokens: bool = True
     # The output must match a JSON schema, regex, choice or grammar (a dict is read as vLLM's object).
     structured_outputs: StructuredOutputsParams | None = None
 

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 from tokenmill.server.tools.json_scan import CallScanner, ValueScan, loads_or_invalid
 
 logger = logging.getLogger(__name__)
+
+# The request's functions: each one's parameters schema (None: no parameters), by name.
+ToolSchemas = Mapping[str, Mapping[str, Any] | None]
 
 
 @dataclass
@@ -63,9 +66,13 @@ class ToolCallParser(ABC):
 
     # Strings the parser must see in the output text (not dropped by the detokenizer as special tokens).
     MARKERS: ClassVar[tuple[str, ...]] = ()
+    # The model writes its markers as special tokens (Mistral's [TOOL_CALLS]): outputs read by this
+    # parser are detokenized with them (vLLM's skip_special_tokens=false).
+    KEEPS_SPECIAL_TOKENS: ClassVar[bool] = False
 
-    def __init__(self, max_calls: int | None = None) -> None:
+    def __init__(self, max_calls: int | None = None, tools: ToolSchemas | None = None) -> None:
         self.max_calls = max_calls
+        self.tools = tools or {}  # each offered function's parameters schema, by name
         self.failed = False
         self._calls: list[_Call] = []
 
@@ -79,19 +86,37 @@ class ToolCallParser(ABC):
 
     # Shared call bookkeeping ------------------------------------------------------------------
 
-    def _new_call(self) -> _Call:
-        call = _Call(len(self._calls), dropped=self.max_calls is not None and len(self._calls) >= self.max_calls)
+    def _new_call(self, scanner: CallReader | None = None) -> _Call:
+        dropped = self.max_calls is not None and len(self._calls) >= self.max_calls
+        call = _Call(len(self._calls), dropped, scanner)
         self._calls.append(call)
         return call
+
+
+class CallReader(Protocol):
+    """Reads one call's text as it arrives (`CallScanner` for a JSON object; other formats have
+    their own): `name` once known, `arguments()` as the JSON text known so far, and how it ended."""
+
+    name: str | None
+    failed: bool
+
+    @property
+    def done(self) -> bool: ...
+
+    def feed(self, text: str, start: int = 0) -> int:
+        """Consume text[start:] as far as it belongs to the call; the index after what was used."""
+        ...
+
+    def arguments(self) -> str: ...
 
 
 class _Call:
     """One call being scanned, and what of it was sent."""
 
-    def __init__(self, index: int, dropped: bool) -> None:
+    def __init__(self, index: int, dropped: bool, scanner: CallReader | None = None) -> None:
         self.index = index
         self.dropped = dropped  # beyond max_calls: scanned (to find its end) but never sent
-        self.scanner = CallScanner()
+        self.scanner: CallReader = scanner if scanner is not None else CallScanner()
         self.started = False
         self._sent = 0  # characters of the arguments sent
 
@@ -147,7 +172,7 @@ class _Content:
         return text
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper prefix of `marker` (may become it)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
@@ -170,10 +195,18 @@ def register(name: str) -> Callable[[type[ToolCallParser]], type[ToolCallParser]
 
 
 def default_parser_name(chat_template: str | None) -> str | None:
-    """The parser a chat template asks for: Hermes when it writes <tool_call> (Qwen 2.5/3, Hermes),
-    Llama 3 JSON when it is a Llama 3 template that offers tools (<|python_tag|> or the JSON
-    instructions next to <|start_header_id|>); else none."""
+    """The parser a chat template asks for: Qwen3-Coder's XML when it writes <function=...> and
+    <parameter=...>; Mistral's when it writes [TOOL_CALLS]; pythonic for Llama 4's <|python_start|>;
+    Hermes when it writes <tool_call> (Qwen 2.5/3, Hermes); Llama 3 JSON when it is a Llama 3
+    template that offers tools (<|python_tag|> or the JSON instructions next to
+    <|start_header_id|>); else none."""
     template = chat_template or ""
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_coder"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_start|>" in template:
+        return "pythonic"
     if "<tool_call>" in template:
         return "hermes"
     if "<|start_header_id|>" in template and ("<|python_tag|>" in template or "tools" in template):
@@ -211,8 +244,8 @@ class _CallsInText(ToolCallParser):
     call (`_before_call`) and after one (`_after_call`) and say what a call that turned out to be
     no call was (`_text_of_non_call`)."""
 
-    def __init__(self, max_calls: int | None, mode: _Mode) -> None:
-        super().__init__(max_calls)
+    def __init__(self, max_calls: int | None, mode: _Mode, tools: ToolSchemas | None = None) -> None:
+        super().__init__(max_calls, tools)
         self._mode = mode
         self._pending = ""  # received, not yet handed on
         self._content = _Content()
@@ -262,8 +295,24 @@ class _CallsInText(ToolCallParser):
     def _text_of_non_call(self) -> str:
         """The text of the current call, which turned out to be no call."""
 
-    def _start_call(self) -> None:
-        self._call, self._call_text, self._mode = self._new_call(), "", _Mode.CALL
+    def _start_call(self, scanner: CallReader | None = None) -> None:
+        self._call, self._call_text, self._mode = self._new_call(scanner), "", _Mode.CALL
+
+    def _content_until(self, out: ParsedDelta, final: bool, markers: tuple[str, ...]) -> str | None:
+        """TEXT: hand on the content before the first of `markers` and consume the marker (returned);
+        None while there is none (a partial one at the end is held back unless `final`)."""
+        found = [(i, m) for m in markers if (i := self._pending.find(m)) >= 0]
+        if not found:
+            keep = 0 if final else max(partial_suffix(self._pending, m) for m in markers)
+            cut = len(self._pending) - keep
+            out.content += self._content.add(self._pending[:cut])
+            self._pending = self._pending[cut:]
+            return None
+        start, marker = min(found)
+        out.content += self._content.add(self._pending[:start])
+        self._content.call_starts()
+        self._pending = self._pending[start + len(marker) :]
+        return marker
 
     def _scan_call(self, out: ParsedDelta) -> bool:
         """Hand pending text to the current call; True while it needs more."""
@@ -302,20 +351,12 @@ class HermesParser(_CallsInText):
     CLOSE = "</tool_call>"
     MARKERS = (OPEN, CLOSE)
 
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls, _Mode.TEXT)
+    def __init__(self, max_calls: int | None = None, tools: ToolSchemas | None = None) -> None:
+        super().__init__(max_calls, _Mode.TEXT, tools)
 
     def _before_call(self, out: ParsedDelta, final: bool) -> bool:
-        start = self._pending.find(self.OPEN)
-        if start < 0:
-            keep = 0 if final else _partial_suffix(self._pending, self.OPEN)
-            cut = len(self._pending) - keep
-            out.content += self._content.add(self._pending[:cut])
-            self._pending = self._pending[cut:]
+        if self._content_until(out, final, (self.OPEN,)) is None:
             return False
-        out.content += self._content.add(self._pending[:start])
-        self._content.call_starts()
-        self._pending = self._pending[start + len(self.OPEN) :]
         self._start_call()
         return True
 
@@ -341,8 +382,8 @@ class Llama3JsonParser(_CallsInText):
 
     PYTHON_TAG = "<|python_tag|>"
 
-    def __init__(self, max_calls: int | None = None) -> None:
-        super().__init__(max_calls, _Mode.START)
+    def __init__(self, max_calls: int | None = None, tools: ToolSchemas | None = None) -> None:
+        super().__init__(max_calls, _Mode.START, tools)
         self._lead = ""  # whitespace / python tag before the first call
 
     def _before_call(self, out: ParsedDelta, final: bool) -> bool:
@@ -457,3 +498,7 @@ class JsonCallList(ToolCallParser):
         if self._expect != "" or not self._calls:
             self.failed = True
         return out
+
+
+# The other formats register themselves (they build on the classes above).
+from tokenmill.server.tools import formats  # noqa: E402, F401
