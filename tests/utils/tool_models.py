@@ -74,26 +74,33 @@ def with_chat_template(model_dir: Path, target: Path, template: str) -> Path:
 
 
 def scripted_model(tokenizer_dir: Path, target: Path, template: str, prompt_ids: list[int], reply: str) -> Path:
-    """A GPT-2 whose greedy reply to `prompt_ids` is `reply` followed by EOS, token for token.
+    """A GPT-2 whose greedy reply to `prompt_ids` is `reply` followed by EOS (see `scripted_turns_model`)."""
+    return scripted_turns_model(tokenizer_dir, target, template, [(len(prompt_ids), reply)])
 
-    A random model cannot decide to call a tool; this one is told to. Attention and MLP write
-    nothing (zero output projections), so the last hidden state is wte[token] + wpe[position]; the
-    position embedding of each reply position is a distinct axis scaled by POSITION_GAIN and the
-    (tied) embedding of each reply token points along the axes of the positions it must follow,
-    so the position picks the next token (repeated tokens are fine) and every other token scores 0.
-    Runs through tokenmill's native GPT-2 path like any checkpoint."""
+
+def scripted_turns_model(tokenizer_dir: Path, target: Path, template: str, turns: list[tuple[int, str]]) -> Path:
+    """A GPT-2 that answers any prompt of `n` tokens with `reply` followed by EOS, token for token, for
+    each `(n, reply)` of `turns` (the turns of a tool loop: each request's prompt is longer).
+
+    A random model cannot decide to call a tool; this one is told to. Attention, MLP and token
+    embeddings are zero, so the last hidden state is LayerNorm(wpe[position]): each reply position
+    has an axis of its own, and the (untied) output row of the token it must write points along
+    it, POSITION_GAIN strong, so the position picks the next token with probability ~1 even when
+    sampled, and every other token scores 0 or less. Runs through tokenmill's native GPT-2 path."""
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    script = [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_token_id]
-    width = 2 * len(script)  # twice the axes needed: LayerNorm's mean shift stays small
+    scripts = [(n, [*tokenizer.encode(reply, add_special_tokens=False), tokenizer.eos_token_id]) for n, reply in turns]
+    positions = [n - 1 + k for n, script in scripts for k in range(len(script))]
+    assert len(set(positions)) == len(positions), "two turns' replies overlap: their prompts are too close in length"
     config = GPT2Config(
         vocab_size=len(tokenizer),
-        n_positions=1024,
-        n_embd=width,
+        n_positions=max(1024, max(positions) + 64),
+        n_embd=2 * len(positions),  # twice the axes needed: LayerNorm's mean shift stays small
         n_layer=1,
         n_head=2,
+        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
@@ -102,9 +109,12 @@ def scripted_model(tokenizer_dir: Path, target: Path, template: str, prompt_ids:
         for param in model.parameters():
             param.zero_()
         model.transformer.ln_f.weight.fill_(1.0)
-        for k, token in enumerate(script):
-            model.transformer.wpe.weight[len(prompt_ids) - 1 + k, k] = POSITION_GAIN
-            model.transformer.wte.weight[token, k] = 1.0
+        axis = 0
+        for n, script in scripts:
+            for k, token in enumerate(script):
+                model.transformer.wpe.weight[n - 1 + k, axis] = 1.0
+                model.lm_head.weight[token, axis] = POSITION_GAIN
+                axis += 1
     target.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.chat_template = template

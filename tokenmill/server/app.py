@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
 import uuid
@@ -22,8 +21,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
 from tokenmill.server import lora_api, openapi, tokenizer_api
+from tokenmill.server.anthropic_api import prepare_messages
 from tokenmill.server.embeddings import prepare_embedding
-from tokenmill.server.errors import APIError, bad_request, error_body, error_response
+from tokenmill.server.errors import APIError, bad_request, error_response
 from tokenmill.server.generation import Generation
 from tokenmill.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.server.openai_api import Job, prepare_chat, prepare_completion
@@ -42,12 +42,15 @@ from tokenmill.server.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    ResponsesRequest,
     TokenizeChatRequest,
     TokenizePromptRequest,
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
+from tokenmill.server.protocol.anthropic import MessagesRequest
+from tokenmill.server.responses_api import delete_response, prepare_responses, stored_response
 from tokenmill.server.settings import ServerSettings
 from tokenmill.server.state import GENERATION_ENDPOINTS, RequestRecord, ServerState, status_of
 
@@ -56,6 +59,9 @@ logger = logging.getLogger(__name__)
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+_LOGGED_PATH_CHARS = 200
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 T = TypeVar("T")
 
@@ -164,11 +170,6 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
-def _sse(obj: Any) -> str:
-    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
-    return f"data: {data}\n\n"
-
-
 # ---------------------------------------------------------------------------------------------- generation
 
 
@@ -183,17 +184,18 @@ class _StreamOutcome:
 
 async def _events(job: Job, gen: Generation, outcome: _StreamOutcome) -> AsyncIterator[str]:
     try:
-        async for chunk in job.chunks(gen):
-            yield _sse(chunk)
+        async for chunk in job.stream_events(gen):
+            yield job.sse(chunk)
         outcome.status, outcome.http_status = "ok", 200
     except APIError as err:  # an engine failure after the stream started: report it in-band
         outcome.status, outcome.http_status, outcome.error = status_of(err), err.status, err.message
-        yield _sse(err.body())
+        yield job.sse_error(err)
     except Exception as exc:
         logger.exception("stream failed")
         outcome.status, outcome.http_status, outcome.error = "error", 500, type(exc).__name__
-        yield _sse(error_body("Internal server error", "server_error", code="internal_error"))
-    yield "data: [DONE]\n\n"
+        yield job.sse_error(APIError(500, "Internal server error", code="internal_error"))
+    if job.sse_end:
+        yield job.sse_end
 
 
 async def _serve_generation(
@@ -250,6 +252,8 @@ def _require_api_key(request: Request) -> None:
     if key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if "authorization" not in request.headers and "x-api-key" in request.headers:  # Anthropic's SDKs send this
+        scheme, token = "bearer", request.headers["x-api-key"]
     # compare_digest: the time taken must not reveal how much of the key matched.
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
         raise APIError(
@@ -311,6 +315,40 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
     )
     async def embeddings(request: Request) -> Response:
         return await _serve_generation(request, EMBEDDINGS, prepare_embedding)
+
+    @app.post(
+        RESPONSES,
+        dependencies=json_api,
+        openapi_extra=openapi.json_body(ResponsesRequest),
+        responses=openapi.described(
+            "A Response object; with `stream: true`, server-sent events (`event: response.created` ... "
+            "`response.completed`)"
+        ),
+    )
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API (text, function tools, structured outputs, reasoning items)."""
+        return await _serve_generation(request, RESPONSES, prepare_responses)
+
+    @app.get(RESPONSES + "/{response_id}", dependencies=auth, responses=openapi.errors(401, 404))
+    async def retrieve_response(response_id: str) -> Response:
+        return Response(stored_response(state, response_id), media_type="application/json")
+
+    @app.delete(RESPONSES + "/{response_id}", dependencies=auth, responses=openapi.errors(401, 404))
+    async def delete_stored_response(response_id: str) -> JSONResponse:
+        return JSONResponse(delete_response(state, response_id))
+
+    @app.post(
+        MESSAGES,
+        dependencies=json_api,
+        openapi_extra=openapi.json_body(MessagesRequest),
+        responses=openapi.described(
+            "An Anthropic Messages API message; with `stream: true`, server-sent events (`event: message_start` "
+            "... `message_stop`)"
+        ),
+    )
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API (text, tools, thinking blocks), for Anthropic-SDK clients."""
+        return await _serve_generation(request, MESSAGES, prepare_messages)
 
     def model_card(adapter: Any = None) -> ModelCard:
         if adapter is None:
@@ -416,6 +454,8 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
             CompletionRequest,
             ChatCompletionRequest,
             EmbeddingRequest,
+            ResponsesRequest,
+            MessagesRequest,
             TokenizePromptRequest,
             TokenizeChatRequest,
             DetokenizeRequest,
@@ -450,7 +490,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     def count(request: Request, err: APIError) -> None:
         # Rejections before the handler ran (401 from the auth dependency) still count as requests.
-        if request.url.path in (COMPLETIONS, CHAT, EMBEDDINGS) and not getattr(request.state, "accounted", False):
+        if request.url.path in (COMPLETIONS, CHAT, EMBEDDINGS, RESPONSES, MESSAGES) and not getattr(
+            request.state, "accounted", False
+        ):
             state: ServerState = request.app.state.server
             record = state.begin(getattr(request.state, "request_id", "-"), request.url.path)
             state.finish(record, status_of(err), http_status=err.status, error=err.message)
@@ -479,5 +521,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed"
         if exc.status_code == 404:
             message = f"Unknown path {request.url.path}"
+            # Clients probing for endpoints tokenmill lacks show up in the log (bounded: paths are client data).
+            logger.info(
+                "request to an unknown path",
+                extra={"method": request.method[:16], "path": request.url.path[:_LOGGED_PATH_CHARS]},
+            )
         err = APIError(exc.status_code, message, headers=getattr(exc, "headers", None))
         return error_response(err)

@@ -13,7 +13,7 @@ from tokenmill.engine.input_processor import PromptInput
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.server.errors import bad_request
 from tokenmill.server.generation import Generation
-from tokenmill.server.openai_api import Job, _checked, _final_outputs
+from tokenmill.server.openai_api import Job, _checked, final_outputs
 from tokenmill.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, parse_request
 from tokenmill.server.state import RequestRecord, ServerState
 
@@ -34,7 +34,7 @@ class EmbeddingJob(Job):
         return len(self.prompts)
 
     async def full(self, gen: Generation) -> EmbeddingResponse:
-        finals = await _final_outputs(gen)
+        finals = await final_outputs(gen)
         data = [
             EmbeddingData(index=i, embedding=encode(finals[i].embedding, self.encoding_format)) for i in sorted(finals)
         ]

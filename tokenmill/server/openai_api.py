@@ -8,9 +8,11 @@ the request, starts a `Generation`, and asks the job for either the full body or
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,6 +26,7 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.errors import APIError, from_invalid_request
 from tokenmill.server.generation import Generation, failure_of
+from tokenmill.server.output import OutputReader, output_readers
 from tokenmill.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -46,9 +49,10 @@ from tokenmill.server.protocol import (
     Usage,
     parse_request,
 )
+from tokenmill.server.reasoning import reasoning_plan
 from tokenmill.server.state import RequestRecord, ServerState
-from tokenmill.server.tools.plan import ToolPlan, constrained, plan_tools
-from tokenmill.server.tools.response import StreamedToolCalls, finish_reason, parsed_message
+from tokenmill.server.tools.plan import constrained, plan_tools
+from tokenmill.server.tools.response import chat_deltas, chat_message, finish_reason
 
 __all__ = ["ChatJob", "CompletionJob", "Job", "prepare_chat", "prepare_completion", "render_chat"]
 
@@ -81,6 +85,7 @@ class Job:
     model: str
     response_id: str
     created: int = field(default_factory=lambda: int(time.time()))
+    usage_on_every_chunk: bool = False  # vLLM's continuous_usage_stats
 
     @property
     def output_kind(self) -> RequestOutputKind:
@@ -96,20 +101,40 @@ class Job:
     def chunks(self, gen: Generation) -> AsyncIterator[BaseModel]:
         raise NotImplementedError
 
+    def sse(self, event: BaseModel) -> str:
+        """One stream event as text/event-stream."""
+        return f"data: {event.model_dump_json()}\n\n"
 
-async def _final_outputs(gen: Generation, prompt_logprobs: dict[int, Any] | None = None) -> dict[int, Any]:
+    def sse_error(self, err: APIError) -> str:
+        """A failure after the stream started, reported in-band."""
+        return f"data: {json.dumps(err.body())}\n\n"
+
+    sse_end = "data: [DONE]\n\n"  # what closes the stream
+
+    async def stream_events(self, gen: Generation) -> AsyncIterator[BaseModel]:
+        """The stream's chunks; with continuous usage stats, each carries the usage so far."""
+        async for chunk in self.chunks(gen):
+            if self.usage_on_every_chunk and getattr(chunk, "usage", False) is None:
+                usage = usage_of(gen.record)
+                if not gen.record.last_outputs:  # (the role chunks come before the first output)
+                    usage = Usage.of(sum(len(p.prompt_token_ids) for p in self.prompts), 0)
+                chunk.usage = usage  # type: ignore[attr-defined]
+            yield chunk
+
+
+async def final_outputs(gen: Generation, prompt_logprobs: dict[int, Any] | None = None) -> dict[int, Any]:
     """The last output of each prompt; `prompt_logprobs` (when given) collects each prompt's prompt
     logprobs, which the engine delivers in one output only."""
     finals: dict[int, Any] = {}
     async for i, out in gen.outputs():
-        _raise_on_failure(out)
+        raise_on_failure(out)
         finals[i] = out
         if prompt_logprobs is not None and out.prompt_logprobs is not None:
             prompt_logprobs[i] = out.prompt_logprobs
     return finals
 
 
-def _raise_on_failure(out: Any) -> None:
+def raise_on_failure(out: Any) -> None:
     message = failure_of(out)
     if message is not None:
         raise APIError(500, f"Generation failed: {message}", code="engine_error")
@@ -152,7 +177,7 @@ class CompletionJob(Job):
         return self.echo_texts is not None
 
     async def full(self, gen: Generation) -> CompletionResponse:
-        finals = await _final_outputs(gen, self._prompt_entries)
+        finals = await final_outputs(gen, self._prompt_entries)
         choices = []
         for i in sorted(finals):
             for o in finals[i].outputs:
@@ -167,7 +192,7 @@ class CompletionJob(Job):
     async def chunks(self, gen: Generation) -> AsyncIterator[BaseModel]:
         held: dict[int, list[Any]] = {}  # outputs of a prompt whose echoed logprobs are not known yet
         async for i, out in gen.outputs():
-            _raise_on_failure(out)
+            raise_on_failure(out)
             if out.prompt_logprobs is not None:
                 self._prompt_entries[i] = out.prompt_logprobs
             if self.echo and self.num_logprobs is not None and i not in self._prompt_entries:
@@ -315,6 +340,7 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
         params=params,
         stream=req.stream,
         include_usage=req.include_usage_in_stream,
+        usage_on_every_chunk=req.usage_on_every_chunk,
         model=state.model_name(adapter),
         response_id=f"cmpl-{record.request_id}",
         tokens=state.engine.token_text if shows_logprobs else None,
@@ -339,18 +365,18 @@ async def _checked(work: Awaitable[T], req: SamplingRequest | None = None) -> T:
 class ChatJob(Job):
     tokens: TokenText | None = None
     top_logprobs: int = 0
-    tools: ToolPlan | None = None  # set when the output is read as tool calls
+    new_reader: Callable[[], OutputReader] | None = None  # set when the output is read as reasoning / tool calls
     prompt_logprobs: int | None = None  # vLLM's extra: of the rendered conversation, in the response
 
     async def full(self, gen: Generation) -> ChatCompletionResponse:
         entries: dict[int, Any] = {}
-        finals = await _final_outputs(gen, entries)
+        finals = await final_outputs(gen, entries)
         choices = []
         for o in finals[0].outputs:
             message, reason = AssistantMessage(content=o.text), o.finish_reason
-            if self.tools is not None:
-                message = parsed_message(self.tools.new_parser(), o.text)
-                reason = finish_reason(o.finish_reason, called=bool(message.tool_calls))
+            if self.new_reader is not None:
+                parsed = self.new_reader().whole(o.text)
+                message, reason = chat_message(parsed), finish_reason(o.finish_reason, called=bool(parsed.calls))
             choices.append(
                 ChatChoice(
                     index=o.index,
@@ -377,18 +403,18 @@ class ChatJob(Job):
         # OpenAI opens every choice with a role-only delta; clients rely on it to start a message.
         for k in range(self.params.n):
             yield self._chunk(ChatStreamChoice(index=k, delta=ChatDelta(role="assistant", content="")))
-        calls = {k: StreamedToolCalls(self.tools.new_parser()) for k in range(self.params.n)} if self.tools else {}
+        readers = {k: self.new_reader() for k in range(self.params.n)} if self.new_reader is not None else {}
         reported: set[int] = set()
         async for _, out in gen.outputs():
-            _raise_on_failure(out)
+            raise_on_failure(out)
             for o in out.outputs:
                 if o.index in reported or not (o.text_delta or o.token_ids_delta or o.finish_reason):
                     continue
                 if o.finish_reason:
                     reported.add(o.index)
                 logprobs = self._logprobs(o.token_ids_delta, o.logprobs_delta) if o.logprobs_delta else None
-                if o.index in calls:
-                    for choice in self._tool_choices(calls[o.index], o, logprobs):
+                if o.index in readers:
+                    for choice in self._parsed_choices(readers[o.index], o, logprobs):
                         yield self._chunk(choice)
                     continue
                 yield self._chunk(
@@ -405,18 +431,17 @@ class ChatJob(Job):
             )
 
     @staticmethod
-    def _tool_choices(calls: StreamedToolCalls, o: Any, logprobs: ChatLogprobs | None) -> list[ChatStreamChoice]:
-        """A parsed step as OpenAI streams it: content, then each call piece in its own chunk; the
-        step's logprobs ride on the first chunk, the finish reason on the last (an empty delta
-        carries them when the parser holds everything back)."""
-        content, pieces = calls.step(o.text_delta, finished=o.finish_reason is not None)
-        deltas = ([ChatDelta(content=content)] if content else []) + [ChatDelta(tool_calls=[p]) for p in pieces]
+    def _parsed_choices(reader: OutputReader, o: Any, logprobs: ChatLogprobs | None) -> list[ChatStreamChoice]:
+        """A parsed step as OpenAI streams it (see `chat_deltas`); the step's logprobs ride on the first
+        chunk, the finish reason on the last (an empty delta carries them when the parsers hold
+        everything back)."""
+        deltas = chat_deltas(reader.step(o.text_delta, finished=o.finish_reason is not None))
         if not deltas and (logprobs is not None or o.finish_reason):
             deltas = [ChatDelta()]
         choices = [ChatStreamChoice(index=o.index, delta=d) for d in deltas]
         if choices:
             choices[0].logprobs = logprobs
-            choices[-1].finish_reason = finish_reason(o.finish_reason, calls.called)
+            choices[-1].finish_reason = finish_reason(o.finish_reason, reader.called)
         return choices
 
     def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
@@ -442,8 +467,21 @@ class ChatJob(Job):
         return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
 
 
-async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) -> ChatJob:
-    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
+@dataclass
+class ChatPlan:
+    """A chat request made ready for the engine, whichever API it came through (chat completions,
+    Responses, Anthropic Messages): its prompt, params, and how each choice's output is read."""
+
+    prompt: PromptInput
+    params: SamplingParams
+    new_reader: Callable[[], OutputReader] | None
+    model: str
+    logprobs: int | None
+
+
+async def plan_chat(state: ServerState, record: RequestRecord, req: ChatCompletionRequest) -> ChatPlan:
+    """Render, tokenize and check a chat request: tools against tool_choice, the reasoning section
+    (structured outputs and forced calls apply after it), the prompt against the model."""
     adapter = state.resolve_model(req.model)
     req.check_prompt_logprobs()
     logprobs = req.engine_logprobs()
@@ -460,6 +498,8 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
             **req.template_options(),
         )
     )
+    reasoning = reasoning_plan(state.settings.reasoning_parser, processor.tokenizer, rendered.prompt_token_ids)
+    section = reasoning.section() if reasoning is not None else None
     requested = req.requested_max_tokens()
     try:  # OpenAI's default max_tokens is "the rest of the context"
         max_tokens = processor.remaining_context(len(rendered.prompt_token_ids)) if requested is None else requested
@@ -467,19 +507,32 @@ async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) ->
         raise from_invalid_request(exc) from None
     params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
     if tools is not None and tools.output_schema is not None:  # tool_choice required / named
-        params = await asyncio.to_thread(constrained, tools, req, params)  # parses the schema: off the loop
+        params = await asyncio.to_thread(constrained, tools, req, params, section)  # parses the schema: off the loop
+    elif params.structured_outputs is not None and section is not None:
+        params = dataclasses.replace(
+            params, structured_outputs=dataclasses.replace(params.structured_outputs, reasoning=section)
+        )
+    if tools is not None and tools.keeps_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
     prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages", lora=adapter), req)
     if state.settings.log_prompts:
         record.prompt_text = repr(req.template_messages())
+    return ChatPlan(prompt, params, output_readers(tools, reasoning), state.model_name(adapter), logprobs)
+
+
+async def prepare_chat(state: ServerState, record: RequestRecord, raw: bytes) -> ChatJob:
+    req: ChatCompletionRequest = parse_request(ChatCompletionRequest, raw)
+    plan = await plan_chat(state, record, req)
     return ChatJob(
-        prompts=[prompt],
-        params=params,
+        prompts=[plan.prompt],
+        params=plan.params,
         stream=req.stream,
         include_usage=req.include_usage_in_stream,
-        model=state.model_name(adapter),
+        usage_on_every_chunk=req.usage_on_every_chunk,
+        model=plan.model,
         response_id=f"chatcmpl-{record.request_id}",
-        tokens=state.engine.token_text if logprobs is not None or req.prompt_logprobs is not None else None,
-        top_logprobs=logprobs or 0,
-        tools=tools,
+        tokens=state.engine.token_text if plan.logprobs is not None or req.prompt_logprobs is not None else None,
+        top_logprobs=plan.logprobs or 0,
+        new_reader=plan.new_reader,
         prompt_logprobs=req.prompt_logprobs,
     )

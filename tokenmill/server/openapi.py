@@ -83,6 +83,12 @@ def generation_responses(model: type[BaseModel], chunk: type[BaseModel]) -> dict
     return {200: ok, **errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}
 
 
+def described(description: str) -> dict[int | str, dict[str, Any]]:
+    """A generation endpoint whose bodies are another API's shapes (OpenAI Responses, Anthropic
+    Messages), described in words, or an error."""
+    return {200: {"description": description}, **errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}
+
+
 def json_responses(model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:
     """A JSON body (never a stream), or an error."""
     return {200: {"model": model, "description": description}, **errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tokenmill.engine.config import parse_memory
 from tokenmill.engine.pooling_params import POOLING_TYPES
 from tokenmill.options import option
+from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools.parsers import PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
@@ -88,10 +89,31 @@ class ServerSettings:
     tool_call_parser: str = option(
         "auto",
         'how tool_choice "auto" outputs become tool_calls: hermes (<tool_call>{...}</tool_call>: Qwen '
-        '2.5/3, Hermes), llama3_json ({"name": ..., "parameters": ...}: Llama 3.1/3.2); auto picks from the '
-        "chat template (hermes if it writes <tool_call>, llama3_json for Llama 3 tool templates, else none); "
-        'none: always plain text. tool_choice "required" and named functions do not depend on it',
+        '2.5/3, Hermes), llama3_json ({"name": ..., "parameters": ...}: Llama 3.1/3.2), mistral '
+        "([TOOL_CALLS]...), pythonic ([f(x=1), g()]: Llama 3.2/4, Gemma 3), qwen3_coder (<function=...> XML), "
+        "phi4_mini_json (functools[...]); auto picks from the chat template (qwen3_coder, mistral, pythonic "
+        "or hermes when it writes their markup, llama3_json for Llama 3 tool templates, else none); none: "
+        'always plain text. tool_choice "required" and named functions do not depend on it',
         choices=["auto", "none", *PARSERS],
+    )
+    enable_auto_tool_choice: bool = option(
+        False,
+        'accepted for vLLM command lines: tool_choice "auto" is on whenever a tool-call parser is set or '
+        "picked (--tool-call-parser); with this flag, startup warns when none is",
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "split a thinking model's <think>...</think> section from its answer: message.reasoning_content "
+        "(and reasoning) in chat, reasoning deltas when streamed, reasoning items in /v1/responses and "
+        "thinking blocks in /v1/messages; structured outputs and tool calls apply after it. deepseek_r1: "
+        "output without <think> is reasoning up to </think>; qwen3: such output is the answer",
+        choices=list(REASONING_PARSERS),
+    )
+    responses_store_memory: int = option(
+        64 << 20,
+        "/v1/responses with store=true: memory for stored responses (previous_response_id, GET and DELETE "
+        "/v1/responses/{id}), e.g. 64MiB; the least recently used go first; 0 stores nothing",
+        type=parse_memory,
     )
     # OpenTelemetry traces, one per request (tokenmill.server.tracing): off while the endpoint is None.
     # The CLI falls back to the standard OTEL_EXPORTER_OTLP_* variables (see server.commands).
@@ -147,6 +169,10 @@ class ServerSettings:
             raise ValueError("--log-format must be json or text")
         if self.tool_call_parser not in ("auto", "none", *PARSERS):
             raise ValueError(f"--tool-call-parser must be auto, none or one of {', '.join(PARSERS)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}")
+        if self.responses_store_memory < 0:
+            raise ValueError("--responses-store-memory must be >= 0")
         if self.api_key == "":
             self.api_key = None
         self.otlp_traces_protocol = self.otlp_traces_protocol or "grpc"

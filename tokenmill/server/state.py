@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.settings import ServerSettings
 from tokenmill.server.tools.plan import resolve_auto_parser
 
@@ -24,6 +25,8 @@ GENERATION_ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
     GRPC_GENERATE,
     GRPC_GENERATE_STREAM,
 )
@@ -73,7 +76,13 @@ class ServerState:
         self.started_at = int(time.time())
         # The parser that reads tool_choice "auto" outputs (None: they stay text).
         self.tool_parser = resolve_auto_parser(settings.tool_call_parser, engine.tokenizer)
+        if settings.enable_auto_tool_choice and self.tool_parser is None:
+            logging.getLogger(__name__).warning(
+                '--enable-auto-tool-choice: no tool-call parser, so tool_choice "auto" answers in plain text '
+                "(set --tool-call-parser)"
+            )
         self.tracing: Any = None  # a tracing.RequestTracing with --otlp-traces-endpoint
+        self.responses = ResponseStore(settings.responses_store_memory)  # /v1/responses with store=true
 
     # ------------------------------------------------------------------ health / admission
 

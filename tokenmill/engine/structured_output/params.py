@@ -25,6 +25,28 @@ _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
+class ReasoningSection:
+    """Free text a thinking model writes before the constrained output, ending with `end`. With
+    `start`, the section is optional and opens with it; without, the output starts inside it."""
+
+    end: str
+    start: str | None = None
+
+    def structural_tag(self) -> dict[str, Any]:
+        """The section (and the whitespace after it) as an xgrammar structural tag."""
+        section: dict[str, Any] = {
+            "type": "sequence",
+            "elements": [
+                {"type": "tag", "begin": self.start or "", "content": {"type": "any_text"}, "end": self.end},
+                {"type": "regex", "pattern": rf"\s{{0,{MAX_JSON_WHITESPACE}}}"},
+            ],
+        }
+        if self.start is not None:
+            section = {"type": "optional", "content": section}
+        return {"type": "structural_tag", "format": section}
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of the constraints. `json` is a JSON schema (a dict, or its JSON text);
     `json_object` asks for any JSON object; `choice` for exactly one of the strings; `grammar` is
@@ -37,6 +59,8 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    # A reasoning section before the constrained output (server: --reasoning-parser); not user input.
+    reasoning: ReasoningSection | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
@@ -68,7 +92,7 @@ class StructuredOutputsParams:
         return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
 
     @property
-    def key(self) -> tuple[str, str, bool]:
+    def key(self) -> tuple[str, str, bool, ReasoningSection | None]:
         """What identifies the compiled grammar (the compile cache's key)."""
         kind = self.kind
         value = getattr(self, kind)
@@ -78,7 +102,7 @@ class StructuredOutputsParams:
             text = json.dumps(list(value))
         else:
             text = str(value)
-        return kind, text, self.disable_any_whitespace
+        return kind, text, self.disable_any_whitespace, self.reasoning
 
     def _check_types(self) -> None:
         kind = self.kind
@@ -110,6 +134,15 @@ class StructuredOutputsParams:
         return grammar
 
     def _build(self) -> Any:
+        import xgrammar as xgr
+
+        grammar = self._build_output()
+        if self.reasoning is None:
+            return grammar
+        section = xgr.Grammar.from_structural_tag(json.dumps(self.reasoning.structural_tag()))
+        return xgr.Grammar.concat(section, grammar)
+
+    def _build_output(self) -> Any:
         import xgrammar as xgr
 
         kind = self.kind

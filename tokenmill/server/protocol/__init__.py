@@ -70,6 +70,7 @@ from tokenmill.server.protocol.completions import (
 )
 from tokenmill.server.protocol.embeddings import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from tokenmill.server.protocol.lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from tokenmill.server.protocol.responses import ResponsesRequest
 from tokenmill.server.protocol.sampling import JsonSchemaFormat, ResponseFormat, SamplingRequest
 from tokenmill.server.protocol.server_info import HealthStatus, ModelCard, ModelList, VersionResponse
 from tokenmill.server.protocol.tokenizer import (
@@ -147,4 +148,5 @@ __all__ = [
     "HealthStatus",
     "LoadLoRAAdapterRequest",
     "UnloadLoRAAdapterRequest",
+    "ResponsesRequest",
 ]

@@ -66,6 +66,7 @@ class LenientModel(BaseModel):
 
 class StreamOptions(LenientModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk
     include_obfuscation: bool | None = ignored("streams are not obfuscated")
 
 
@@ -88,6 +89,7 @@ _NULL_MEANS_DEFAULT = frozenset(
         "continue_final_message",
         "parallel_tool_calls",
         "encoding_format",
+        "skip_special_tokens",
     }
 )
 
@@ -193,6 +195,18 @@ def parse_request(model: type[LenientModel], raw: bytes) -> Any:
         raise validation_error(exc) from None
     screen_fields(request)
     return request
+
+
+def validate_item(model: type[LenientModel], value: Any, where: str) -> Any:
+    """One item of a list the request holds as raw objects (a tool of a given type), validated as
+    `model`: errors name the item (`where`, e.g. tools[2])."""
+    try:
+        item = model.model_validate(value)
+    except ValidationError as exc:
+        err = validation_error(exc)
+        raise bad_request(f"Invalid {where}: {err.message}", param=f"{where}.{err.param}") from None
+    screen_fields(item, f"{where}.")
+    return item
 
 
 def screen_fields(model: BaseModel, path: str = "") -> None:

@@ -8,6 +8,8 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
 )
 
 from tokenmill.engine.sampling_params import MAX_TOP_LOGPROBS
@@ -49,6 +51,7 @@ class ChatMessage(LenientModel):
     refusal: str | None = ignored("chat templates do not render it")
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls (content may be null)
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning, for templates that render it (Qwen3)
     function_call: dict[str, Any] | None = not_supported_yet()
     audio: dict[str, Any] | None = not_supported_yet()
 
@@ -172,7 +175,23 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class AssistantMessage(BaseModel):
+class _WithReasoning(BaseModel):
+    """vLLM's reasoning fields (--reasoning-parser): the same text under its older name
+    (`reasoning_content`) and its newer one (`reasoning`); left out when there is none."""
+
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_when_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("reasoning_content", "reasoning"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class AssistantMessage(_WithReasoning):
     role: Literal["assistant"] = "assistant"
     content: str | None  # null when the model only called tools
     tool_calls: list[ToolCall] | None = None
@@ -211,7 +230,7 @@ class DeltaToolCall(OmitUnset):
     function: DeltaFunctionCall
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_WithReasoning):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None

@@ -57,6 +57,7 @@ class SamplingRequest(NullMeansDefault):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # vLLM's scoring extra: the prompt tokens' logprobs with this many top alternatives each (not with stream).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Accepted, no effect here.
@@ -77,6 +78,11 @@ class SamplingRequest(NullMeansDefault):
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        """vLLM's continuous_usage_stats (with include_usage, as vLLM reads it)."""
+        return self.include_usage_in_stream and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def structured_output(self) -> tuple[StructuredOutputsParams, str] | None:
         """The request's structured-output constraint and the field it came from (None: free text)."""
@@ -143,6 +149,7 @@ class SamplingRequest(NullMeansDefault):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
         )
         constraint = self.structured_output()
         if constraint is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured_output.params import StructuredOutputsParams
+from tokenmill.engine.structured_output.params import ReasoningSection, StructuredOutputsParams
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
@@ -33,10 +33,12 @@ NONE = "none"
 @dataclass(frozen=True)
 class ToolPlan:
     """`new_parser` makes one parser per choice; `output_schema` is the JSON schema the output must
-    follow (None: unconstrained)."""
+    follow (None: unconstrained); `keeps_special_tokens`: the parser reads markers that are special
+    tokens (the output is detokenized with them)."""
 
     new_parser: Callable[[], ToolCallParser]
     output_schema: dict[str, Any] | None = None
+    keeps_special_tokens: bool = False
 
 
 def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolCallParser] | None) -> ToolPlan | None:
@@ -59,7 +61,11 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolCallParser] | N
     if choice is None or choice == AUTO:
         if auto_parser is None:
             return None
-        return ToolPlan(lambda: auto_parser(max_calls=max_calls))
+        schemas = {name: function.parameters for name, function in by_name.items()}
+        return ToolPlan(
+            lambda: auto_parser(max_calls=max_calls, tools=schemas),
+            keeps_special_tokens=auto_parser.KEEPS_SPECIAL_TOKENS,
+        )
     if isinstance(choice, NamedToolChoice):
         function = by_name.get(choice.function.name)
         if function is None:
@@ -72,10 +78,12 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolCallParser] | N
     return ToolPlan(lambda: JsonCallList(max_calls=max_calls), schema)
 
 
-def constrained(plan: ToolPlan, req: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
-    """`params` holding the output to the plan's JSON schema (tool_choice required / named). The
-    schema is parsed here (off the event loop: call in a thread) so that one xgrammar cannot
-    enforce is a 400 naming the tool whose parameters it is."""
+def constrained(
+    plan: ToolPlan, req: ChatCompletionRequest, params: SamplingParams, reasoning: ReasoningSection | None = None
+) -> SamplingParams:
+    """`params` holding the output to the plan's JSON schema (tool_choice required / named), after
+    the `reasoning` section when there is one. The schema is parsed here (off the event loop: call
+    in a thread) so that one xgrammar cannot enforce is a 400 naming the tool whose parameters it is."""
     assert plan.output_schema is not None
     if params.structured_outputs is not None:
         source = req.structured_output()[1]  # type: ignore[index]
@@ -85,7 +93,7 @@ def constrained(plan: ToolPlan, req: ChatCompletionRequest, params: SamplingPara
         )
     # json.dumps' layout (one space after "," and ":", no other whitespace): the arguments read as
     # models write them, and no tokens go to whitespace.
-    constraint = StructuredOutputsParams(json=plan.output_schema, disable_any_whitespace=True)
+    constraint = StructuredOutputsParams(json=plan.output_schema, disable_any_whitespace=True, reasoning=reasoning)
     try:
         constraint.validate()
     except InvalidRequest as exc:
@@ -113,7 +121,8 @@ def resolve_auto_parser(name: str, tokenizer: Any) -> type[ToolCallParser] | Non
     """The parser for tool_choice "auto": `--tool-call-parser` NAME, "none", or "auto" (from the chat
     template). Logged once at startup, so an operator sees why auto calls stay text."""
     parser = _pick(name, getattr(tokenizer, "chat_template", None))
-    dropped = [m for m in (parser.MARKERS if parser else ()) if not _survives_decoding(tokenizer, m)]
+    markers = parser.MARKERS if parser is not None and not parser.KEEPS_SPECIAL_TOKENS else ()
+    dropped = [m for m in markers if not _survives_decoding(tokenizer, m)]
     if dropped:
         logger.warning(
             "the tool-call markers %s are special tokens of this tokenizer, which outputs leave out: "

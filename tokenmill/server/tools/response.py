@@ -1,11 +1,19 @@
-"""Parsed tool calls in OpenAI's response shapes: a message's `tool_calls`, or streamed deltas."""
+"""Parsed outputs in OpenAI's chat shapes: a message (content, reasoning, `tool_calls`), or streamed deltas."""
 
 from __future__ import annotations
 
 import uuid
 
-from tokenmill.server.protocol import AssistantMessage, DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
-from tokenmill.server.tools.parsers import ParsedDelta, ToolCallParser, parse_text
+from tokenmill.server.output import OutputPiece, ParsedOutput
+from tokenmill.server.protocol import (
+    AssistantMessage,
+    ChatDelta,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from tokenmill.server.tools.parsers import CallDelta
 
 TOOL_CALLS = "tool_calls"
 
@@ -19,42 +27,41 @@ def finish_reason(engine_reason: str | None, called: bool) -> str | None:
     return TOOL_CALLS if called and engine_reason == "stop" else engine_reason
 
 
-def parsed_message(parser: ToolCallParser, text: str) -> AssistantMessage:
-    parsed = parse_text(parser, text)
-    if not parsed.calls:
-        return AssistantMessage(content=parsed.content)
+def chat_message(parsed: ParsedOutput) -> AssistantMessage:
     calls = [
         ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls
     ]
-    return AssistantMessage(content=parsed.content, tool_calls=calls)
+    return AssistantMessage(
+        content=parsed.content,
+        tool_calls=calls or None,
+        reasoning_content=parsed.reasoning,
+        reasoning=parsed.reasoning,
+    )
 
 
-class StreamedToolCalls:
-    """One choice's parser in a stream: each text delta -> the content to send and the call deltas,
-    as OpenAI streams them (a call's first delta: index, id, type, name, arguments ""; then argument
-    fragments under the same index)."""
+def chat_deltas(piece: OutputPiece) -> list[ChatDelta]:
+    """A streamed step as OpenAI streams it (vLLM's reasoning fields first): reasoning, content, then
+    each call piece in its own delta (a call's first: index, id, type, name, arguments ""; then
+    argument fragments under the same index)."""
+    deltas = []
+    if piece.reasoning:
+        deltas.append(ChatDelta(reasoning_content=piece.reasoning, reasoning=piece.reasoning))
+    if piece.content:
+        deltas.append(ChatDelta(content=piece.content))
+    return deltas + [ChatDelta(tool_calls=[call]) for c in piece.calls for call in _call_deltas(c)]
 
-    def __init__(self, parser: ToolCallParser) -> None:
-        self.parser = parser
-        self.called = False
 
-    def step(self, text: str, finished: bool) -> tuple[str, list[DeltaToolCall]]:
-        parsed = self.parser.feed(text)
-        if finished:
-            last = self.parser.finish()
-            parsed = ParsedDelta(parsed.content + last.content, parsed.calls + last.calls)
-        deltas = []
-        for piece in parsed.calls:
-            if piece.name is not None:
-                self.called = True
-                deltas.append(
-                    DeltaToolCall(
-                        index=piece.index,
-                        id=new_call_id(),
-                        type="function",
-                        function=DeltaFunctionCall(name=piece.name, arguments=""),
-                    )
-                )
-            if piece.arguments:
-                deltas.append(DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments)))
-        return parsed.content, deltas
+def _call_deltas(piece: CallDelta) -> list[DeltaToolCall]:
+    deltas = []
+    if piece.name is not None:
+        deltas.append(
+            DeltaToolCall(
+                index=piece.index,
+                id=new_call_id(),
+                type="function",
+                function=DeltaFunctionCall(name=piece.name, arguments=""),
+            )
+        )
+    if piece.arguments:
+        deltas.append(DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments)))
+    return deltas
