@@ -46,6 +46,15 @@ HERMES_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen3's thinking switch on top of the Hermes layout: with enable_thinking false the generation
+# prompt closes an empty <think> section, so the model answers at once.
+QWEN3_TEMPLATE = HERMES_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}",
+)
+
 LLAMA3_TEMPLATE = (
     "{{- bos_token }}{%- if tools %}<|start_header_id|>system<|end_header_id|>\\n\\n"
     'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'

@@ -23,7 +23,7 @@ from tokenmill.server.tools.parsers import partial_suffix
 START = "<think>"
 END = "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
-_PROMPT_TAIL_TOKENS = 8  # enough to hold "<think>\n\n</think>\n\n" in any vocabulary
+_PROMPT_TAIL_TOKENS = 16  # enough to hold "<think>\n\n</think>\n\n" in any vocabulary
 
 
 class _State(Enum):
