@@ -300,6 +300,19 @@ def test_responses_refuses_what_it_cannot_serve(server: ServerProcess, body: dic
     assert err["param"] == param, err
 
 
+def test_every_sdk_request_field_is_known() -> None:
+    """Each field the installed SDKs can send is read, accepted as having no effect, or refused by
+    name: none is an unknown field."""
+    from anthropic.types.message_create_params import MessageCreateParamsBase
+    from openai.types.responses.response_create_params import ResponseCreateParamsBase
+
+    from tokenmill.server.protocol.anthropic import MessagesRequest
+    from tokenmill.server.protocol.responses import ResponsesRequest
+
+    assert set(ResponseCreateParamsBase.__annotations__) <= set(ResponsesRequest.model_fields)
+    assert set(MessageCreateParamsBase.__annotations__) <= set(MessagesRequest.model_fields)
+
+
 def test_response_store_is_bounded_least_recently_used_first() -> None:
     from tokenmill.server.protocol import ChatMessage
 

@@ -93,6 +93,12 @@ class MessagesRequest(NullMeansDefault):
     thinking: dict[str, Any] | None = ignored("the reasoning parser reads what the model writes")
     service_tier: str | None = ignored()
     container: Any = ignored()
+    cache_control: dict[str, Any] | None = ignored("prefix caching is automatic")
+    diagnostics: Any = ignored()
+    inference_geo: str | None = ignored()
+    speed: str | None = ignored()
+    user_profile_id: str | None = ignored()
+    workspace_id: str | None = ignored()
 
     def read_tools(self) -> list[AnthropicTool]:
         tools = []

@@ -99,6 +99,12 @@ class ResponsesRequest(NullMeansDefault):
     prompt_cache_retention: str | None = ignored("prefix caching is automatic")
     truncation: str | None = ignored("a conversation longer than the context is a 400")
     stream_options: dict[str, Any] | None = ignored()
+    prompt_cache_options: dict[str, Any] | None = ignored("prefix caching is automatic")
+    context_management: Any = ignored("a conversation longer than the context is a 400")
+    background_options: dict[str, Any] | None = ignored()
+    access_programs: Any = ignored()
+    image: Any = ignored()
+    moderation: Any = ignored()
     # Would change the output; not implemented.
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tool_calls: int | None = not_supported_yet()
