@@ -25,6 +25,7 @@ from tests.utils.server import (  # noqa: F401 - *_fixture are pytest fixtures
     assert_openai_error,
     model_id,
     openai_client,
+    running_server,
     server_fixture,
     server_log_dir_fixture,
     sse_events,
@@ -499,3 +500,55 @@ def test_langchain_forced_tool_calls_and_structured_output(server: ServerProcess
 
     city = llm.with_structured_output(City, method="function_calling").invoke("Describe Paris.")
     assert isinstance(city, City) and 0 <= city.population <= 10_000_000
+
+
+# ---------------------------------------------------------------------------------------------- special-token markers
+
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{%- elif m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | map(attribute='function') | list | tojson }}"
+    "{%- else %}{{ m.content }}{%- endif %}"
+    "{%- endfor %}"
+)
+MISTRAL_REPLY = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+
+
+@pytest.fixture(scope="module")
+def mistral_server(default_model_dir: Path, tmp_path_factory, server_log_dir: Path) -> Iterator[ServerProcess]:
+    """A tokenizer where [TOOL_CALLS] is a special token (as in Mistral's), and a model that answers ASK
+    with a call in Mistral's v11 layout; the parser is picked from the template."""
+    from transformers import AutoTokenizer
+
+    from tests.utils.tool_models import scripted_turns_model
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    tokenizer_dir = tmp_path_factory.mktemp("mistral-tokenizer")
+    tokenizer.save_pretrained(tokenizer_dir)
+    request = ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER_TOOL]})
+    n = len(render_chat(tokenizer, request.template_messages(), tools=request.template_tools()))
+    model = scripted_turns_model(
+        tokenizer_dir, tmp_path_factory.mktemp("mistral") / "scripted-mistral", MISTRAL_TEMPLATE, [(n, MISTRAL_REPLY)]
+    )
+    with running_server(model, server_log_dir) as proc:
+        yield proc
+
+
+def test_mistral_markers_are_special_tokens_kept_for_the_parser(mistral_server: ServerProcess) -> None:
+    """The [TOOL_CALLS] special token reaches the parser (the output is detokenized with special tokens
+    for it), streamed or not; without tools parsing (tool_choice none) special tokens stay out."""
+    picked = [r.get("tool_call_parser") for r in mistral_server.log_records() if "tool-call parser" in r.get("msg", "")]
+    assert picked == ["mistral"]
+    body = dict(messages=ASK, tools=[WEATHER_TOOL], max_tokens=60)
+    message = chat(mistral_server, **body)["choices"][0]["message"]
+    (call,) = message["tool_calls"]
+    assert message["content"] is None and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    deltas = [c["choices"][0]["delta"] for c in stream_chat(mistral_server, **body) if c["choices"]]
+    arguments = "".join(t["function"].get("arguments") or "" for d in deltas for t in d.get("tool_calls") or [])
+    assert arguments == call["function"]["arguments"] and not any(d.get("content") for d in deltas)
+    plain = chat(mistral_server, **body, tool_choice="none")["choices"][0]["message"]["content"]
+    assert plain == MISTRAL_REPLY.removeprefix("[TOOL_CALLS]")
