@@ -122,6 +122,23 @@ def test_langchain_tool_loop(agent_server: ServerProcess) -> None:
     assert bound.invoke(messages).content == FINAL
 
 
+def test_langchain_tool_loop_on_the_responses_api(agent_server: ServerProcess) -> None:
+    """LangChain's use_responses_api=True: the same loop as function_call / function_call_output items."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=f"{agent_server.base_url}/v1", api_key="unused", model=MODEL, max_retries=0, use_responses_api=True
+    )
+    bound = llm.bind_tools([WEATHER_TOOL])
+    messages: list = [HumanMessage(QUESTION)]
+    ai = bound.invoke(messages)
+    (call,) = ai.tool_calls
+    assert (call["name"], call["args"]) == ("get_weather", CALL_ARGUMENTS)
+    messages += [ai, ToolMessage(RESULT, tool_call_id=call["id"])]
+    assert bound.invoke(messages).text == FINAL
+
+
 def test_litellm_tool_loop(agent_server: ServerProcess) -> None:
     os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # no fetch of litellm's price list
     import litellm
@@ -311,6 +328,19 @@ def test_every_sdk_request_field_is_known() -> None:
 
     assert set(ResponseCreateParamsBase.__annotations__) <= set(ResponsesRequest.model_fields)
     assert set(MessageCreateParamsBase.__annotations__) <= set(MessagesRequest.model_fields)
+
+
+def test_responses_input_limits_count_items_not_characters() -> None:
+    from tokenmill.server.errors import APIError
+    from tokenmill.server.protocol import parse_request
+    from tokenmill.server.protocol.responses import MAX_INPUT_ITEMS, ResponsesRequest
+
+    long_text = parse_request(ResponsesRequest, json.dumps({"input": "a" * (MAX_INPUT_ITEMS + 1)}).encode())
+    assert len(long_text.input) == MAX_INPUT_ITEMS + 1
+    items = [{"role": "user", "content": "a"}] * (MAX_INPUT_ITEMS + 1)
+    with pytest.raises(APIError) as exc:
+        parse_request(ResponsesRequest, json.dumps({"input": items}).encode())
+    assert exc.value.param == "input"
 
 
 def test_response_store_is_bounded_least_recently_used_first() -> None:

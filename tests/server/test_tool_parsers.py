@@ -553,3 +553,19 @@ def test_markers_the_detokenizer_drops_are_reported(default_model_dir, caplog) -
         assert resolve_auto_parser("hermes", tokenizer) is HermesParser
     (warning,) = caplog.records
     assert "<tool_call>, </tool_call>" in warning.getMessage() and "cannot read calls" in warning.getMessage()
+
+
+def test_auto_parsers_get_the_requests_tool_schemas() -> None:
+    """tool_choice auto: the parser knows the request's functions (qwen3_coder types values by them),
+    and a parser whose markers are special tokens asks for them in the output text."""
+    from tokenmill.server.protocol import ChatCompletionRequest
+    from tokenmill.server.tools.plan import plan_tools
+
+    function = {"name": "get_weather", "parameters": XML_TOOLS["get_weather"]}
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": function}]}
+    )
+    plan = plan_tools(req, Qwen3CoderParser)
+    text = "<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>"
+    assert parse_text(plan.new_parser(), text).calls == [ParsedCall("get_weather", '{"days": 3}')]
+    assert plan_tools(req, MistralParser).keeps_special_tokens and not plan.keeps_special_tokens

@@ -14,9 +14,9 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from tokenmill.server.errors import APIError
 from tokenmill.server.generation import Generation
@@ -34,11 +34,18 @@ def _tool_use_id() -> str:
 class _Event(BaseModel):
     """An Anthropic stream event: its `type` and whatever that event holds."""
 
-    model_config = {"extra": "allow"}
+    model_config = ConfigDict(extra="allow")
     type: str
 
 
-def stop_reason(engine_reason: str | None, stop: str | int | None, called: bool) -> tuple[str | None, str | None]:
+def _event(kind: str, **fields: Any) -> _Event:
+    return _Event.model_validate({"type": kind, **fields})
+
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+def stop_reason(engine_reason: str | None, stop: str | int | None, called: bool) -> tuple[StopReason, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for how the output ended."""
     if engine_reason == "length":
         return "max_tokens", None
@@ -84,7 +91,7 @@ class MessagesJob(Job):
             stop_reason=None,
             usage=usage.model_copy(update={"output_tokens": 0}),
         )
-        yield _Event(type="message_start", message=message.model_dump())
+        yield _event("message_start", message=message.model_dump())
         blocks = _BlockStream()
         reader = self.new_reader() if self.new_reader is not None else None
         last: Any = None
@@ -101,16 +108,16 @@ class MessagesJob(Job):
             yield event
         reason, sequence = stop_reason(last.finish_reason, last.stop_reason, blocks.called)
         final = self._usage(gen.record)
-        yield _Event(
-            type="message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=final.model_dump()
+        yield _event(
+            "message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=final.model_dump()
         )
-        yield _Event(type="message_stop")
+        yield _event("message_stop")
 
     def sse(self, event: BaseModel) -> str:
         return f"event: {getattr(event, 'type', 'message')}\ndata: {event.model_dump_json()}\n\n"
 
     def sse_error(self, err: APIError) -> str:
-        return self.sse(_Event(type="error", error={"type": err.type, "message": err.message}))
+        return self.sse(_event("error", error={"type": err.type, "message": err.message}))
 
     sse_end = ""
 
@@ -157,17 +164,17 @@ class _BlockStream:
         if self.open is None:
             return []
         self.open = None
-        return [_Event(type="content_block_stop", index=self.count - 1)]
+        return [_event("content_block_stop", index=self.count - 1)]
 
     def _start(self, kind: str, block: dict[str, Any]) -> list[_Event]:
         if self.open == kind and kind != "tool_use":
             return []
         events = self.close()
         self.open, self.count = kind, self.count + 1
-        return [*events, _Event(type="content_block_start", index=self.count - 1, content_block=block)]
+        return [*events, _event("content_block_start", index=self.count - 1, content_block=block)]
 
     def _delta(self, delta: dict[str, Any]) -> _Event:
-        return _Event(type="content_block_delta", index=self.count - 1, delta=delta)
+        return _event("content_block_delta", index=self.count - 1, delta=delta)
 
 
 async def prepare_messages(state: ServerState, record: RequestRecord, raw: bytes) -> MessagesJob:

@@ -63,8 +63,6 @@ from tokenmill.server.protocol.responses import FunctionToolSpec, ResponsesReque
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.state import RequestRecord, ServerState
 
-INCOMPLETE_REASON = "max_output_tokens"
-
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -162,7 +160,7 @@ class ResponsesJob(Job):
                 ),
                 total_tokens=usage.total_tokens,
             ),
-            incomplete=IncompleteDetails(reason=INCOMPLETE_REASON) if incomplete else None,
+            incomplete=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
         )
         if self.store is not None:
             body = response.model_dump_json(exclude_none=True)
@@ -203,7 +201,6 @@ class ResponsesJob(Job):
                 for t in self.tools
             ],
             text=ResponseTextConfig.model_validate(text),
-            store=self.store is not None,
             background=False,
             usage=usage,
             incomplete_details=incomplete,
@@ -343,6 +340,7 @@ class _EventStream:
     def close(self) -> list[Any]:
         """Finish the open item (its done events)."""
         events: list[Any] = []
+        item: Any
         if self._kind == "reasoning":
             item = _reasoning(self._text, self._item_id)
             events += [
@@ -458,7 +456,7 @@ async def prepare_responses(state: ServerState, record: RequestRecord, raw: byte
         tools=tools,
         new_reader=plan.new_reader,
         conversation=messages[1:] if req.instructions else messages,
-        store=store if req.store and store.capacity > 0 else None,
+        store=store if req.store is not False and store.capacity > 0 else None,
         count_tokens=(lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
         if tokenizer is not None
         else None,

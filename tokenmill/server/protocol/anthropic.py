@@ -128,28 +128,30 @@ class MessagesRequest(NullMeansDefault):
             else:
                 choice = {"any": "required"}.get(kind, kind)
         fmt = self.output_config.format if self.output_config is not None else None
-        return ChatCompletionRequest(
-            model=self.model,
-            messages=self.chat_messages(),
-            max_completion_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            stop=self.stop_sequences,
-            tools=[
-                ToolDefinition(
-                    type="function",
-                    function=FunctionDefinition(name=t.name, description=t.description, parameters=t.input_schema),
-                )
-                for t in tools
-            ]
-            or None,
-            tool_choice=choice,
-            parallel_tool_calls=parallel,
-            response_format=ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(schema=fmt.schema_))
-            if fmt is not None
-            else None,
-            stream=self.stream,
+        return ChatCompletionRequest.model_validate(
+            dict(
+                model=self.model,
+                messages=self.chat_messages(),
+                max_completion_tokens=self.max_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                stop=self.stop_sequences,
+                tools=[
+                    ToolDefinition(
+                        type="function",
+                        function=FunctionDefinition(name=t.name, description=t.description, parameters=t.input_schema),
+                    )
+                    for t in tools
+                ]
+                or None,
+                tool_choice=choice,
+                parallel_tool_calls=parallel,
+                response_format=ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(schema=fmt.schema_))
+                if fmt is not None
+                else None,
+                stream=self.stream,
+            )
         )
 
     def chat_messages(self) -> list[ChatMessage]:

@@ -75,7 +75,7 @@ class TextConfig(LenientModel):
 
 class ResponsesRequest(NullMeansDefault):
     model: str | None = None
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_INPUT_ITEMS)
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float = 1.0
@@ -85,7 +85,7 @@ class ResponsesRequest(NullMeansDefault):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     stream: bool = False
-    store: bool = True
+    store: bool | None = None  # null or absent: stored (OpenAI's default)
     previous_response_id: str | None = None
     background: bool | None = None  # refused unless false: responses are not run detached here
     # Accepted, no effect here.
@@ -167,17 +167,19 @@ class ResponsesRequest(NullMeansDefault):
 
     def chat_request(self, messages: list[ChatMessage], tools: list[FunctionToolSpec]) -> ChatCompletionRequest:
         """The same generation as a chat completions request."""
-        return ChatCompletionRequest(
-            model=self.model,
-            messages=messages,
-            max_completion_tokens=self.max_output_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            tools=[t.for_chat() for t in tools] or None,
-            tool_choice=self.chat_tool_choice(),
-            parallel_tool_calls=self.parallel_tool_calls,
-            response_format=self.response_format(),
-            stream=self.stream,
+        return ChatCompletionRequest.model_validate(
+            dict(
+                model=self.model,
+                messages=messages,
+                max_completion_tokens=self.max_output_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                tools=[t.for_chat() for t in tools] or None,
+                tool_choice=self.chat_tool_choice(),
+                parallel_tool_calls=self.parallel_tool_calls,
+                response_format=self.response_format(),
+                stream=self.stream,
+            )
         )
 
 

@@ -502,7 +502,13 @@ def _typed_value(text: str, schema: dict[str, Any]) -> Any:
             return text
     if "integer" in kinds and isinstance(decoded, float) and decoded.is_integer():
         decoded = int(decoded)
-    wanted = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list}
+    wanted: dict[str, type | tuple[type, ...]] = {
+        "integer": int,
+        "number": (int, float),
+        "boolean": bool,
+        "object": dict,
+        "array": list,
+    }
     if any(
         isinstance(decoded, wanted[k]) and not (k != "boolean" and isinstance(decoded, bool))
         for k in kinds
