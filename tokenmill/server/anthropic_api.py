@@ -24,6 +24,7 @@ from tokenmill.server.openai_api import Job, final_outputs, plan_chat, raise_on_
 from tokenmill.server.output import OutputPiece, OutputReader, ParsedOutput
 from tokenmill.server.protocol import parse_request
 from tokenmill.server.protocol.anthropic import AnthropicResponse, AnthropicUsage, MessagesRequest
+from tokenmill.server.protocol.base import renamed
 from tokenmill.server.state import RequestRecord, ServerState
 
 
@@ -177,10 +178,23 @@ class _BlockStream:
         return _event("content_block_delta", index=self.count - 1, delta=delta)
 
 
+# The chat request's field names in errors -> the Messages request's.
+CHAT_NAMES = [
+    (r"response_format\.json_schema\.schema|response_format", "output_config.format"),
+    (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
+    (r"tools\[(\d+)\]\.function\.", r"tools[\1]."),
+    (r"max_completion_tokens", "max_tokens"),
+    (r"\bstop\b", "stop_sequences"),
+]
+
+
 async def prepare_messages(state: ServerState, record: RequestRecord, raw: bytes) -> MessagesJob:
     req: MessagesRequest = parse_request(MessagesRequest, raw)
     tools = req.read_tools()
-    plan = await plan_chat(state, record, req.chat_request(tools))
+    try:
+        plan = await plan_chat(state, record, req.chat_request(tools))
+    except APIError as err:
+        raise renamed(err, CHAT_NAMES) from None
     return MessagesJob(
         prompts=[plan.prompt],
         params=plan.params,

@@ -86,7 +86,9 @@ def generation_responses(model: type[BaseModel], chunk: type[BaseModel]) -> dict
 def described(description: str) -> dict[int | str, dict[str, Any]]:
     """A generation endpoint whose bodies are another API's shapes (OpenAI Responses, Anthropic
     Messages), described in words, or an error."""
-    return {200: {"description": description}, **errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}
+    stream = {"text/event-stream": {"schema": {"type": "string"}}}
+    ok = {"description": description, "content": {"application/json": {"schema": {"type": "object"}}, **stream}}
+    return {200: ok, **errors(400, 401, 404, 408, 413, 415, 429, 500, 503)}
 
 
 def json_responses(model: type[BaseModel], description: str) -> dict[int | str, dict[str, Any]]:

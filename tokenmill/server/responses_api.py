@@ -59,6 +59,7 @@ from tokenmill.server.generation import Generation
 from tokenmill.server.openai_api import Job, final_outputs, plan_chat, raise_on_failure, usage_of
 from tokenmill.server.output import OutputPiece, OutputReader, ParsedOutput
 from tokenmill.server.protocol import ChatMessage, FunctionCall, MessageToolCall, parse_request
+from tokenmill.server.protocol.base import renamed
 from tokenmill.server.protocol.responses import FunctionToolSpec, ResponsesRequest, input_messages
 from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.state import RequestRecord, ServerState
@@ -425,6 +426,14 @@ class _EventStream:
 
 # ---------------------------------------------------------------------------------------------- prepare
 
+# The chat request's field names in errors -> the Responses request's.
+CHAT_NAMES = [
+    (r"response_format\.json_schema\.schema|response_format", "text.format"),
+    (r"tools\[(\d+)\]\.function\.", r"tools[\1]."),
+    (r"max_completion_tokens|max_tokens", "max_output_tokens"),
+    (r"\bmessages\b", "input"),
+]
+
 
 async def prepare_responses(state: ServerState, record: RequestRecord, raw: bytes) -> ResponsesJob:
     req: ResponsesRequest = parse_request(ResponsesRequest, raw)
@@ -443,7 +452,10 @@ async def prepare_responses(state: ServerState, record: RequestRecord, raw: byte
         history = [m.model_copy(deep=True) for m in previous.conversation]
     tools = req.read_tools()
     messages = input_messages(req, history)
-    plan = await plan_chat(state, record, req.chat_request(messages, tools))
+    try:
+        plan = await plan_chat(state, record, req.chat_request(messages, tools))
+    except APIError as err:
+        raise renamed(err, CHAT_NAMES) from None
     tokenizer = state.engine.input_processor.tokenizer
     return ResponsesJob(
         prompts=[plan.prompt],

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field
 
 from tokenmill.server.errors import bad_request
-from tokenmill.server.protocol.base import LenientModel, NullMeansDefault, ignored, validate_item
+from tokenmill.server.protocol.base import LenientModel, NullMeansDefault, build_request, ignored, validate_item
 from tokenmill.server.protocol.chat import (
     MAX_TOOLS,
     ChatCompletionRequest,
@@ -128,7 +128,8 @@ class MessagesRequest(NullMeansDefault):
             else:
                 choice = {"any": "required"}.get(kind, kind)
         fmt = self.output_config.format if self.output_config is not None else None
-        return ChatCompletionRequest.model_validate(
+        return build_request(
+            ChatCompletionRequest,
             dict(
                 model=self.model,
                 messages=self.chat_messages(),
@@ -151,7 +152,7 @@ class MessagesRequest(NullMeansDefault):
                 if fmt is not None
                 else None,
                 stream=self.stream,
-            )
+            ),
         )
 
     def chat_messages(self) -> list[ChatMessage]:
@@ -169,6 +170,8 @@ class MessagesRequest(NullMeansDefault):
                 messages += _user_turn(message.content, where)
             else:
                 messages.append(_assistant_turn(message.content, where))
+        if not any(m.role != "system" for m in messages):
+            raise bad_request("messages hold no text or tool blocks", param="messages")
         return messages
 
 

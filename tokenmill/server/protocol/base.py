@@ -197,6 +197,26 @@ def parse_request(model: type[LenientModel], raw: bytes) -> Any:
     return request
 
 
+def build_request(model: type[BaseModel], values: dict[str, Any]) -> Any:
+    """A request built from another API's request (a Responses or Messages request read as a chat
+    request): what the target refuses (no messages at all) is the client's 400."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def renamed(err: APIError, names: list[tuple[str, str]]) -> APIError:
+    """A chat-request error as another API names its fields (`names`: regex -> replacement, applied
+    to the param and the message), e.g. response_format.json_schema.schema -> text.format.schema."""
+    param, message = err.param, err.message
+    for pattern, replacement in names:
+        if param is not None:
+            param = re.sub(pattern, replacement, param)
+        message = re.sub(pattern, replacement, message)
+    return APIError(err.status, message, code=err.code, param=param, type=err.type, headers=err.headers)
+
+
 def validate_item(model: type[LenientModel], value: Any, where: str) -> Any:
     """One item of a list the request holds as raw objects (a tool of a given type), validated as
     `model`: errors name the item (`where`, e.g. tools[2])."""

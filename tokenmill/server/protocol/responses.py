@@ -22,7 +22,14 @@ from pydantic import AfterValidator, Field, TypeAdapter, ValidationError
 
 from tokenmill.engine.sampling_params import MAX_TOP_LOGPROBS
 from tokenmill.server.errors import bad_request
-from tokenmill.server.protocol.base import LenientModel, NullMeansDefault, ignored, not_supported_yet, validate_item
+from tokenmill.server.protocol.base import (
+    LenientModel,
+    NullMeansDefault,
+    build_request,
+    ignored,
+    not_supported_yet,
+    validate_item,
+)
 from tokenmill.server.protocol.chat import (
     MAX_TOOLS,
     ChatCompletionRequest,
@@ -167,7 +174,8 @@ class ResponsesRequest(NullMeansDefault):
 
     def chat_request(self, messages: list[ChatMessage], tools: list[FunctionToolSpec]) -> ChatCompletionRequest:
         """The same generation as a chat completions request."""
-        return ChatCompletionRequest.model_validate(
+        return build_request(
+            ChatCompletionRequest,
             dict(
                 model=self.model,
                 messages=messages,
@@ -179,7 +187,7 @@ class ResponsesRequest(NullMeansDefault):
                 parallel_tool_calls=self.parallel_tool_calls,
                 response_format=self.response_format(),
                 stream=self.stream,
-            )
+            ),
         )
 
 
@@ -202,6 +210,8 @@ def input_messages(req: ResponsesRequest, history: list[ChatMessage]) -> list[Ch
     messages += history
     if isinstance(req.input, str):
         return [*messages, ChatMessage(role="user", content=req.input)]
+    if not req.input and not history:
+        raise bad_request("input must not be empty", param="input")
     names: dict[str, str] = {}  # call_id -> function name (tool messages name the function)
     reasoning: str | None = None
     for i, item in enumerate(req.input):
