@@ -235,11 +235,12 @@ def test_responses_function_call_loop_with_previous_response_id(agent_server: Se
             client.responses.retrieve(gone)
         assert exc.value.status_code == 404
     unstored = client.responses.create(model=MODEL, input=QUESTION, tools=tools, store=False)
-    assert httpx.get(f"{agent_server.base_url}/v1/responses/{unstored.id}").status_code == 404
+    assert httpx.get(f"{agent_server.base_url}/v1/responses/{unstored.id}", timeout=60).status_code == 404
     err = assert_openai_error(
         httpx.post(
             f"{agent_server.base_url}/v1/responses",
             json={"input": "x", "previous_response_id": unstored.id},
+            timeout=60,
         ),
         400,
         "previous_response_not_found",
@@ -310,10 +311,40 @@ def test_responses_parse_structured_output(agent_server: ServerProcess) -> None:
         ),
         ({"tool_choice": {"type": "web_search"}}, "tool_choice", None),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", None),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strng"}}}}, "text.format", None),
+        ({"input": []}, "input", None),
     ],
 )
 def test_responses_refuses_what_it_cannot_serve(server: ServerProcess, body: dict, param: str, code: str) -> None:
-    err = assert_openai_error(httpx.post(f"{server.base_url}/v1/responses", json={"input": "Hi", **body}), 400, code)
+    err = assert_openai_error(
+        httpx.post(f"{server.base_url}/v1/responses", json={"input": "Hi", **body}, timeout=60), 400, code
+    )
+    assert err["param"] == param, err
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]},
+            "messages[0].content[0].type",
+            "unsupported_content_type",
+        ),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type", "unsupported_tool_type"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools[0].input_schema", None),
+        ({"messages": [{"role": "user", "content": []}]}, "messages", None),
+        ({"stop_sequences": [""]}, "stop_sequences", None),
+        ({"max_tokens": 0}, "max_tokens", None),
+        (
+            {"tool_choice": {"type": "tool"}, "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+            "tool_choice.name",
+            None,
+        ),
+    ],
+)
+def test_messages_refuses_what_it_cannot_serve(server: ServerProcess, body: dict, param: str, code: str) -> None:
+    request = {"max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}], **body}
+    err = assert_openai_error(httpx.post(f"{server.base_url}/v1/messages", json=request, timeout=60), 400, code)
     assert err["param"] == param, err
 
 
@@ -384,6 +415,6 @@ def test_continuous_usage_stats_on_every_chunk(server: ServerProcess) -> None:
 
 
 def test_unknown_paths_are_logged_with_method_and_path(server: ServerProcess) -> None:
-    assert httpx.post(f"{server.base_url}/v1/not/here", json={}).status_code == 404
+    assert httpx.post(f"{server.base_url}/v1/not/here", json={}, timeout=60).status_code == 404
     logged = [r for r in server.log_records() if r.get("msg") == "request to an unknown path"]
     assert {"level": "info", "method": "POST", "path": "/v1/not/here"}.items() <= logged[-1].items()
