@@ -26,8 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API (and gRPC)",
-        description="Serve a model: OpenAI-compatible /v1/completions and /v1/chat/completions, gRPC "
-        "(tokenmill.v1.Generation), /metrics (Prometheus) and /health/{live,ready}. SIGTERM drains.",
+        description="Serve a model: OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/responses, "
+        "Anthropic's /v1/messages, gRPC (tokenmill.v1.Generation), /metrics (Prometheus) and /health/{live,ready}. "
+        "SIGTERM drains.",
     )
     EngineConfig.add_cli_args(parser)
     add_server_args(parser)
