@@ -91,11 +91,13 @@ def scripted_turns_model(tokenizer_dir: Path, target: Path, template: str, turns
     """A GPT-2 that answers any prompt of `n` tokens with `reply` followed by EOS, token for token, for
     each `(n, reply)` of `turns` (the turns of a tool loop: each request's prompt is longer).
 
-    A random model cannot decide to call a tool; this one is told to. Attention, MLP and token
-    embeddings are zero, so the last hidden state is LayerNorm(wpe[position]): each reply position
+    A random model cannot decide to call a tool; this one is told to. Attention and MLP write
+    nothing, so the last hidden state is LayerNorm(wte[token] + wpe[position]): each reply position
     has an axis of its own, and the (untied) output row of the token it must write points along
     it, POSITION_GAIN strong, so the position picks the next token with probability ~1 even when
-    sampled, and every other token scores 0 or less. Runs through tokenmill's native GPT-2 path."""
+    sampled. The other half of the axes hold small random token embeddings and output rows: off the
+    script (other prompts) the model writes random text, as a random model does. Runs through
+    tokenmill's native GPT-2 path."""
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
@@ -118,6 +120,10 @@ def scripted_turns_model(tokenizer_dir: Path, target: Path, template: str, turns
         for param in model.parameters():
             param.zero_()
         model.transformer.ln_f.weight.fill_(1.0)
+        spare = slice(len(positions), config.n_embd)  # the axes no reply position uses
+        generator = torch.Generator().manual_seed(0)
+        model.transformer.wte.weight[:, spare] = 0.05 * torch.randn(len(tokenizer), len(positions), generator=generator)
+        model.lm_head.weight[:, spare] = torch.randn(len(tokenizer), len(positions), generator=generator)
         axis = 0
         for n, script in scripts:
             for k, token in enumerate(script):
