@@ -945,6 +945,6 @@ def test_wheel_ships_runtime_data_files(tmp_path):
     (wheel,) = (tmp_path / "wheels").glob("tokenmill-*.whl")
 
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    needed = {str(p.relative_to(ROOT)) for p in (ROOT / "tokenmill" / "kernels" / "csrc").iterdir()}
+    needed = {str(p.relative_to(ROOT)) for p in (ROOT / "tokenmill" / "kernels" / "csrc").rglob("*.*")}
     needed |= {str(p.relative_to(ROOT)) for p in (ROOT / "tokenmill" / "server" / "proto").glob("*.proto")}
     assert needed and needed <= shipped, f"missing from the wheel: {sorted(needed - shipped)}"

@@ -77,6 +77,7 @@ def attention_case(
     """ms per kernel call and the K/V bytes read per second, over `layers` caches in turn."""
     import torch
 
+    from tokenmill.kernels import ops
     from tokenmill.models.layers.kv_quant import to_cache
 
     gen = torch.Generator().manual_seed(0)
@@ -105,7 +106,7 @@ def attention_case(
     def call() -> None:
         k, v = caches[turn[0] % layers]
         turn[0] += 1
-        torch.ops.tokenmill.paged_attention(q, k, v, out, starts, lens, tables, ctx, BLOCK_SIZE, dim**-0.5, 0, 0.0)
+        ops.paged_attention(q, k, v, out, starts, lens, tables, ctx, BLOCK_SIZE, dim**-0.5, 0, 0.0)
 
     seconds = best_seconds(call, calls)
     kv_bytes = int(ctx.sum()) * kv_heads * caches[0][0].shape[-1] * caches[0][0].element_size() * 2
@@ -126,16 +127,17 @@ def gemm_paths(
     the weights as `--quantization int8` holds them (int8 panels and scales) on the panel GEMM."""
     import torch
 
+    from tokenmill.kernels import ops
     from tokenmill.models.layers.quant import WeightOnlyInt8Linear
 
-    panels = [torch.ops.tokenmill.pack_linear_weight(w) for w in weights]
+    panels = [ops.pack_linear_weight(w) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
     mkl = (
         (lambda x, i: torch.mm(weights[i], x.t()))
         if vocab_major
         else (lambda x, i: torch.nn.functional.linear(x, weights[i]))
     )
-    paths = {"panel kernel": lambda x, i: torch.ops.tokenmill.packed_linear(x, panels[i], None, weights[i].shape[0])}
+    paths = {"panel kernel": lambda x, i: ops.packed_linear(x, panels[i], None, weights[i].shape[0])}
     if int8:
         layers = [WeightOnlyInt8Linear(_linear_of(w), use_cpu_kernel=True) for w in weights]
         paths["panel int8"] = lambda x, i: layers[i](x)
@@ -206,22 +208,23 @@ def model_gemm_cases(shapes: list[tuple[int, int]], layers: int) -> list[dict[st
     own weights, and GB/s of the weights read, on fp32, bf16 and int8 panels at MODEL_GEMM_ROWS rows."""
     import torch
 
+    from tokenmill.kernels import ops
     from tokenmill.models.layers.quant import WeightOnlyInt8Linear
 
     gen = torch.Generator().manual_seed(4)
     weights = [[torch.randn(out, inp, generator=gen) for inp, out in shapes] for _ in range(layers)]
 
     def panel_path(dtype: torch.dtype) -> tuple[Callable[[torch.Tensor, int, int], Any], int]:
-        packed = [[torch.ops.tokenmill.pack_linear_weight(w.to(dtype)) for w in layer] for layer in weights]
+        packed = [[ops.pack_linear_weight(w.to(dtype)) for w in layer] for layer in weights]
         nbytes = sum(t.numel() * t.element_size() for layer in packed for t in layer)
-        return (lambda x, i, j: torch.ops.tokenmill.packed_linear(x, packed[i][j], None, shapes[j][1])), nbytes
+        return (lambda x, i, j: ops.packed_linear(x, packed[i][j], None, shapes[j][1])), nbytes
 
     int8 = [[WeightOnlyInt8Linear(_linear_of(w), use_cpu_kernel=True) for w in layer] for layer in weights]
     int8_bytes = sum(t.numel() * t.element_size() for layer in int8 for m in layer for t in (m.qweight, m.scales))
 
     def int8_gemm(x: torch.Tensor, i: int, j: int) -> torch.Tensor:  # (the op itself, as the fp32 path calls it)
         m = int8[i][j]
-        return torch.ops.tokenmill.packed_int8_linear(x, m.qweight, m.scales, None, m.out_features)
+        return ops.packed_int8_linear(x, m.qweight, m.scales, None, m.out_features)
 
     paths = {"fp32": panel_path(torch.float32), "bf16": panel_path(torch.bfloat16), "int8": (int8_gemm, int8_bytes)}
     results = []

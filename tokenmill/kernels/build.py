@@ -20,7 +20,7 @@ from tokenmill.kernels.cpu_caps import detect
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
+CSRC = Path(__file__).parent / "csrc" / "cpu"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
 # Compiler flags per ISA, and the ATen CPU_CAPABILITY that selects the matching Vectorized<> code.

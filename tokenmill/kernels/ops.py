@@ -1,6 +1,15 @@
-"""Python entry points of tokenmill's C++ CPU kernels (see `build.py`)."""
+"""The one Python entry point of tokenmill's C++ CPU kernels (built and loaded by `build.py`, every op
+registered in csrc/cpu/bindings.cpp).
+
+Each op is called through a function here, which loads the kernels on first use (and fails loudly in
+a process where they cannot be: callers decide with `cpu_kernels_available` first). The ops' fake
+(meta) implementations are registered with the library, so that torch.compile and other tracers see
+their output shapes without running them.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -8,8 +17,28 @@ from tokenmill.kernels.build import load
 
 
 def cpu_kernels_available(device: torch.device) -> bool:
-    """Whether steps on `device` should attend with the fused CPU kernel (built and loaded here)."""
+    """Whether steps on `device` should run tokenmill's CPU kernels (built and loaded here)."""
     return device.type == "cpu" and load()
+
+
+def fused_elementwise(x: torch.Tensor) -> bool:
+    """Whether per-op work on `x` should run as tokenmill's CPU kernels (fused RMSNorm, SiLU*up, RoPE):
+    fp32 or bf16 on CPU with the kernels built, and not while torch.compile traces (it fuses those
+    itself)."""
+    return x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu and not torch.compiler.is_compiling() and load()
+
+
+_LIBRARY: Any = None  # torch.ops.tokenmill once loaded (a plain global: torch.compile reads it, no call)
+
+
+def _library() -> Any:
+    global _LIBRARY
+    if _LIBRARY is None:
+        if not load():  # a process that did not decide to use the kernels itself: fail loudly
+            raise RuntimeError("tokenmill's CPU kernels are not available in this process")
+        _register_fakes()
+        _LIBRARY = torch.ops.tokenmill
+    return _LIBRARY
 
 
 def paged_attention(
@@ -27,9 +56,7 @@ def paged_attention(
     softcap: float | None,
 ) -> None:
     """Attention of each sequence's queries over its paged K/V, written into `out` (rows of q)."""
-    if not load():  # a worker process that did not decide to use the kernel itself: fail loudly
-        raise RuntimeError("tokenmill's CPU kernels are not available in this process")
-    torch.ops.tokenmill.paged_attention(
+    _library().paged_attention(
         q,
         k_cache,
         v_cache,
@@ -45,8 +72,159 @@ def paged_attention(
     )
 
 
-def fused_elementwise(x: torch.Tensor) -> bool:
-    """Whether per-op work on `x` should run as tokenmill's CPU kernels (fused RMSNorm, SiLU*up, RoPE):
-    fp32 or bf16 on CPU with the kernels built, and not while torch.compile traces (it fuses itself,
-    and the ops have no fake implementations)."""
-    return x.dtype in (torch.float32, torch.bfloat16) and x.is_cpu and not torch.compiler.is_compiling() and load()
+# -- elementwise (elementwise.cpp) ------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _library().rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of gate_up [rows, 2 * inter]."""
+    return _library().silu_mul(gate_up)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """q [T, heads, dim] and k [T, kv_heads, dim] rotated in place by cos/sin [T, rotary]."""
+    _library().rope_(q, k, cos, sin)
+
+
+# -- linear layers (panel_linear.cpp, int8_linear.cpp, onednn_linear.cpp, amx_linear.cpp) ------------
+
+
+def linear_panel_width() -> int:
+    """Output columns per panel of a packed weight (16 on AVX2, 32 on AVX-512)."""
+    return int(_library().linear_panel_width())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32/bf16 weight [N, K] (or int8 scales [N, groups]) as panels [panels, K, width]."""
+    return _library().pack_linear_weight(weight)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    return _library().packed_linear(x, packed, bias, n)
+
+
+def packed_logits(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """packed_linear's fp32 sums, not rounded to x's dtype."""
+    return _library().packed_logits(x, packed, bias, n)
+
+
+def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """An int8 weight [N, K] as panels by pairs of inputs [panels, K / 2, 2 * width]."""
+    return _library().pack_int8_weight(weight)
+
+
+def packed_int8_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    return _library().packed_int8_linear(x, packed, scales, bias, n)
+
+
+def packed_int8_logits(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    return _library().packed_int8_logits(x, packed, scales, bias, n)
+
+
+def packed_int8_rows(
+    ids: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows `ids` of an int8 matrix packed by pack_int8_weight, times their scales, as `dtype`."""
+    return _library().packed_int8_rows(ids, packed, scales, k, dtype)
+
+
+def int8_group_scales(groups: torch.Tensor, candidates: int) -> torch.Tensor:
+    return _library().int8_group_scales(groups, candidates)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _library().onednn_linear(x, packed, bias)
+
+
+def amx_linear_applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    return bool(_library().amx_linear_applies(x, packed))
+
+
+def amx_logits(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _library().amx_logits(x, packed, bias)
+
+
+# -- LoRA (lora.cpp), sampling (sampling.cpp), decoder layers (decoder_layer.cpp) ----------------------
+
+
+def lora_delta(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    rows: torch.Tensor,
+    segments: torch.Tensor,
+    blocks: torch.Tensor,
+) -> None:
+    """Adds each row group's LoRA delta to `out` in place."""
+    _library().lora_delta(x, out, lora_a, lora_b, rows, segments, blocks)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    greedy: list[bool],
+    temperature: list[float],
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
+    uniform: list[float],
+) -> torch.Tensor:
+    return _library().sample_tokens(logits, greedy, temperature, top_k, top_p, min_p, uniform)
+
+
+def llama_decoder_layer(*args: Any) -> torch.Tensor:
+    """One Llama-shaped decoder layer (the arguments: see csrc/cpu/bindings.cpp)."""
+    return _library().llama_decoder_layer(*args)
+
+
+def decoder_stack(
+    tensors: list[torch.Tensor | None],
+    ints: list[int],
+    floats: list[float],
+    final_norm: torch.Tensor,
+    final_eps: float,
+) -> Any:
+    """A DecoderStack holding every layer's weights (see csrc/cpu/decoder_layer.cpp)."""
+    _library()
+    return torch.classes.tokenmill.DecoderStack(tensors, ints, floats, final_norm, final_eps)
+
+
+# -- fake implementations ---------------------------------------------------------------------------
+
+
+def _rows(x: torch.Tensor, n: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n), dtype=dtype or x.dtype)
+
+
+def _register_fakes() -> None:
+    fake = torch.library.register_fake
+    width = int(torch.ops.tokenmill.linear_panel_width())
+    fake("tokenmill::paged_attention")(lambda *args: None)
+    fake("tokenmill::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
+    fake("tokenmill::silu_mul")(lambda gate_up: _rows(gate_up, gate_up.shape[-1] // 2))
+    fake("tokenmill::rope_")(lambda q, k, cos, sin: None)
+    fake("tokenmill::pack_linear_weight")(lambda w: w.new_empty((-(-w.shape[0] // width), w.shape[1], width)))
+    fake("tokenmill::packed_linear")(lambda x, packed, bias, n: _rows(x, n))
+    fake("tokenmill::packed_logits")(lambda x, packed, bias, n: _rows(x, n, torch.float32))
+    fake("tokenmill::pack_int8_weight")(
+        lambda w: w.new_empty((-(-w.shape[0] // width), (w.shape[1] + 1) // 2, 2 * width))
+    )
+    fake("tokenmill::packed_int8_linear")(lambda x, packed, scales, bias, n: _rows(x, n))
+    fake("tokenmill::packed_int8_logits")(lambda x, packed, scales, bias, n: _rows(x, n, torch.float32))
+    fake("tokenmill::packed_int8_rows")(
+        lambda ids, packed, scales, k, dtype: packed.new_empty((*ids.shape, k), dtype=dtype)
+    )
+    fake("tokenmill::int8_group_scales")(lambda groups, c: groups.new_empty(groups.shape[0], dtype=torch.bfloat16))
+    fake("tokenmill::onednn_linear")(lambda x, packed, bias: _rows(x, packed.shape[0]))
+    fake("tokenmill::amx_linear")(lambda x, packed, bias: _rows(x, packed.shape[0]))
+    fake("tokenmill::amx_logits")(lambda x, packed, bias: _rows(x, packed.shape[0], torch.float32))
+    fake("tokenmill::lora_delta")(lambda *args: None)
+    fake("tokenmill::sample_tokens")(lambda logits, *settings: logits.new_empty(logits.shape[0], dtype=torch.long))
+    fake("tokenmill::llama_decoder_layer")(lambda x, *args: torch.empty_like(x))

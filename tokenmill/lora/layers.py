@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import ops
 from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.lora.batch import LoRABatch
 from tokenmill.lora.types import LoRATarget, LoRAWeights
@@ -94,9 +95,7 @@ class LoRALinear(nn.Module):
         if step is None or not any(self.filled[s] for s in step.slots):
             return out
         if step.kernel_segments is not None and x.dim() == 2 and x.is_contiguous() and out.is_contiguous():
-            torch.ops.tokenmill.lora_delta(
-                x, out, self.lora_a, self.lora_b, step.rows, step.kernel_segments, self.blocks
-            )
+            ops.lora_delta(x, out, self.lora_a, self.lora_b, step.rows, step.kernel_segments, self.blocks)
             return out
         if step.padded is not None:
             delta = self._batched(x, step)

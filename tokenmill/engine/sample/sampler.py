@@ -40,6 +40,7 @@ import torch
 from tokenmill.engine.core.sequence import Sequence, placeholder_row
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.structured_output.grammar import GrammarMask, apply_mask
+from tokenmill.kernels import ops
 from tokenmill.kernels.ops import cpu_kernels_available
 
 _NEG_INF = float("-inf")
@@ -211,7 +212,7 @@ class Sampler:
             logits = logits.float()
             if logits.stride(-1) != 1:  # (a compiled graph can return them column-major)
                 logits = logits.contiguous()
-            return torch.ops.tokenmill.sample_tokens(
+            return ops.sample_tokens(
                 logits,
                 list(batch.greedy),
                 list(batch.temperature),

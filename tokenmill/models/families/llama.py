@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from tokenmill.kernels import ops
 from tokenmill.kernels.ops import fused_elementwise
 from tokenmill.models.layers.attention import AttentionMetadata, paged_attention
 from tokenmill.models.layers.lm_head import project_to_vocab
@@ -35,7 +36,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_contiguous() and fused_elementwise(x):
-            return torch.ops.tokenmill.rms_norm(x, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
         # Same op order as transformers' LlamaRMSNorm: normalise in fp32, then scale in the input dtype.
         return self.weight * rms_normalize(x, self.eps).to(x.dtype)
 
@@ -95,7 +96,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm_class is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if fused_elementwise(q):  # in place: q and k are fresh (views of this step's projection)
-            torch.ops.tokenmill.rope_(q, k, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+            ops.rope_(q, k, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
             return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -114,7 +115,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.silu and gate_up.dim() == 2 and fused_elementwise(gate_up):
-            return all_reduce(self.down_proj(torch.ops.tokenmill.silu_mul(gate_up)), self.tp)
+            return all_reduce(self.down_proj(ops.silu_mul(gate_up)), self.tp)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return all_reduce(self.down_proj(self.act(gate) * up), self.tp)
 

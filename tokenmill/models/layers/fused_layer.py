@@ -3,7 +3,7 @@
 A batch-1 decode step of a small model is a few milliseconds of memory-bound GEMMs and, around them,
 ~25 Python-level op dispatches, module calls and views per layer: on SmolLM2 (30 layers) taking it
 out brought a batch-1 step from ~23 to ~18.5 ms (bench/README.md). `tokenmill::llama_decoder_layer`
-(kernels/csrc/decoder_layer.cpp) runs the same kernels in the same order from C++, so its output is
+(kernels/csrc/cpu/decoder_layer.cpp) runs the same kernels in the same order from C++, so its output is
 bit-identical to the Python layer's; the layer takes it whenever the step's attention all runs on
 the paged kernel (decodes and chunks with cached context; first prefill chunks go through SDPA in
 Python), over fp32, bf16 or int8 caches (the layer writes K/V rows into their slots itself,
@@ -22,7 +22,7 @@ projections are all on AMX tiles), fp32 or bf16, runs every layer in one paralle
 threads sharing each GEMM's panels or AMX blocks, the RoPE and cache writes and the attention's
 items and meeting at a barrier after each (no fork/join, allocation or op checks per kernel:
 SmolLM2 int8 batch-1, ~5.8 -> ~4.8 ms of layers a step; bf16 on AMX, batch-1 ~14 -> ~12.5 ms a
-step); the same arithmetic, so the same bits (kernels/csrc/decoder_layer.cpp).
+step); the same arithmetic, so the same bits (kernels/csrc/cpu/decoder_layer.cpp).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from operator import getitem
 import torch
 from torch import nn
 
+from tokenmill.kernels import ops
 from tokenmill.models.families.llama import LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
 from tokenmill.models.layers.attention import AttentionMetadata
 from tokenmill.models.layers.packed_linear import OneDnnLinear, PanelLinear
@@ -76,7 +77,7 @@ class FusedLayer:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         p = meta.paged
-        return torch.ops.tokenmill.llama_decoder_layer(
+        return ops.llama_decoder_layer(
             x,
             *self.weights,
             cos,
@@ -122,9 +123,7 @@ class FusedStack:
             tensors += [norm, post_norm, *projections]
             ints += [heads, kv_heads, intermediate, window]
             floats += [eps, scale, softcap]
-        self.native = torch.classes.tokenmill.DecoderStack(
-            tensors, ints, floats, final_norm.weight.detach(), final_norm.eps
-        )
+        self.native = ops.decoder_stack(tensors, ints, floats, final_norm.weight.detach(), final_norm.eps)
 
     def applies(self, meta: AttentionMetadata) -> bool:
         return meta.paged_only and self._held.intact()

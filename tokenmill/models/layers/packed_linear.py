@@ -4,7 +4,7 @@ PyTorch runs a CPU `nn.Linear` through MKL's sgemm, which on this project's AMD 
 code path (0.7-0.8x oneDNN's rate on decode-batch shapes, ~0.7x at one row).
 Two packings replace it, chosen by the weight's dtype:
 
-- fp32 (`PanelLinear`): tokenmill's panel GEMM (kernels/csrc/packed_linear.cpp): the weight in
+- fp32 (`PanelLinear`): tokenmill's panel GEMM (kernels/csrc/cpu/panel_linear.cpp): the weight in
   panels of 16 (AVX2) or 32 (AVX-512) output columns, k-major, which one row streams at memory
   speed and many rows multiply from registers. Against oneDNN's packed fp32 weights on SmolLM2's
   layer shapes (`tokenmill bench kernels`, AMD Zen3): 1.4-1.8x at one row, 1.3-1.5x at 16, ~1.3x at
@@ -17,7 +17,7 @@ Two packings replace it, chosen by the weight's dtype:
 - bf16 on CPUs with native bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinear`):
   oneDNN with the weight reordered into its blocked layout (AMX / AVX512-BF16). On AMX CPUs, steps
   of up to 64 rows (decode) read that same weight with tokenmill's AMX tiles instead
-  (kernels/csrc/amx_linear.cpp: up to 32 rows bit-identical to oneDNN's results at ~1.3x its speed;
+  (kernels/csrc/cpu/amx_linear.cpp: up to 32 rows bit-identical to oneDNN's results at ~1.3x its speed;
   33-64 rows as chunks of 32, each row's bits those it has in any step, close to oneDNN's own
   blocking of those rows, ~1.05-1.1x its speed).
 
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tokenmill.kernels import build
+from tokenmill.kernels import build, ops
 from tokenmill.kernels.cpu_caps import detect
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def padded_rows(rows: int) -> int:
     rows at worst, under 1/16 past 512 rows: 78 buckets up to 4,096 rows, within oneDNN's primitive
     cache for a model's few weight shapes). Buckets of 128 past 256 rows had a serving step of 63
     decodes and a 256-token prefill pay for 384 rows. (The C++ projection,
-    kernels/csrc/onednn_linear.cpp, pads to the same buckets; a test holds them equal.)"""
+    kernels/csrc/cpu/onednn_linear.cpp, pads to the same buckets; a test holds them equal.)"""
     if rows <= 8:
         return rows
     step = 8 if rows <= 64 else 32 if rows <= 512 else 64
@@ -98,21 +98,21 @@ class PanelLinear(PackedLinear):
 
     def __init__(self, linear: nn.Linear, storage: torch.Tensor | None = None) -> None:
         dtype = storage.dtype if storage is not None else panel_dtype(linear.weight)
-        packed = torch.ops.tokenmill.pack_linear_weight(linear.weight.detach().to(dtype))
+        packed = ops.pack_linear_weight(linear.weight.detach().to(dtype))
         if storage is not None:
             packed = storage.view(packed.shape).copy_(packed)
         super().__init__(linear, packed)
 
     @staticmethod
     def panel_numel(linear: nn.Linear) -> int:
-        width = torch.ops.tokenmill.linear_panel_width()
+        width = ops.linear_panel_width()
         return -(-linear.out_features // width) * width * linear.in_features
 
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tokenmill.packed_linear(x, self.packed_weight, self.bias, self.out_features)
+        return ops.packed_linear(x, self.packed_weight, self.bias, self.out_features)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tokenmill.packed_logits(x, self.packed_weight, self.bias, self.out_features)
+        return ops.packed_logits(x, self.packed_weight, self.bias, self.out_features)
 
 
 class PanelEmbedding(nn.Module):
@@ -147,17 +147,17 @@ class OneDnnLinear(PackedLinear):
         self.amx_decode = False
         if self.native and linear.weight.dtype == torch.bfloat16:
             # Decode-sized steps on AMX CPUs read this weight with tokenmill's AMX tiles
-            # (kernels/csrc/amx_linear.cpp) once its shape's layout is probed: probe now, at load,
+            # (kernels/csrc/cpu/amx_linear.cpp) once its shape's layout is probed: probe now, at load,
             # rather than in a request's first step.
             probe = torch.empty(1, self.in_features, dtype=torch.bfloat16)
-            self.amx_decode = torch.ops.tokenmill.amx_linear_applies(probe, self.packed_weight)
+            self.amx_decode = ops.amx_linear_applies(probe, self.packed_weight)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", amx_decode=True" if self.amx_decode else "")
 
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return torch.ops.tokenmill.onednn_linear(x, self.packed_weight, self.bias)
+            return ops.onednn_linear(x, self.packed_weight, self.bias)
         rows = x.shape[0]
         padded = padded_rows(rows)
         if padded != rows:
@@ -168,7 +168,7 @@ class OneDnnLinear(PackedLinear):
         # (oneDNN's bf16 GEMM rounds its output to bf16: on AVX512-BF16 CPUs without AMX the logits
         # are those, widened)
         if self.amx_decode:
-            return torch.ops.tokenmill.amx_logits(x, self.packed_weight, self.bias)
+            return ops.amx_logits(x, self.packed_weight, self.bias)
         return super().logits(x)
 
 

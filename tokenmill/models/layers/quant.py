@@ -34,6 +34,7 @@ import logging
 import torch
 from torch import nn
 
+from tokenmill.kernels import ops
 from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.models.layers.moe import split_experts
 from tokenmill.models.layers.packed_linear import TiedHeads, into_huge_pages, read_tied_embeddings_from
@@ -72,9 +73,9 @@ def group_scales(groups: torch.Tensor, candidates: int = SCALE_CANDIDATES) -> to
     a block), whose levels a matching step reproduces nearly exactly; squared error of its layers'
     int8 weights 3-5x bf16 rounding's, against 16-24x with the first candidate alone, and top-1
     agreement with fp32 98.3% -> 99.0% (bench/README.md). On CPU one C++ pass
-    (kernels/csrc/quantize.cpp); elsewhere the same search in torch ops."""
+    (kernels/csrc/cpu/quantize.cpp); elsewhere the same search in torch ops."""
     if cpu_kernels_available(groups.device):
-        return torch.ops.tokenmill.int8_group_scales(groups.contiguous(), candidates)
+        return ops.int8_group_scales(groups.contiguous(), candidates)
     scales = torch.empty(groups.shape[0], dtype=torch.bfloat16, device=groups.device)
     chunk = _CPU_SEARCH_CHUNK if groups.device.type == "cpu" else _GPU_SEARCH_CHUNK
     for start in range(0, groups.shape[0], chunk):
@@ -104,7 +105,7 @@ def round_up_to_bf16(values: torch.Tensor) -> torch.Tensor:
 
 class WeightOnlyInt8Linear(nn.Module):
     """On CPU with tokenmill's kernels the int8 weight and its scales are packed into the panels of
-    the panel GEMM (kernels/csrc/packed_linear.cpp: the weight by pairs of inputs, for int16 pair
+    the panel GEMM (kernels/csrc/cpu/int8_linear.cpp: the weight by pairs of inputs, for int16 pair
     products); elsewhere they stay [N, K] and [N, K / group_size] and are widened per call."""
 
     def __init__(self, linear: nn.Linear, use_cpu_kernel: bool) -> None:
@@ -114,8 +115,8 @@ class WeightOnlyInt8Linear(nn.Module):
         qweight, scales = quantize_weight(linear.weight, self.group_size)
         self.use_cpu_kernel = use_cpu_kernel and qweight.device.type == "cpu"
         if self.use_cpu_kernel:
-            qweight = torch.ops.tokenmill.pack_int8_weight(qweight)
-            scales = torch.ops.tokenmill.pack_linear_weight(scales)
+            qweight = ops.pack_int8_weight(qweight)
+            scales = ops.pack_linear_weight(scales)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
         self.bias = linear.bias
@@ -137,7 +138,7 @@ class WeightOnlyInt8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_cpu_kernel:
-            return torch.ops.tokenmill.packed_int8_linear(x, self.qweight, self.scales, self.bias, self.out_features)
+            return ops.packed_int8_linear(x, self.qweight, self.scales, self.bias, self.out_features)
         out = nn.functional.linear(x, self.dequantized(x.dtype))
         return out + self.bias if self.bias is not None else out
 
@@ -145,7 +146,7 @@ class WeightOnlyInt8Linear(nn.Module):
         """fp32 logits of x [rows, in_features] (this layer as a vocabulary projection): on CPU the
         kernel's fp32 sums, not rounded to x's dtype first."""
         if self.use_cpu_kernel:
-            return torch.ops.tokenmill.packed_int8_logits(x, self.qweight, self.scales, self.bias, self.out_features)
+            return ops.packed_int8_logits(x, self.qweight, self.scales, self.bias, self.out_features)
         return self(x).float()
 
 
@@ -192,7 +193,7 @@ class Int8Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
         # (one C++ call: the ~10 torch ops it replaced were ~60 us of a batch-1 step)
-        return torch.ops.tokenmill.packed_int8_rows(ids, head.qweight, head.scales, self.embedding_dim, self.dtype)
+        return ops.packed_int8_rows(ids, head.qweight, head.scales, self.embedding_dim, self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, read from the int8 lm_head"

@@ -9,7 +9,6 @@
 // product; RoPE: each product, then the sum): SiLU*up and RoPE give the unfused ops' bits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "kernels.h"
 #include "vec_utils.h"
@@ -194,15 +193,3 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("rms_norm", &tokenmill::rms_norm);
-  m.impl("silu_mul", &tokenmill::silu_mul);
-  m.impl("rope_", &tokenmill::rope_);
-}

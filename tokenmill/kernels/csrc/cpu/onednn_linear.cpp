@@ -7,7 +7,6 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
-#include <torch/library.h>
 
 #include "kernels.h"
 
@@ -45,18 +44,3 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("onednn_padded_rows(int rows) -> int", &tokenmill::onednn_padded_rows);
-  m.def("onednn_batch_hint() -> int", []() -> int64_t { return tokenmill::kOnednnBatchHint; });
-}
-
-// (the packed weight is an opaque oneDNN tensor: a call dispatches on its MkldnnCPU key)
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("onednn_linear", &tokenmill::onednn_linear);
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, MkldnnCPU, m) {
-  m.impl("onednn_linear", &tokenmill::onednn_linear);
-}

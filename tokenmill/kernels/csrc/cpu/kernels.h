@@ -1,9 +1,11 @@
-// The entry points of tokenmill's CPU kernels that other kernels call directly (decoder_layer.cpp
-// runs a whole layer through them without a trip through Python). Each is also a torch op
-// (torch.ops.tokenmill.*, registered in its own file); see that file for what it computes.
+// The entry points of tokenmill's CPU kernels: the torch ops (torch.ops.tokenmill.*, all registered
+// in bindings.cpp; tokenmill/kernels/ops.py is their one Python entry point) and the parts other
+// kernels call directly (decoder_layer.cpp runs a whole layer through them without a trip through
+// Python). See each one's source file for what it computes.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/library.h>
 
 #include <atomic>
 #include <cstdint>
@@ -27,15 +29,22 @@ void silu_mul_row(const T* gate_up, int64_t inter, T* out);
 template <typename T>
 void rope_head(T* x, const T* cos, const T* sin, int64_t rotary);
 
-// packed_linear.cpp (fp32 x; fp32, bf16 or int8 weights)
+// panel_linear.cpp (fp32 x; fp32 or bf16 weights) and int8_linear.cpp (int8 weights)
 // A linear layer's bias as an fp32 pointer (nullptr without one), kept alive by `holder`; `op` names
 // the caller in the error for a bias that is not N floats.
 const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, at::Tensor& holder, const char* op);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t n);
+at::Tensor packed_logits(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t n);
+at::Tensor pack_int8_weight(const at::Tensor& weight);
 at::Tensor packed_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
                               const c10::optional<at::Tensor>& bias, int64_t n);
+at::Tensor packed_int8_logits(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
+                              const c10::optional<at::Tensor>& bias, int64_t n);
+at::Tensor packed_int8_rows(const at::Tensor& ids, const at::Tensor& packed, const at::Tensor& packed_scales,
+                            int64_t k, at::ScalarType dtype);
 // Rows x [m, K] (fp32, m up to the rows of one block of x: ~40 for K = 1,536) times panels
 // [begin, end) of a packed weight, into those panels' columns of out [m, N] (bias: fp32 [N] or
 // nullptr), on the calling thread, as the ops above compute them; shapes as they check them.
@@ -54,6 +63,7 @@ void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
 // onednn_linear.cpp: x W^T + b with W reordered for oneDNN (bf16 on AMX / AVX512-BF16 CPUs); x's dtype.
 // Decode-sized bf16 steps on AMX CPUs run amx_linear on the same reordered weight.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+int64_t onednn_padded_rows(int64_t rows);
 // The row count oneDNN's weight reorder is told to expect (mkldnn::_reorder_linear_weight's batch_size;
 // tokenmill/models/packed_linear.py passes the same: a test holds them equal).
 constexpr int64_t kOnednnBatchHint = 64;
@@ -64,6 +74,10 @@ constexpr int64_t kAmxMaxRows = 64;
 // a step's last chunk read 32 rows; what they compute past m is dropped).
 inline int64_t amx_padded_rows(int64_t m) { return m <= 32 ? m : (m + 31) / 32 * 32; }
 bool amx_linear_applies(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+// fp32 logits of a bf16 head on AMX tiles (nothing rounded after the tiles' fp32 sums)
+bool amx_logits_applies(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor amx_logits(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 // Whether amx_linear takes `rows` bf16 rows of packed.size(1) inputs on this weight (amx_linear_applies, x unseen).
 bool amx_linear_takes(int64_t rows, const at::Tensor& packed);
 // amx_linear in parts, for callers with their own threads: its N outputs in blocks of 32
@@ -124,5 +138,33 @@ int64_t attention_partial_floats(const AttentionWork& work);
 void attend_items(const AttentionWork& work, const void* q, const void* k_cache, const void* v_cache, void* out,
                   double scale, double softcap, float* partials, std::atomic<int64_t>& next);
 void merge_partials(const AttentionWork& work, void* out, const float* partials, int64_t begin, int64_t end);
+
+// quantize.cpp: weight-only int8's least-error group scales
+at::Tensor int8_group_scales(const at::Tensor& groups, int64_t candidates);
+
+// sampling.cpp
+at::Tensor sample_tokens(const at::Tensor& logits, const c10::List<bool>& greedy, c10::ArrayRef<double> temperature,
+                         c10::ArrayRef<int64_t> top_k, c10::ArrayRef<double> top_p, c10::ArrayRef<double> min_p,
+                         c10::ArrayRef<double> uniform);
+
+// lora.cpp
+void lora_delta(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                const at::Tensor& rows, const at::Tensor& segments, const at::Tensor& blocks);
+
+// decoder_layer.cpp: one Llama-shaped layer, and DecoderStack (every layer of a model) as a torch class
+at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                               double eps, const at::Tensor& qkv_weight, const c10::optional<at::Tensor>& qkv_scales,
+                               const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+                               const c10::optional<at::Tensor>& o_scales, const c10::optional<at::Tensor>& o_bias,
+                               const at::Tensor& gate_up_weight, const c10::optional<at::Tensor>& gate_up_scales,
+                               const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
+                               const c10::optional<at::Tensor>& down_scales, const c10::optional<at::Tensor>& down_bias,
+                               int64_t heads, int64_t kv_heads, int64_t intermediate, const at::Tensor& cos,
+                               const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                               const at::Tensor& slot_mapping, const at::Tensor& query_start,
+                               const at::Tensor& query_lens, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
+                               double softcap);
+void register_decoder_stack(torch::Library& m);
 
 }  // namespace tokenmill

@@ -13,7 +13,6 @@
 #include <ATen/record_function.h>
 #include <omp.h>
 #include <torch/custom_class.h>
-#include <torch/library.h>
 
 #include "kernels.h"
 #include "vec_utils.h"
@@ -248,26 +247,6 @@ at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& w, const at::T
   }
   add_residual(out, linear(activated, w.down, hidden));
   return out;
-}
-
-at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                               double eps, const at::Tensor& qkv_weight, const OptTensor& qkv_scales,
-                               const OptTensor& qkv_bias, const at::Tensor& o_weight, const OptTensor& o_scales,
-                               const OptTensor& o_bias, const at::Tensor& gate_up_weight,
-                               const OptTensor& gate_up_scales, const OptTensor& gate_up_bias,
-                               const at::Tensor& down_weight, const OptTensor& down_scales,
-                               const OptTensor& down_bias, int64_t heads, int64_t kv_heads, int64_t intermediate,
-                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start,
-                               const at::Tensor& query_lens, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
-                               double softcap) {
-  const LayerWeights w{input_norm, post_norm, eps,
-                       {qkv_weight, qkv_scales, qkv_bias}, {o_weight, o_scales, o_bias},
-                       {gate_up_weight, gate_up_scales, gate_up_bias}, {down_weight, down_scales, down_bias},
-                       heads, kv_heads, intermediate, scale, window, softcap};
-  return decoder_layer(x, w, cos, sin, k_cache, v_cache,
-                       {slot_mapping, query_start, query_lens, block_tables, context_lens, block_size});
 }
 
 // A sense-reversing spin barrier for the region's team. An omp barrier sleeps in the kernel under
@@ -659,24 +638,34 @@ struct DecoderStack : torch::CustomClassHolder {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def(
-      "llama_decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_weight, "
-      "Tensor? qkv_scales, Tensor? qkv_bias, Tensor o_weight, Tensor? o_scales, Tensor? o_bias, "
-      "Tensor gate_up_weight, Tensor? gate_up_scales, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scales, "
-      "Tensor? down_bias, int heads, int kv_heads, int intermediate, Tensor cos, Tensor sin, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor query_start, Tensor query_lens, "
-      "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window, float softcap) -> Tensor");
+namespace tokenmill {
+
+at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                               double eps, const at::Tensor& qkv_weight, const OptTensor& qkv_scales,
+                               const OptTensor& qkv_bias, const at::Tensor& o_weight, const OptTensor& o_scales,
+                               const OptTensor& o_bias, const at::Tensor& gate_up_weight,
+                               const OptTensor& gate_up_scales, const OptTensor& gate_up_bias,
+                               const at::Tensor& down_weight, const OptTensor& down_scales,
+                               const OptTensor& down_bias, int64_t heads, int64_t kv_heads, int64_t intermediate,
+                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start,
+                               const at::Tensor& query_lens, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
+                               double softcap) {
+  const LayerWeights w{input_norm, post_norm, eps,
+                       {qkv_weight, qkv_scales, qkv_bias}, {o_weight, o_scales, o_bias},
+                       {gate_up_weight, gate_up_scales, gate_up_bias}, {down_weight, down_scales, down_bias},
+                       heads, kv_heads, intermediate, scale, window, softcap};
+  return decoder_layer(x, w, cos, sin, k_cache, v_cache,
+                       {slot_mapping, query_start, query_lens, block_tables, context_lens, block_size});
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("llama_decoder_layer", &llama_decoder_layer);
-}
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+void register_decoder_stack(torch::Library& m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<const c10::List<std::optional<at::Tensor>>&, const std::vector<int64_t>&,
                        const std::vector<double>&, const at::Tensor&, double>())
       .def("forward", &DecoderStack::forward)
       .def("region_steps", [](const c10::intrusive_ptr<DecoderStack>& self) { return self->region_steps; });
 }
+
+}  // namespace tokenmill

@@ -9,7 +9,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +16,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels.h"
 #include "vec_utils.h"
 
 namespace tokenmill {
@@ -93,11 +93,3 @@ at::Tensor int8_group_scales(const at::Tensor& groups, int64_t candidates) {
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("int8_group_scales(Tensor groups, int candidates) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("int8_group_scales", &tokenmill::int8_group_scales);
-}

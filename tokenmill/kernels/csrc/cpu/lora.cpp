@@ -17,8 +17,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
-
+#include "kernels.h"
 #include "vec_utils.h"
 
 #include <algorithm>
@@ -79,6 +78,10 @@ void expand_rows(const float* t, int64_t t_stride, const float* b, int64_t b_str
       out[n][o] += s;
     }
 }
+
+}  // namespace
+
+namespace tokenmill {
 
 void lora_delta(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, const at::Tensor& lora_b,
                 const at::Tensor& rows, const at::Tensor& segments, const at::Tensor& blocks) {
@@ -160,13 +163,4 @@ void lora_delta(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, 
   });
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("lora_delta(Tensor x, Tensor(a!) out, Tensor lora_a, Tensor lora_b, Tensor rows, Tensor segments, "
-        "Tensor blocks) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("lora_delta", &lora_delta);
-}
+}  // namespace tokenmill

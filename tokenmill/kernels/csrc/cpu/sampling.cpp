@@ -10,8 +10,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
+#include "kernels.h"
 #include "vec_utils.h"
 
 #include <algorithm>
@@ -286,12 +286,3 @@ at::Tensor sample_tokens(const at::Tensor& logits, const c10::List<bool>& greedy
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("sample_tokens(Tensor logits, bool[] greedy, float[] temperature, int[] top_k, float[] top_p, float[] min_p, "
-        "float[] uniform) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("sample_tokens", &tokenmill::sample_tokens);
-}

@@ -23,7 +23,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "kernels.h"
 #include "vec_utils.h"
@@ -810,12 +809,3 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY(tokenmill, m) {
-  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, Tensor query_start, "
-        "Tensor query_lens, Tensor block_tables, Tensor context_lens, int block_size, float scale, int window, float softcap) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("paged_attention", &tokenmill::paged_attention);
-}

@@ -17,7 +17,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
 
 #include "kernels.h"
 
@@ -364,18 +363,3 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
 }
 
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("amx_logits(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("amx_logits_applies(Tensor x, Tensor packed) -> bool", &tokenmill::amx_logits_applies);
-  m.def("amx_linear_applies(Tensor x, Tensor packed) -> bool", &tokenmill::amx_linear_applies);
-  m.def("onednn_amx_layout(int n, int k) -> bool", &tokenmill::onednn_amx_layout);
-  m.def("amx_int8_usable() -> bool", &tokenmill::amx_int8_usable);
-  m.def("amx_bf16_usable() -> bool", &tokenmill::amx_bf16_usable);
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, MkldnnCPU, m) {
-  m.impl("amx_linear", &tokenmill::amx_linear);
-  m.impl("amx_logits", &tokenmill::amx_logits);
-}

@@ -1,27 +1,11 @@
-// Linear layers on a panel-packed weight: y = x W^T (+ bias) for any number of rows of x, with W
-// in fp32 or bf16 (widened to fp32 as it streams), fp32 arithmetic; or W in int8 (weight-only, a
-// scale per group of input channels of each output, models/quant.py) times x rounded to int16, int32
-// sums per block of inputs, fp32 across blocks (see int8_panel_tile).
-//
-// The weight [N, K] is packed once into panels of kPanel output columns, each stored k-major:
-// packed[p, k, c] = W[p * kPanel + c, k] (columns past N are zero); int8 weights by pairs of k,
-// packed[p, j, 2c + t] = W[p * kPanel + c, 2j + t]; int8 scales [N, groups] as bf16 ones, [p, g, c].
-// One layout serves both ends of a step's row counts:
-// - a few rows (batch-1 and small-batch decode): each thread streams a contiguous stretch of
-//   panels exactly once, front to back (one row: six panels side by side), at memory speed; x's
-//   rows sit in L1. int8 weights are widened in registers as they stream (1 byte per weight read);
-// - many rows (batched decode, prefill): a register tile of kTileM rows x one panel's columns
-//   (2 vectors) accumulates over K with one broadcast of x and two panel loads per k: the panel
-//   (K x 64-128 bytes) stays in L1/L2 while every row group of a block of x passes over it, and
-//   each row group requests the next panel meanwhile (see panel_gemm).
-// Every fp32/bf16 output is one FMA chain over k in order, every int8 one the same blocks in the same
-// order: a row's result does not depend on the other rows of its step.
-// oneDNN's packed fp32 GEMMs ran decode-sized shapes here at ~2/3 of the memory bandwidth (1 row)
-// and of the FMA peak (64 rows); see `tokenmill bench kernels` for this kernel against them.
+// Linear layers on int8 panels: W in int8 (weight-only, a scale per group of input channels of each
+// output, models/layers/quantization/int8.py) times x rounded to int16, int32 sums per block of
+// inputs, fp32 across blocks (see int8_panel_tile). The weight is packed by pairs of k,
+// packed[p, j, 2c + t] = W[p * kPanel + c, 2j + t]; its scales [N, groups] as bf16 ones, [p, g, c]
+// (pack_linear_weight); the panels' order and how a step's rows and panels are cut: panel_gemm.h.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "kernels.h"
 #include "vec_utils.h"
@@ -37,88 +21,10 @@
 #include <immintrin.h>
 #endif
 
+#include "panel_gemm.h"
+
 namespace tokenmill {
 namespace {
-
-// Rows of x per register tile: 2 accumulators each, plus the panel's 2 vectors and one broadcast,
-// within AVX2's 16 (6 rows) or AVX-512's 32 (12 rows) vector registers.
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kTileM = 12;
-#else
-constexpr int kTileM = 6;
-#endif
-// Rows of x per block: the block's rows stay in L2 while the thread's panels pass over them.
-constexpr int64_t kBlockBytes = 256 * 1024;
-
-// out[r, 0:cols] = acc[r] + bias for R rows (cols < kPanel: the last panel of an N that is not a
-// multiple of kPanel).
-template <int R>
-inline void store_tile(Vec (&acc)[R][2], const float* bias, float* out, int64_t ldo, int64_t cols) {
-  if (cols == kPanel) {
-    const Vec b0 = bias != nullptr ? Vec::loadu(bias) : Vec(0.f);
-    const Vec b1 = bias != nullptr ? Vec::loadu(bias + kVec) : Vec(0.f);
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      (acc[r][0] + b0).store(out + r * ldo);
-      (acc[r][1] + b1).store(out + r * ldo + kVec);
-    }
-    return;
-  }
-  // (unrolled like the loops above: a runtime index into acc would move it out of registers)
-  #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    alignas(64) float row[kPanel];
-    acc[r][0].store(row);
-    acc[r][1].store(row + kVec);
-    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = row[c] + (bias != nullptr ? bias[c] : 0.f);
-  }
-}
-
-// Requests step `step` of a panel that streams `Bytes` a step (a k of fp32/bf16 panels, a pair of
-// inputs of int8 ones), a cache line at a time: see panel_gemm. Steps of under a line request their
-// line more than once: skipping every other step (a modulo and a branch per k) made the bf16 tiles
-// slower than no prefetch at all (16 rows: 36 ms against 31; 24 without the branch).
-template <int64_t Bytes>
-inline void prefetch_step(const void* panel, int64_t step) {
-  const char* bytes = static_cast<const char*>(panel) + step * Bytes;
-  for (int64_t offset = 0; offset < Bytes; offset += 64) __builtin_prefetch(bytes + offset, 0, 2);
-}
-
-// out[r, 0:cols] = x[r, :] . panel (+ bias) for R rows. Each output is one FMA chain over k in order,
-// whatever R is: a row's result does not depend on how many rows share its step (batch invariance),
-// and two chains per row already run one row at the memory's speed (two chains per row over
-// interleaved k steps measured 0.8x at one row: 23 vs 29 GB/s).
-// bf16 panels (bf16 weights on a CPU without native bf16, or fp32 weights that are all bf16 values)
-// are widened to fp32 in registers as they stream (load_as_float), exactly: half the bytes of fp32
-// per weight, the same arithmetic as on their fp32 values. Prefetch: request `next`, the panel after
-// this one, a line per k, while this one computes.
-template <int R, int P = 1, bool Prefetch = false, typename W>
-inline void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k, const float* bias, float* out,
-                       int64_t ldo, int64_t cols, const W* next = nullptr) {
-  Vec acc[P][R][2];
-  #pragma GCC unroll 16
-  for (int p = 0; p < P; ++p)
-    #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[p][r][0] = acc[p][r][1] = Vec(0.f);
-  for (int64_t d = 0; d < k; ++d) {
-    if constexpr (Prefetch) prefetch_step<kPanel * sizeof(W)>(next, d);
-    #pragma GCC unroll 16
-    for (int p = 0; p < P; ++p) {
-      const W* w = panel + p * k * kPanel + d * kPanel;
-      const Vec w0 = load_as_float(w), w1 = load_as_float(w + kVec);
-      #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const Vec a(x[r * ldx + d]);
-        acc[p][r][0] = at::vec::fmadd(a, w0, acc[p][r][0]);
-        acc[p][r][1] = at::vec::fmadd(a, w1, acc[p][r][1]);
-      }
-    }
-  }
-  #pragma GCC unroll 16
-  for (int p = 0; p < P; ++p)
-    store_tile<R>(acc[p], bias != nullptr ? bias + p * kPanel : nullptr, out + p * kPanel, ldo,
-                  p == P - 1 ? cols : kPanel);
-}
 
 // int8 weights times 16-bit activations, summed exactly in int32 (pmaddwd multiplies two pairs of
 // int16 and adds them: 16 products per AVX2 instruction, against 8 per FMA after widening each weight
@@ -531,78 +437,6 @@ TOKENMILL_AVX512_BF16 void panel_as_bf16(const int8_t* panel, const Scale* scale
 }
 #endif  // CPU_CAPABILITY_AVX512
 
-// A matrix of at least this many panels (a vocabulary projection) is shared among the threads in
-// pieces of kPanelsPerPiece, taken as each thread finishes its last, when x is one block of rows.
-// Halves of a 1 ms lm_head left one thread done ~70 us before the other (batch-1 SmolLM2, 2-core
-// EPYC: the cores do not draw equal shares of the memory's bandwidth); a piece is 4 groups of six
-// panels, ~7 us of int8 weights.
-constexpr int64_t kPiecewisePanels = 512;
-constexpr int64_t kPanelsPerPiece = 24;
-
-// Calls tile(begin, end, m0, rows) for each thread's contiguous stretch of panels [begin, end) (at
-// decode sizes each thread streams its part of W once; a vocabulary-sized W piece by piece, above)
-// and each block of rows [m0, m0 + rows) of an [m, k] x: blocks of about equal rows stay in L2 (a
-// last block of a few rows would stream every panel again).
-template <typename Tile>
-void for_panel_blocks(int64_t m, int64_t k, int64_t panels, Tile&& tile) {
-  const int64_t max_rows = std::max<int64_t>(kTileM, kBlockBytes / (k * 4) / kTileM * kTileM);
-  const int64_t blocks = (m + max_rows - 1) / max_rows;
-  const int64_t block_rows = ((m + blocks - 1) / blocks + kTileM - 1) / kTileM * kTileM;
-  if (blocks == 1 && panels >= kPiecewisePanels) {
-    const int64_t pieces = (panels + kPanelsPerPiece - 1) / kPanelsPerPiece;
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-      for (int64_t i = next++; i < pieces; i = next++)
-        tile(i * kPanelsPerPiece, std::min(panels, (i + 1) * kPanelsPerPiece), int64_t{0}, m);
-    });
-    return;
-  }
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < m; m0 += block_rows) tile(begin, end, m0, std::min(block_rows, m - m0));
-  });
-}
-
-}  // namespace
-
-const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, at::Tensor& holder, const char* op) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->numel() == n && bias->is_floating_point(), op, ": a float bias of N values");
-  holder = bias->to(at::kFloat).contiguous();
-  return holder.data_ptr<float>();
-}
-
-at::Tensor pack_linear_weight(const at::Tensor& weight) {
-  const auto dtype = weight.scalar_type();
-  TORCH_CHECK(weight.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) && weight.dim() == 2,
-              "pack_linear_weight: an fp32 or bf16 CPU weight [N, K] (or int8 scales [N, groups]; int8 weights: "
-              "pack_int8_weight)");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  at::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
-  padded.narrow(0, 0, n).copy_(weight);
-  // [panels, kPanel, K] -> [panels, K, kPanel]
-  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
-}
-
-namespace {
-
-// Panels one row of x multiplies at once. One panel's two FMA chains were latency-bound, and more
-// streams read at once also draw more of the memory's bandwidth into one core: one row over
-// SmolLM2's 30 layers / its 49,152 x 576 head, bf16 panels 27.7 / 35.9 GB/s with one panel at a time,
-// 38.3 / 51.2 with 3, 39.0 / 66.1 with 6 (fp32: 38.2 / 47.4 -> 45.9 / 64.1; AMD Zen3, 2 threads).
-// Six panels' 12 accumulators, a broadcast and a weight vector fit AVX2's 16 registers.
-constexpr int kOneRowPanels = 6;
-
-// One row of x times panels [p, end) in groups of P full panels, then of fewer; p ends at the
-// first panel left (none, or a last partial one).
-template <int P, typename W>
-inline void one_row_panel_groups(const float* x, const W* wp, const float* bias, float* out, int64_t k, int64_t n,
-                                 int64_t& p, int64_t end) {
-  for (; p + P <= end && (p + P) * kPanel <= n; p += P)
-    panel_tile<1, P>(x, k, wp + p * k * kPanel, k, bias != nullptr ? bias + p * kPanel : nullptr, out + p * kPanel, n,
-                     kPanel);
-  if constexpr (P > 1) one_row_panel_groups<P - 1>(x, wp, bias, out, k, n, p, end);
-}
 
 // Rows of x up to this many take int8 panels six at a time, one row after another over each group of
 // panels (the group, 55-150 KB, stays in L2 for the next row): as for one row, six streams draw more
@@ -775,82 +609,8 @@ void int8_panel_range(const int16_t* xqp, const float* sxp, SplitInputs split, c
   }
 }
 
-// Every row group of a panel requests the thread's next panel as it goes (a line per k), so that
-// the next panel's pass from DRAM overlaps this one's arithmetic: the core did not overlap them on
-// its own, a tile's time was its FMAs plus its panel's first read (SmolLM2's 120 layer GEMMs, each
-// layer its own weights: `tokenmill bench kernels`, last table; 2-core AMD EPYC Zen 2, alternated,
-// ms: fp32 8 rows 28.0-28.9 -> 21.5-21.7, 16 rows 37.0-37.9 -> 29.1-29.4, 64 rows 96.6-96.9 ->
-// 86.5-87.6; bf16 panels 8 rows 19.0-19.4 -> 15.7-16.0, 16 rows 27.1-27.3 -> 22.4-22.9; int8 ones
-// 8 rows 15.2-15.4 -> 13.8-13.9, 16 rows 26.7-27.3 -> 24.3-24.5; one row takes other paths).
-template <typename W>
-void panel_range(const float* xp, const W* wp, const float* bias_ptr, float* op, int64_t m, int64_t k, int64_t n,
-                 int64_t begin, int64_t end, int64_t m0, int64_t rows) {
-  int64_t p = begin;
-  if (m == 1) one_row_panel_groups<kOneRowPanels>(xp, wp, bias_ptr, op, k, n, p, end);
-  for (; p < end; ++p) {
-    const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
-    const W* panel = wp + p * k * kPanel;
-    const float* b = bias_ptr != nullptr ? bias_ptr + col : nullptr;
-    const W* next = p + 1 < end ? panel + k * kPanel : panel;  // (the thread's last: itself again, in cache)
-    for_row_groups<kTileM>(rows, [&](auto count, int64_t r) {
-      const int64_t row = m0 + r;
-      panel_tile<decltype(count)::value, 1, true>(xp + row * k, k, panel, k, b, op + row * n + col, n, cols, next);
-    });
-  }
-}
-
-template <typename W>
-void panel_gemm(const float* xp, const W* wp, const float* bias_ptr, float* op, int64_t m, int64_t k, int64_t n,
-                int64_t panels) {
-  for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
-    panel_range(xp, wp, bias_ptr, op, m, k, n, begin, end, m0, rows);
-  });
-}
 
 }  // namespace
-
-namespace {
-
-// x W^T (+ bias) in x's dtype, or fp32 with `fp32_out`.
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                        int64_t n, bool fp32_out) {
-  const bool bf16 = packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || (bf16 && x.is_floating_point())),
-              "packed_linear: a CPU x [M, K], fp32 (or any float over bf16 weights)");
-  TORCH_CHECK((packed.scalar_type() == at::kFloat || bf16) && packed.dim() == 3 && packed.size(2) == kPanel &&
-                  packed.is_contiguous() && packed.size(1) == x.size(1) && packed.size(0) * kPanel >= n &&
-                  (packed.size(0) - 1) * kPanel < n,
-              "packed_linear: an fp32 or bf16 weight from pack_linear_weight for this K, N and CPU (panels of ", kPanel,
-              ")");
-  at::Tensor bias_holder;
-  const float* bias_ptr = bias_data(bias, n, bias_holder, "packed_linear");
-  TORCH_CHECK(bias_ptr == nullptr || bias->scalar_type() == x.scalar_type(), "packed_linear: a bias of x's dtype");
-  const at::Tensor xc = x.to(at::kFloat).contiguous();  // (bf16 activations: computed in fp32, like oneDNN's)
-  const int64_t m = xc.size(0), k = xc.size(1);
-  at::Tensor out = at::empty({m, n}, xc.options());
-  if (m > 0 && n > 0) {
-    if (bf16)
-      panel_gemm(xc.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), bias_ptr, out.data_ptr<float>(), m, k, n,
-                 packed.size(0));
-    else
-      panel_gemm(xc.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, out.data_ptr<float>(), m, k, n,
-                 packed.size(0));
-  }
-  return fp32_out ? out : out.to(x.scalar_type());
-}
-
-}  // namespace
-
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t n) {
-  return panel_linear(x, packed, bias, n, false);
-}
-
-// Logits of a head on panels (fp32, or bf16 on CPUs without native bf16): fp32, whatever x's dtype.
-at::Tensor packed_logits(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t n) {
-  return panel_linear(x, packed, bias, n, true);
-}
 
 at::Tensor pack_int8_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kChar && weight.dim() == 2,
@@ -927,14 +687,6 @@ at::Tensor packed_int8_logits(const at::Tensor& x, const at::Tensor& packed, con
   return int8_linear(x, packed, packed_scales, bias, n, true);
 }
 
-void packed_linear_rows(const float* x, int64_t m, const at::Tensor& packed, const float* bias, float* out, int64_t n,
-                        int64_t begin, int64_t end) {
-  const int64_t k = packed.size(1);
-  if (packed.scalar_type() == at::kBFloat16)
-    panel_range(x, packed.data_ptr<at::BFloat16>(), bias, out, m, k, n, begin, end, 0, m);
-  else
-    panel_range(x, packed.data_ptr<float>(), bias, out, m, k, n, begin, end, 0, m);
-}
 
 void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed,
                              const at::Tensor& packed_scales, const float* bias, float* out, int64_t n, int64_t begin,
@@ -994,25 +746,5 @@ at::Tensor packed_int8_rows(const at::Tensor& ids, const at::Tensor& packed, con
   return out.view(shape);
 }
 
+
 }  // namespace tokenmill
-
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("linear_panel_width() -> int", []() -> int64_t { return tokenmill::kPanel; });  // no tensor: every backend
-  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
-  m.def("packed_logits(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
-  m.def("pack_int8_weight(Tensor weight) -> Tensor");
-  m.def("packed_int8_linear(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int n) -> Tensor");
-  m.def("packed_int8_logits(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int n) -> Tensor");
-  m.def("packed_int8_rows(Tensor ids, Tensor packed, Tensor packed_scales, int k, ScalarType dtype) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("pack_linear_weight", &tokenmill::pack_linear_weight);
-  m.impl("packed_linear", &tokenmill::packed_linear);
-  m.impl("packed_logits", &tokenmill::packed_logits);
-  m.impl("pack_int8_weight", &tokenmill::pack_int8_weight);
-  m.impl("packed_int8_linear", &tokenmill::packed_int8_linear);
-  m.impl("packed_int8_logits", &tokenmill::packed_int8_logits);
-  m.impl("packed_int8_rows", &tokenmill::packed_int8_rows);
-}
