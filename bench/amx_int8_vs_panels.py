@@ -27,7 +27,7 @@ ROWS = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 def int8_layer_weights() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each layer's four weights as tokenmill's int8 layers pack them (groups of 32, bf16 scales)."""
-    from tokenmill.models.layers.quant import GROUP_SIZE, quantize_weight
+    from tokenmill.models.layers.quantization.int8 import GROUP_SIZE, quantize_weight
 
     def packed(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, scales = quantize_weight(torch.randn(n, k) / k**0.5, GROUP_SIZE)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
 from tokenmill.bench.agreement import TEXT_SOURCE, text_chunks
-from tokenmill.models.layers.quant import group_scales, quantize_weight
+from tokenmill.models.layers.quantization.int8 import group_scales, quantize_weight
 from tokenmill.models.model_loader.hub import resolve_model
 
 Weights = dict[str, torch.Tensor]

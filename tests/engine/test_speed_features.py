@@ -32,19 +32,19 @@ def test_int8_weights_agree_with_fp32_mostly(tiny_model_dir):
     # Every linear layer is int8, the lm_head too (tokenmill's CPU kernels), and the embedding tied to
     # it reads its rows from the int8 head: one copy, the head's dequantized rows, in fp32.
     from tokenmill.kernels.ops import cpu_kernels_available
-    from tokenmill.models.layers.quant import Int8Embedding, WeightOnlyInt8Linear
+    from tokenmill.models.layers.quantization.int8 import Int8Embedding
 
     modules = dict(q.engine.model.named_modules())
     assert not any(type(m) is torch.nn.Linear for m in modules.values())
-    assert all(isinstance(m, WeightOnlyInt8Linear) for n, m in modules.items() if n.endswith("_proj"))
+    assert all(m.quant_method.name == "int8" for n, m in modules.items() if n.endswith("_proj"))
     head, embedding = modules["lm_head"], modules["embed_tokens"]
     if cpu_kernels_available(torch.device("cpu")):
-        assert isinstance(head, WeightOnlyInt8Linear) and isinstance(embedding, Int8Embedding)
+        assert head.quant_method.name == "int8" and isinstance(embedding, Int8Embedding)
         assert not any(isinstance(m, torch.nn.Embedding) for m in modules.values())
         ids = torch.tensor([0, 1, 5])
         assert torch.equal(embedding(ids), head.dequantized(torch.float32)[ids])
     else:  # (the head stays in the model dtype: int8 weights would be widened on every call)
-        assert not isinstance(head, WeightOnlyInt8Linear)
+        assert head.quant_method.name != "int8"
     first_token_agreement = sum(a[0] == b[0] for a, b in zip(fp32, int8)) / len(prompts)
     assert first_token_agreement >= 0.75, first_token_agreement
 

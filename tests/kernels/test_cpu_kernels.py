@@ -336,19 +336,20 @@ def test_int8_linear_is_its_dequantized_weight_times_int16_activations(rows, in_
     odd K padded with a zero): the kernel's result is that product to fp32 rounding, within the
     activations' rounding of the exact product with the dequantized weight, and the fallback
     (dequantized weight, no kernel) is the exact product."""
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+    from tests.utils.linear import int8_linear
 
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
     linear = torch.nn.Linear(in_features, out_features)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
-    kernel, fallback = WeightOnlyInt8Linear(linear, use_cpu_kernel=True), WeightOnlyInt8Linear(linear, False)
+    kernel, fallback = int8_linear(linear, kernels=True), int8_linear(linear, kernels=False)
     assert torch.equal(kernel.dequantized(torch.float32), fallback.dequantized(torch.float32))  # packing is lossless
-    assert all(torch.equal(a, b) for a, b in zip(kernel.quantized(), fallback.quantized()))
+    quantized = kernel.quant_method.quantized
+    assert all(torch.equal(a, b) for a, b in zip(quantized(kernel), fallback.quant_method.quantized(fallback)))
     x = torch.randn(2, rows, in_features, generator=gen)
     x[0, 0, : in_features // 2] *= 1000  # one row with a far larger first half (its own groups' scales)
     got = kernel(x).double().reshape(-1, out_features)
-    q, scales = kernel.quantized()
+    q, scales = quantized(kernel)
     weight = kernel.dequantized(torch.float64)
     fp32_rounding = 1e-6 * (x.double().abs().reshape(-1, in_features) @ weight.abs().t()) + 1e-5  # of the sums' terms
     reference = _int8_reference(x, q, scales, kernel.group_size) + linear.bias.double()
@@ -362,17 +363,17 @@ def test_int8_linear_is_its_dequantized_weight_times_int16_activations(rows, in_
     assert bool(((got - exact).abs() <= bound + fp32_rounding).all())
     # Quantization error itself: under half a step of each group's scale per weight.
     err = (kernel.dequantized(torch.float32) - linear.weight).abs()
-    step = kernel.quantized()[1].repeat_interleave(kernel.group_size, dim=1)
+    step = quantized(kernel)[1].repeat_interleave(kernel.group_size, dim=1)
     assert bool((err <= step / 2 + 1e-6).all())
-    assert WeightOnlyInt8Linear(linear.bfloat16(), True)(x.bfloat16()).dtype == torch.bfloat16  # a bf16 model
+    assert int8_linear(linear.bfloat16(), True)(x.bfloat16()).dtype == torch.bfloat16  # a bf16 model
 
 
 @needs_kernels
 def test_int8_linear_passes_non_finite_activations_on():
     """An inf or NaN activation is not rounded away: its rows come out non-finite, as in fp32."""
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+    from tests.utils.linear import int8_linear
 
-    layer = WeightOnlyInt8Linear(torch.nn.Linear(64, 20), use_cpu_kernel=True)
+    layer = int8_linear(torch.nn.Linear(64, 20), kernels=True)
     x = torch.randn(3, 64)
     x[0, 5], x[1, 40] = float("inf"), float("nan")
     out = layer(x)
@@ -381,9 +382,9 @@ def test_int8_linear_passes_non_finite_activations_on():
 
 @needs_kernels
 def test_int8_linear_rows_do_not_depend_on_their_batch():
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+    from tests.utils.linear import int8_linear
 
-    layer = WeightOnlyInt8Linear(torch.nn.Linear(96, 70), use_cpu_kernel=True)
+    layer = int8_linear(torch.nn.Linear(96, 70), kernels=True)
     batch = torch.randn(131, 96)
     alone = torch.cat([layer(row[None]) for row in batch])
     for size in (2, 4, 5, 7, 64, 131):
@@ -391,7 +392,7 @@ def test_int8_linear_rows_do_not_depend_on_their_batch():
 
 
 def _int8_layer(in_features: int, out_features: int, bias: bool, seed: int):
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+    from tests.utils.linear import int8_linear
 
     gen = torch.Generator().manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
@@ -399,7 +400,7 @@ def _int8_layer(in_features: int, out_features: int, bias: bool, seed: int):
         linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
         if bias:
             linear.bias.copy_(torch.randn(out_features, generator=gen))
-    return WeightOnlyInt8Linear(linear, use_cpu_kernel=True), gen
+    return int8_linear(linear, kernels=True), gen
 
 
 @needs_kernels
@@ -443,15 +444,15 @@ def test_bf16_int8_steps_on_amx_tiles_are_x_times_the_bf16_rounded_weights(in_fe
 @needs_kernels
 def test_int8_weights_share_one_buffer():
     """--quantization int8 moves every layer's packed int8 weight and scales into one (huge-page)
-    buffer, as pack_linears does for fp32 panels; results are those of the layers before the move."""
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear, quantize_model
+    buffer, as for fp32 panels; results are those of the layers before the move."""
+    from tests.utils.linear import int8_linear, prepare
 
     model = torch.nn.Sequential(torch.nn.Linear(96, 50), torch.nn.SiLU(), torch.nn.Linear(50, 70, bias=False))
     x = torch.randn(3, 96)
     with torch.inference_mode():
-        apart = [WeightOnlyInt8Linear(model[i], use_cpu_kernel=True) for i in (0, 2)]
+        apart = [int8_linear(model[i], kernels=True) for i in (0, 2)]
         expected = apart[1](torch.nn.functional.silu(apart[0](x)))
-        quantize_model(model, "int8")
+        prepare(model, quantization="int8")
         layers = [model[0], model[2]]
         tensors = [t for layer in layers for t in (layer.qweight, layer.scales)]
         assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
@@ -567,7 +568,7 @@ def test_a_vocabulary_sized_matrix_taken_piece_by_piece_gives_each_column_its_ow
     """A matrix of 512 panels or more (a vocabulary projection) is shared among the threads piece
     by piece as they finish: each column's result is bit-identical to the same column's in a small
     matrix (split by halves), for one row, a few, one block of rows and several blocks."""
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+    from tests.utils.linear import int8_linear
 
     gen = torch.Generator().manual_seed(11)
     n, k = 8200, 96  # 513 panels, the last one partial
@@ -579,7 +580,7 @@ def test_a_vocabulary_sized_matrix_taken_piece_by_piece_gives_each_column_its_ow
         with torch.no_grad():
             linear.weight.copy_(weight[rows]), linear.bias.copy_(bias[rows])
         if kind == "int8":
-            return WeightOnlyInt8Linear(linear, use_cpu_kernel=True)
+            return int8_linear(linear, kernels=True)
         packed = torch.ops.tokenmill.pack_linear_weight(
             linear.weight.detach().to(torch.bfloat16 if kind == "bf16" else torch.float32)
         )
@@ -613,6 +614,7 @@ def test_packed_linear_rejects_bad_inputs():
 def test_pack_linears_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, native_bf16):
     """bf16 linears go to the panel GEMM where the CPU has no native bf16 (AMX / AVX512-BF16; torch's
     bf16 GEMMs are slow there), to oneDNN where it has; the tied embedding reads bf16 panels too."""
+    from tests.utils.linear import prepare
     from tokenmill.kernels.cpu_caps import CpuCaps
     from tokenmill.models.layers import packed_linear
 
@@ -625,7 +627,7 @@ def test_pack_linears_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, 
         lambda: CpuCaps(**{**caps.__dict__, "avx512_bf16": native_bf16, "amx_bf16": native_bf16}),
     )
     expect_panels = not native_bf16
-    if not expect_panels and packed_linear.packing_for(torch.zeros(2, 2).bfloat16()) is None:
+    if not expect_panels and packed_linear.packed_method_for(torch.bfloat16) is None:
         pytest.skip("no oneDNN bf16 here")
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(300, 64).bfloat16()
@@ -635,10 +637,8 @@ def test_pack_linears_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, 
     x, ids = torch.randn(3, 64).bfloat16(), torch.tensor([0, 17, 299])
     with torch.inference_mode():
         expected = (model.head(x), model.proj(x), model.embed(ids))
-        packed_linear.pack_linears(model)
-        assert {type(model.head).__name__, type(model.proj).__name__} == {
-            "PanelLinear" if expect_panels else "OneDnnLinear"
-        }
+        prepare(model)
+        assert {model.head.quant_method.name, model.proj.quant_method.name} == {"panels" if expect_panels else "onednn"}
         got = (model.head(x), model.proj(x), model.embed(ids))
         for g, e in zip(got, expected):
             assert g.dtype == torch.bfloat16
@@ -651,6 +651,7 @@ def test_pack_linears_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, 
 def test_pack_linears_picks_the_panel_kernel_for_fp32(monkeypatch, kernels):
     """fp32 linears go to the panel GEMM when tokenmill's kernels load, to oneDNN when they cannot;
     either gives nn.Linear's result, for 2-D and 3-D inputs, with and without a bias."""
+    from tests.utils.linear import prepare
     from tokenmill.models.layers import packed_linear
 
     if kernels and not build.load():
@@ -660,9 +661,9 @@ def test_pack_linears_picks_the_panel_kernel_for_fp32(monkeypatch, kernels):
     x = torch.randn(2, 9, 96)
     with torch.inference_mode():
         expected = model(x)
-        assert packed_linear.pack_linears(model) == 2
-        kinds = {type(m).__name__ for m in model if not isinstance(m, torch.nn.SiLU)}
-        assert kinds == {"PanelLinear" if kernels else "OneDnnLinear"}
+        prepare(model)
+        kinds = {m.quant_method.name for m in model if not isinstance(m, torch.nn.SiLU)}
+        assert kinds == {"panels" if kernels else "onednn"}
         torch.testing.assert_close(model(x), expected, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(model(x[0]), expected[0], atol=1e-4, rtol=1e-5)
 
@@ -670,7 +671,8 @@ def test_pack_linears_picks_the_panel_kernel_for_fp32(monkeypatch, kernels):
 def test_tied_embedding_reads_the_packed_head():
     """An embedding tied to a panel-packed head looks rows up in the head's panels (every panel
     position, the partial last panel, any id shape) and drops its own copy; untied ones stay."""
-    from tokenmill.models.layers.packed_linear import PanelEmbedding, pack_linears
+    from tests.utils.linear import prepare
+    from tokenmill.models.layers.packed_linear import PanelEmbedding
 
     if not build.load():
         pytest.skip("kernels off")
@@ -680,7 +682,7 @@ def test_tied_embedding_reads_the_packed_head():
     model.head.weight = model.embed.weight
     table = model.embed.weight.detach().clone()
     with torch.inference_mode():
-        pack_linears(model)
+        prepare(model)
         assert isinstance(model.embed, PanelEmbedding) and type(model.untied) is torch.nn.Embedding
         assert [name for name, _ in model.named_parameters()] == ["untied.weight"]
         ids = torch.tensor([[0, 1, 15, 16, 17, 31, 32, 1000, 1002], [5, 6, 7, 8, 9, 10, 11, 12, 13]])
@@ -696,7 +698,8 @@ def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim, dtype):
     it reads its rows from the packed int8 head: one copy of the table, rows equal to the head's
     dequantized rows in the model's dtype (dim 99: one group per row, odd inputs padded in the
     packed pairs); an id outside the table is refused, never read."""
-    from tokenmill.models.layers.quant import Int8Embedding, WeightOnlyInt8Linear, quantize_model
+    from tests.utils.linear import prepare
+    from tokenmill.models.layers.quantization.int8 import Int8Embedding
 
     if not build.load():
         pytest.skip("tokenmill's CPU kernels are not available")
@@ -707,11 +710,14 @@ def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim, dtype):
     model.to(dtype)
     table = model.embed_tokens.weight.detach().float().clone()
     with torch.inference_mode():
-        quantize_model(model, "int8")
+        prepare(model, quantization="int8")
         head, embedding = model.lm_head, model.embed_tokens
-        assert isinstance(head, WeightOnlyInt8Linear) and isinstance(embedding, Int8Embedding)
+        assert head.quant_method.name == "int8" and isinstance(embedding, Int8Embedding)
         assert [name for name, _ in model.named_parameters()] == []
-        assert [name for name, _ in model.named_buffers()] == ["lm_head.qweight", "lm_head.scales"]
+        assert [t.data_ptr() for t in head.quant_method.streamed_tensors(head)] == [
+            head.qweight.data_ptr(),
+            head.scales.data_ptr(),
+        ]
         dequantized = head.dequantized(dtype)
         ids = torch.tensor([[0, 15], [16, vocab - 1]])
         rows = embedding(ids)
@@ -729,30 +735,31 @@ def test_int8_head_keeps_one_copy_for_a_tied_embedding(vocab, dim, dtype):
             if dim % 32
             else table.view(vocab, -1, 32).abs().amax(dim=-1) / 127
         )
-        scales = head.quantized()[1].float()
-        assert head.quantized()[1].dtype == torch.bfloat16
+        scales = head.quant_method.quantized(head)[1].float()
+        assert head.quant_method.quantized(head)[1].dtype == torch.bfloat16
         assert (scales >= exact).all() and (scales <= 2 * exact * (1 + 2**-7)).all()
         step = scales.repeat_interleave(dim // scales.shape[1], dim=1)
         assert ((dequantized - table).abs() <= step / 2 + 1e-6).all()
 
 
 def test_vocab_projection_paths_agree(monkeypatch):
-    """A plain CPU head (vocab-major product or nn.Linear) and a packed one give the same logits."""
-    from tokenmill.models.layers import lm_head
-    from tokenmill.models.layers.packed_linear import pack_linears
+    """A plain CPU head (vocab-major product or F.linear) and a packed one give the same logits."""
+    from tests.utils.linear import prepare
+    from tokenmill.models.layers import linear
 
     head = torch.nn.Linear(96, 1000, bias=False)
+    plain = linear.Linear.from_linear(head)
     holder = torch.nn.Module()
     holder.head = torch.nn.Linear(96, 1000, bias=False)
     holder.head.load_state_dict(head.state_dict())
-    pack_linears(holder)
+    prepare(holder)
     for rows in (1, 9, 33):
         hidden = torch.randn(rows, 96)
         results = {}
         for mode in ("auto", "linear"):
-            monkeypatch.setattr(lm_head, "_MODE", mode)
-            results[mode] = lm_head.project_to_vocab(head, hidden)
-        results["packed"] = lm_head.project_to_vocab(holder.head, hidden)
+            monkeypatch.setattr(linear, "_LM_HEAD_MODE", mode)
+            results[mode] = plain.logits(hidden)
+        results["packed"] = holder.head.logits(hidden)
         for got in results.values():
             torch.testing.assert_close(got, head(hidden), atol=1e-4, rtol=1e-5)
 
@@ -1101,7 +1108,7 @@ def test_int8_and_panel_logits_are_the_linears_sums_unrounded(dtype):
     """An int8 head's and a panel head's logits: the fp32 sums packed_int8_linear / packed_linear round
     to x's dtype (the same bits once rounded; equal for fp32 x), at sizes that take the panels, the
     AMX-int8 or AMX-bf16 tiles where the CPU has them, and the int8 head's dense prefill size."""
-    from tokenmill.models.layers.quant import quantize_weight
+    from tokenmill.models.layers.quantization.int8 import quantize_weight
 
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(200, 96, generator=gen) / 10

@@ -84,9 +84,6 @@ def test_bf16_layers_on_onednn_fuse_bit_identically(sharp_tiny_model_dir, cache_
     """`--dtype bfloat16` where the CPU has native bf16: bf16 activations, the projections on oneDNN
     (AMX) or int8 panels, the layers fused into the native stack, with the same tokens, logprobs and
     cache bytes as the Python layers (whose norms, RoPE and SiLU*up run as the same bf16 kernels)."""
-    from tokenmill.models.layers.packed_linear import OneDnnLinear
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
-
     prompts = mixed_prompts(20, 1, 60, seed=13)  # (20 decodes a step: int8 steps of 16 rows and more on AMX tiles)
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
     fused = _engine(sharp_tiny_model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, quantization=quantization)
@@ -98,8 +95,8 @@ def test_bf16_layers_on_onednn_fuse_bit_identically(sharp_tiny_model_dir, cache_
         fused_layers=False,
     )
     model = fused.engine.model
-    projection = WeightOnlyInt8Linear if quantization else OneDnnLinear
-    assert fused.engine.dtype == torch.bfloat16 and type(model.layers[0].mlp.down_proj) is projection
+    projection = "int8" if quantization else "onednn"
+    assert fused.engine.dtype == torch.bfloat16 and model.layers[0].mlp.down_proj.quant_method.name == projection
     assert model.fused_stack is not None and plain.engine.model.fused_stack is None
     outs = [
         [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
@@ -266,12 +263,12 @@ def test_bf16_valued_weights_run_from_bf16_panels_bit_identically(bf16_sharp_tin
     the same engine on fp32 panels to the last bit, and the greedy tokens HF fp32 generate's."""
     from tests.conftest import hf_greedy
     from tokenmill.models.layers import packed_linear
-    from tokenmill.models.layers.packed_linear import PanelEmbedding, PanelLinear
+    from tokenmill.models.layers.packed_linear import PanelEmbedding
 
     prompts = mixed_prompts(4, 1, 60, seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
     narrow = _engine(bf16_sharp_tiny_model_dir, dtype="float32")
-    panels = [m for m in narrow.engine.model.modules() if isinstance(m, PanelLinear)]
+    panels = [m for m in narrow.engine.model.modules() if getattr(m, "quant_method", None) is packed_linear.PANELS]
     assert panels and all(m.packed_weight.dtype == torch.bfloat16 for m in panels)
     embedding = narrow.engine.model.embed_tokens
     assert isinstance(embedding, PanelEmbedding) and embedding.panels.dtype == torch.bfloat16
@@ -279,7 +276,7 @@ def test_bf16_valued_weights_run_from_bf16_panels_bit_identically(bf16_sharp_tin
     assert all(layer.fused is not None for layer in narrow.engine.model.layers)
     monkeypatch.setattr(packed_linear, "panel_dtype", lambda weight: weight.dtype)
     wide = _engine(bf16_sharp_tiny_model_dir, dtype="float32")
-    wide_panels = [m for m in wide.engine.model.modules() if isinstance(m, PanelLinear)]
+    wide_panels = [m for m in wide.engine.model.modules() if getattr(m, "quant_method", None) is packed_linear.PANELS]
     assert all(m.packed_weight.dtype == torch.float32 for m in wide_panels)
     outs = [
         [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tokenmill.kernels.cpu_caps import detect
+from tokenmill.models.layers.linear import UNQUANTIZED
 from tokenmill.models.layers.moe import ExpertLinears, SparseMoE, moe_config, split_experts
 
 HIDDEN = 64
@@ -67,29 +68,29 @@ def test_dispatch_matches_hf_sparse_moe_block(model_type, tokens, dead, hf_exper
         if tokens > 1:
             assert expert_ids.unique().numel() > 2  # several experts really share the batch
         torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=0)
-        split_experts(ours)  # the per-expert loop (the form oneDNN and int8 rewrite)
+        ours.experts.linear_method = UNQUANTIZED
+        split_experts(ours)  # the per-expert loop (the form quantized experts take)
         assert isinstance(ours.experts, ExpertLinears)
         torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=0)
 
 
 def test_packing_leaves_experts_and_int8_quantizes_them():
+    from tests.utils.linear import prepare
     from tokenmill.models.layers.moe import GroupedExperts
-    from tokenmill.models.layers.packed_linear import pack_linears
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear, quantize_model
 
     config, block = _hf_block("mixtral")
     x = _hidden(32, (2,), block)
     with torch.inference_mode():
         expected = block(x[None])[0]
     packed = _ours(config, block)
-    assert pack_linears(packed) == 0  # router and stacked experts are not nn.Linear: left alone
+    prepare(packed)  # router and stacked experts are not linear layers: left alone
     assert isinstance(packed.experts, GroupedExperts)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), expected, atol=1e-5, rtol=0)
     int8 = _ours(config, block)
     router_before = int8.gate.weight.detach().clone()
-    quantize_model(int8, "int8")
-    assert isinstance(int8.experts.gate_up[0], WeightOnlyInt8Linear)  # experts quantized ...
+    prepare(int8, quantization="int8")
+    assert int8.experts.gate_up[0].quant_method.name == "int8"  # experts quantized ...
     assert torch.equal(int8.gate.weight, router_before)  # ... routing untouched
     with torch.inference_mode():
         got = int8(x)
@@ -211,7 +212,8 @@ def _save_fused_layout(model_dir, target):
 def test_loaded_layers_match_hf_layers(moe_model_dirs, tmp_path, model_type, layout):
     """Every layer's MLP (sparse with its shared expert, or dense) as loaded from either checkpoint
     layout equals transformers' on random hidden states, each routing path included."""
-    from tokenmill.models.layers.packed_linear import pack_linears
+    from tokenmill.models.layers.linear import LinearBackend, assign_linear_methods, process_weights_after_loading
+    from tokenmill.models.layers.packed_linear import packed_method_for
     from tokenmill.models.model_loader.loader import load_model
 
     model_dir = moe_model_dirs[model_type]
@@ -224,8 +226,11 @@ def test_loaded_layers_match_hf_layers(moe_model_dirs, tmp_path, model_type, lay
         expected = [layer.mlp(x[None])[0] for layer in hf.model.layers]
         for ours_layer, want in zip(ours.layers, expected):
             torch.testing.assert_close(ours_layer.mlp(x), want, atol=1e-5, rtol=0)
-        split_experts(ours)  # the per-expert form (int8's), its linears packed as well
-        pack_linears(ours)
+        assign_linear_methods(ours, LinearBackend(torch.device("cpu"), torch.float32, True), None, {})
+        for layer in ours.layers:  # the per-expert form (quantized experts'), its linears packed as well
+            if hasattr(layer.mlp, "experts"):
+                layer.mlp.experts.linear_method = packed_method_for(torch.float32)
+        process_weights_after_loading(ours)
         for ours_layer, want in zip(ours.layers, expected):
             torch.testing.assert_close(ours_layer.mlp(x), want, atol=1e-5, rtol=0)
     assert [type(layer.mlp).__name__ for layer in ours.layers] == [
@@ -275,13 +280,11 @@ def test_int8_engine_quantizes_experts_and_mostly_agrees(moe_model_dirs):
     # Experts and shared expert too, and the lm_head (tokenmill's CPU kernels); the routers are not
     # linear layers and stay in the model dtype.
     from tokenmill.kernels.ops import cpu_kernels_available
-    from tokenmill.models.layers.packed_linear import PackedLinear
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+    from tokenmill.models.layers.linear import linear_layers
 
     assert not any(type(m) is torch.nn.Linear for m in q.engine.model.modules())
     if cpu_kernels_available(torch.device("cpu")):
-        assert not any(isinstance(m, PackedLinear) for m in q.engine.model.modules())
-        assert isinstance(q.engine.model.lm_head, WeightOnlyInt8Linear)
+        assert {layer.quant_method.name for _, layer in linear_layers(q.engine.model)} == {"int8"}
     # (Lower than the dense Llama's 0.75: int8 noise also flips near-tied routing choices. Wrong
     # expert weights or routing would agree ~never: 12 prompts over a 49k vocabulary.)
     first_token_agreement = sum(a[0] == b[0] for a, b in zip(fp32, int8)) / len(prompts)
@@ -395,5 +398,6 @@ def test_cuda_graph_support_follows_the_expert_form(moe_model_dirs):
 
     model, _ = load_model(moe_model_dirs["mixtral"], torch.float32, torch.device("cpu"), progress=False)
     assert model.supports_cuda_graphs
-    split_experts(model)  # what int8 does
+    model.layers[0].mlp.experts.linear_method = UNQUANTIZED
+    split_experts(model)  # what quantized experts do
     assert not model.supports_cuda_graphs

@@ -128,7 +128,8 @@ def gemm_paths(
     import torch
 
     from tokenmill.kernels import ops
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+    from tokenmill.models.layers.linear import linear_with
+    from tokenmill.models.layers.quantization.int8 import Int8LinearMethod
 
     panels = [ops.pack_linear_weight(w) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
@@ -139,7 +140,7 @@ def gemm_paths(
     )
     paths = {"panel kernel": lambda x, i: ops.packed_linear(x, panels[i], None, weights[i].shape[0])}
     if int8:
-        layers = [WeightOnlyInt8Linear(_linear_of(w), use_cpu_kernel=True) for w in weights]
+        layers = [linear_with(_linear_of(w), Int8LinearMethod(kernels=True)) for w in weights]
         paths["panel int8"] = lambda x, i: layers[i](x)
     paths["oneDNN packed"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
     paths["MKL"] = mkl
@@ -209,7 +210,8 @@ def model_gemm_cases(shapes: list[tuple[int, int]], layers: int) -> list[dict[st
     import torch
 
     from tokenmill.kernels import ops
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+    from tokenmill.models.layers.linear import linear_with
+    from tokenmill.models.layers.quantization.int8 import Int8LinearMethod
 
     gen = torch.Generator().manual_seed(4)
     weights = [[torch.randn(out, inp, generator=gen) for inp, out in shapes] for _ in range(layers)]
@@ -219,7 +221,7 @@ def model_gemm_cases(shapes: list[tuple[int, int]], layers: int) -> list[dict[st
         nbytes = sum(t.numel() * t.element_size() for layer in packed for t in layer)
         return (lambda x, i, j: ops.packed_linear(x, packed[i][j], None, shapes[j][1])), nbytes
 
-    int8 = [[WeightOnlyInt8Linear(_linear_of(w), use_cpu_kernel=True) for w in layer] for layer in weights]
+    int8 = [[linear_with(_linear_of(w), Int8LinearMethod(kernels=True)) for w in layer] for layer in weights]
     int8_bytes = sum(t.numel() * t.element_size() for layer in int8 for m in layer for t in (m.qweight, m.scales))
 
     def int8_gemm(x: torch.Tensor, i: int, j: int) -> torch.Tensor:  # (the op itself, as the fp32 path calls it)

@@ -53,24 +53,24 @@ def _layer(hidden: int, intermediate: int, experts: int, top_k: int, seed: int):
 
 def _variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """(name, layer) for each way, all with the same weights."""
-    from tokenmill.models.layers.moe import split_experts
-    from tokenmill.models.layers.packed_linear import pack_linears
-    from tokenmill.models.layers.quant import quantize_model
+    import torch
 
-    def make():
-        return _layer(args.hidden_size, args.intermediate_size, args.num_experts, args.top_k, args.seed)
+    from tokenmill.kernels.ops import cpu_kernels_available
+    from tokenmill.models.layers.linear import UNQUANTIZED, LinearMethod, process_weights_after_loading
+    from tokenmill.models.layers.packed_linear import packed_method_for
+    from tokenmill.models.layers.quantization.int8 import Int8LinearMethod
 
-    grouped = make()
-    loop = make()
-    split_experts(loop)
-    variants = [("grouped_mm", grouped), ("loop, MKL linears", loop)]
-    packed = make()
-    split_experts(packed)  # (--packed-linear itself leaves experts on grouped_mm: see moe.py)
-    if pack_linears(packed):
-        variants.append(("loop, packed linears", packed))
-    int8 = make()
-    quantize_model(int8, "int8")
-    variants.append(("loop, int8 (torch.ao)", int8))
+    def make(method: LinearMethod | None = None):
+        layer = _layer(args.hidden_size, args.intermediate_size, args.num_experts, args.top_k, args.seed)
+        layer.experts.linear_method = method  # (experts of a method: split into linear layers of it)
+        process_weights_after_loading(layer)
+        return layer
+
+    variants = [("grouped_mm", make()), ("loop, MKL linears", make(UNQUANTIZED))]
+    packed = packed_method_for(torch.float32)  # (--packed-linear itself leaves experts on grouped_mm: see moe.py)
+    if packed is not None:
+        variants.append(("loop, packed linears", make(packed)))
+    variants.append(("loop, int8", make(Int8LinearMethod(kernels=cpu_kernels_available(torch.device("cpu"))))))
     return variants
 
 

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill.models.layers.linear import Linear
+
 GIB = 1 << 30
 
 
@@ -79,7 +81,7 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
     linear_ptrs: set[int] = set()
     embedding_ptrs: set[int] = set()
     for module in model.modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, Linear)) and isinstance(getattr(module, "weight", None), torch.Tensor):
             linear_ptrs.add(module.weight.data_ptr())
         elif isinstance(module, nn.Embedding):
             embedding_ptrs.add(module.weight.data_ptr())
@@ -89,17 +91,12 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
         if t.numel() == 0:
             continue
         seen.setdefault(t.data_ptr(), t.numel() * t.element_size())
-    # Weights that are neither parameters nor buffers: packed copies (PackedLinear) and
-    # torch.ao dynamic-int8 packed params. All of them are linear weights, streamed every step.
+    # Weights that are neither parameters nor buffers: what linear layers' methods packed (oneDNN's
+    # opaque tensors too), all streamed every step.
     opaque = 0
     for module in model.modules():
-        packed = getattr(module, "packed_weight", None)
-        if isinstance(packed, torch.Tensor):
-            opaque += packed.numel() * packed.element_size()
-        weight = getattr(module, "weight", None)
-        if callable(weight) and not isinstance(weight, torch.Tensor):  # torch.ao dynamic Linear
-            q = weight()
-            opaque += q.numel() * q.element_size()
+        if isinstance(module, Linear):
+            opaque += sum(t.numel() * t.element_size() for t in module.quant_method.streamed_tensors(module))
     total = sum(seen.values())
     untied = sum(seen.get(ptr, 0) for ptr in embedding_ptrs - linear_ptrs)
     return total + opaque, total - untied + opaque - _unrouted_expert_bytes(model)

@@ -15,9 +15,8 @@ from tokenmill.engine.config import EngineConfig, parse_memory
 from tokenmill.engine.precision import Precision
 from tokenmill.engine.worker.kv_cache import bytes_per_block
 from tokenmill.models.layers.fused_layer import fuse_decoder_layers
-from tokenmill.models.layers.packed_linear import pack_linears
+from tokenmill.models.layers.linear import process_weights_after_loading
 from tokenmill.models.layers.parallel import TPInfo, check_shardable
-from tokenmill.models.layers.quant import quantize_model
 from tokenmill.models.model_loader.loader import load_model, load_spec, resolve_architecture
 from tokenmill.models.model_loader.registry import NATIVE
 from tokenmill.models.spec import ModelSpec
@@ -68,6 +67,8 @@ def load_prepared_model(
         tp=TPInfo(rank, config.tensor_parallel_size),
         max_model_len=config.max_model_len,
         model_impl=config.model_impl,
+        packed_linear=packs_linear_weights(config, device),
+        quantization=config.quantization,
     )
     if precision.weights != precision.compute:
         round_weights(model, precision.weights)
@@ -91,16 +92,18 @@ def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 parameter.copy_(parameter.to(dtype))
 
 
+def packs_linear_weights(config: EngineConfig, device: torch.device) -> bool:
+    """Whether float linear layers are packed for tokenmill's CPU kernels or oneDNN (not under
+    --compile: inductor cannot lower ops on weights it did not pack itself)."""
+    return config.packed_linear and device.type == "cpu" and not config.compile
+
+
 def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
-    """Quantize, pack or compile the loaded model, as the config asks (every TP rank alike)."""
-    if config.quantization:
-        quantize_model(model, config.quantization)
-    if config.packed_linear and device.type == "cpu" and not config.compile:
-        # After quantization: the layers it keeps in float. (Not under --compile: inductor cannot
-        # lower ops on weights it did not pack itself.)
-        pack_linears(model)
-        if config.fused_layers:  # (layers on the panel GEMM only: nothing without tokenmill's kernels)
-            fuse_decoder_layers(model)
+    """The loaded weights in their linear methods' layouts, decoder layers fused, the step
+    compiled, as the config asks (every TP rank alike)."""
+    process_weights_after_loading(model)
+    if config.fused_layers and packs_linear_weights(config, device):
+        fuse_decoder_layers(model)  # (where every projection's method takes the fused layer)
     if config.compile:
         # The dense parts of the step (attention stays eager); the token count is dynamic.
         logger.info("compiling the model step with torch.compile (first steps are slow)")

@@ -37,6 +37,7 @@ from tokenmill.kernels import ops
 from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.lora.batch import LoRABatch
 from tokenmill.lora.types import LoRATarget, LoRAWeights
+from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.moe import grouped_mm_supported
 
 
@@ -54,11 +55,11 @@ class ActiveStep:
 
 
 class LoRALinear(nn.Module):
-    """`base` (an nn.Linear, or what packing/quantization made of it) plus per-slot LoRA deltas."""
+    """`base` (a Linear, computed by its method) plus per-slot LoRA deltas."""
 
     def __init__(
         self,
-        base: nn.Module,
+        base: Linear,
         target: LoRATarget,
         state: LoRAModel,
         max_loras: int,
@@ -90,7 +91,7 @@ class LoRALinear(nn.Module):
         self.grouped = grouped_mm_supported(self.lora_a)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        out = self.base.quant_method.apply(self.base, x)
         step = self.state.active
         if step is None or not any(self.filled[s] for s in step.slots):
             return out

@@ -11,9 +11,10 @@ from common import Timer, load_workload, parser, write_result
 
 def int8_format(llm) -> str | None:
     """The int8 weight format the engine's model really holds (None: none of its layers is int8)."""
-    from tokenmill.models.layers.quant import GROUP_SIZE, WeightOnlyInt8Linear
+    from tokenmill.models.layers.linear import linear_layers
+    from tokenmill.models.layers.quantization.int8 import GROUP_SIZE
 
-    int8 = any(isinstance(m, WeightOnlyInt8Linear) for m in llm.engine.model.modules())
+    int8 = any(layer.quant_method.name == "int8" for _, layer in linear_layers(llm.engine.model))
     return f"int8, groups of {GROUP_SIZE}" if int8 else None
 
 

@@ -7,7 +7,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from tokenmill.models.layers.attention import AttentionMetadata, paged_attention
-from tokenmill.models.layers.lm_head import project_to_vocab
+from tokenmill.models.layers.linear import Linear
 from tokenmill.models.model_loader.registry import Architecture, register
 from tokenmill.models.spec import ModelSpec
 
@@ -19,8 +19,8 @@ class GPT2Attention(nn.Module):
         super().__init__()
         self.num_heads = spec.num_heads
         self.head_dim = spec.head_dim
-        self.c_attn = nn.Linear(spec.hidden_size, 3 * spec.hidden_size)
-        self.c_proj = nn.Linear(spec.hidden_size, spec.hidden_size)
+        self.c_attn = Linear(spec.hidden_size, 3 * spec.hidden_size, bias=True)
+        self.c_proj = Linear(spec.hidden_size, spec.hidden_size, bias=True)
         self.scale = attention_scale(spec.hf_config, self.head_dim, layer_idx)
 
     def forward(self, x: torch.Tensor, kv, meta: AttentionMetadata) -> torch.Tensor:
@@ -31,8 +31,8 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(spec.hidden_size, spec.intermediate_size)
-        self.c_proj = nn.Linear(spec.intermediate_size, spec.hidden_size)
+        self.c_fc = Linear(spec.hidden_size, spec.intermediate_size, bias=True)
+        self.c_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=True)
         self.act = ACT2FN[spec.activation]  # transformers' own activation, so outputs match exactly
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ class GPT2ForCausalLM(nn.Module):
         self.wpe = nn.Embedding(spec.max_position, spec.hidden_size)
         self.h = nn.ModuleList(GPT2Block(spec, i) for i in range(spec.num_layers))
         self.ln_f = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
 
@@ -79,13 +79,13 @@ class GPT2ForCausalLM(nn.Module):
         """GPT-2 has no computed buffers."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return project_to_vocab(self.lm_head, hidden)
+        return self.lm_head.logits(hidden)
 
     @staticmethod
     def hf_to_local(name: str) -> tuple[str, int | None, str | None]:
         return name.removeprefix("transformer."), None, None
 
-    # HF GPT-2 stores these as Conv1D ([in, out]); nn.Linear wants [out, in].
+    # HF GPT-2 stores these as Conv1D ([in, out]); Linear wants [out, in].
     transposed_weights = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
 
 

@@ -14,7 +14,7 @@ from transformers.activations import ACT2FN
 from tokenmill.kernels import ops
 from tokenmill.kernels.ops import fused_elementwise
 from tokenmill.models.layers.attention import AttentionMetadata, paged_attention
-from tokenmill.models.layers.lm_head import project_to_vocab
+from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.parallel import NO_TP, TPInfo, all_reduce
 from tokenmill.models.model_loader.registry import Architecture, register
 from tokenmill.models.spec import ModelSpec, layer_windows, rope_from_config
@@ -72,8 +72,8 @@ class LlamaAttention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         # q, k and v fused into one GEMM.
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         # The layers LoRA adapters may target, by the output sizes of their fused parts (tokenmill.lora).
         self.lora_parts = {"qkv_proj": (self.q_size, self.kv_size, self.kv_size), "o_proj": (spec.hidden_size,)}
         self.scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
@@ -108,8 +108,8 @@ class LlamaMLP(nn.Module):
         self.act = ACT2FN[spec.activation]  # transformers' own activation, so outputs match exactly
         self.silu = spec.activation == "silu"  # (SiLU(gate) * up has a fused CPU kernel)
         self.intermediate = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.lora_parts = {"gate_up_proj": (spec.intermediate_size,) * 2, "down_proj": (spec.hidden_size,)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(spec, i, tp) for i in range(spec.num_layers))
         self.norm = self.norm_class(spec.hidden_size, spec.norm_eps)
         self.fused_stack = None  # every layer fused (tokenmill.models.layers.fused_layer.FusedStack), where it applies
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Which RoPE table each layer reads: 1 = the local one of sliding layers (Gemma 3).
@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = project_to_vocab(self.lm_head, hidden)
+        logits = self.lm_head.logits(hidden)
         if self.spec.final_softcap is not None:
             logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
         return logits

@@ -37,8 +37,7 @@ from torch import nn
 from tokenmill.kernels import ops
 from tokenmill.models.families.llama import LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
 from tokenmill.models.layers.attention import AttentionMetadata
-from tokenmill.models.layers.packed_linear import OneDnnLinear, PanelLinear
-from tokenmill.models.layers.quant import WeightOnlyInt8Linear
+from tokenmill.models.layers.linear import FusedProjection, Linear
 
 logger = logging.getLogger(__name__)
 
@@ -154,9 +153,11 @@ class FusedStack:
         )
 
 
-def _fusable(layer: LlamaLayer) -> bool:
+def _fused_projections(layer: LlamaLayer) -> tuple[FusedProjection, ...] | None:
+    """The four projections as the C++ layer takes them, if the layer has exactly the Llama structure
+    and every projection's method computes it for the layer's activations (the norm weight's dtype)."""
     attn, mlp = layer.self_attn, layer.mlp
-    return (
+    if not (
         type(layer).forward is LlamaLayer.forward
         and type(layer.input_layernorm) is RMSNorm
         and type(layer.post_attention_layernorm) is RMSNorm
@@ -169,29 +170,16 @@ def _fusable(layer: LlamaLayer) -> bool:
         and type(mlp).forward is LlamaMLP.forward
         and mlp.silu
         and not mlp.tp.enabled
-        and all(
-            _fusable_projection(m, layer.input_layernorm.weight.dtype)
-            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        )
-    )
-
-
-def _fusable_projection(linear: nn.Module, activations: torch.dtype) -> bool:
-    """fp32 activations (the layer's norm weight's dtype): fp32, bf16 or int8 panels; bf16
-    activations: bf16 weights on oneDNN (CPUs with native bf16), or int8 panels."""
-    if type(linear) is WeightOnlyInt8Linear:
-        return linear.use_cpu_kernel and activations in (torch.float32, torch.bfloat16)
-    if activations == torch.bfloat16:
-        return type(linear) is OneDnnLinear and linear.native and linear.packed_weight.dtype == torch.bfloat16
-    return activations == torch.float32 and type(linear) is PanelLinear
-
-
-def _projection_arguments(linear: nn.Module) -> tuple:
-    """(weight, scales or None, bias or None) of a fusable projection."""
-    if type(linear) in (PanelLinear, OneDnnLinear):
-        return linear.packed_weight, None, linear.bias
-    bias = None if linear.bias is None else linear.bias.detach()
-    return linear.qweight, linear.scales, bias
+    ):
+        return None
+    activations = layer.input_layernorm.weight.dtype
+    projections = []
+    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        fused = linear.quant_method.fused_projection(linear, activations) if isinstance(linear, Linear) else None
+        if fused is None:
+            return None
+        projections.append(fused)
+    return tuple(projections)
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -199,18 +187,18 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     returns how many."""
     count = 0
     for layer in model.modules():
-        if not isinstance(layer, LlamaLayer) or not _fusable(layer):
+        projections = _fused_projections(layer) if isinstance(layer, LlamaLayer) else None
+        if projections is None:
             continue
         attn, mlp = layer.self_attn, layer.mlp
         norm = layer.input_layernorm
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         layer.fused = FusedLayer(
             _held_modules(layer),
             (
                 norm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
                 norm.eps,
-                *(t for m in linears for t in _projection_arguments(m)),
+                *(t for p in projections for t in p.arguments()),
                 attn.num_heads,
                 attn.num_kv_heads,
                 mlp.intermediate,

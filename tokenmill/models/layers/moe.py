@@ -10,8 +10,9 @@ Expert weights load stacked: `gate_up_proj` [E, 2 * I, H] and `down_proj` [E, H,
 layout, and run in one of two ways:
 - `GroupedExperts` (default): the stacked weights through `torch.nn.functional.grouped_mm`, one
   call per projection over all experts, no host sync (suits GPUs and `--compile`).
-- `ExpertLinears`: one `nn.Linear` per expert, looped over the experts that received tokens; the
-  form `--quantization int8` rewrites (`split_experts` makes it at load: views, no copy).
+- `ExpertLinears`: one linear layer per expert, looped over the experts that received tokens; the
+  form quantized experts take (`split_experts` makes it at load: views of the stacked weights, each
+  given the quantization's method).
 `tokenmill bench moe-dispatch` times them (fp32, 1 thread, best of 7, on a shared 2-core EPYC; the
 lead's quiet-machine figures go to bench/README.md). Mixtral-like experts (H 1024, I 3584, 8, top-2)
 at 1 / 64 / 512 tokens: grouped_mm 21 / 511 / 969 ms, loop over MKL linears 22 / 504 / 1141 ms,
@@ -30,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+
+from tokenmill.models.layers.linear import Linear, LinearMethod
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 class TopKRouter(nn.Module):
     """Router logits in the model dtype, softmax in fp32, top-k (HF's *TopKRouter). A plain
-    parameter, not an nn.Linear: oneDNN packing and int8 quantization must not touch routing."""
+    parameter, not a linear layer: packing and quantization must not touch routing."""
 
     def __init__(self, hidden_size: int, config: MoEConfig) -> None:
         super().__init__()
@@ -117,6 +120,8 @@ class GroupedExperts(nn.Module):
     the rows go through them in bf16, as grouped_mm takes one dtype."""
 
     computes_in_weight_dtype = True  # (engine.setup.round_weights narrows these weights' storage)
+    # Set at load when the experts are quantized: they then run as ExpertLinears of this method.
+    linear_method: LinearMethod | None = None
 
     def __init__(self, hidden_size: int, config: MoEConfig) -> None:
         super().__init__()
@@ -142,15 +147,14 @@ class GroupedExperts(nn.Module):
 
 
 class ExpertLinears(nn.Module):
-    """One gate_up and one down nn.Linear per expert: the form int8 quantization rewrites (it
-    replaces nn.Linear children like any other)."""
+    """One gate_up and one down linear layer per expert, of `method` (views of the stacked weights)."""
 
-    def __init__(self, experts: GroupedExperts) -> None:
+    def __init__(self, experts: GroupedExperts, method: LinearMethod) -> None:
         super().__init__()
         self.intermediate = experts.intermediate
         self.act = experts.act
-        self.gate_up = nn.ModuleList(_linear_view(w) for w in experts.gate_up_proj.detach())
-        self.down = nn.ModuleList(_linear_view(w) for w in experts.down_proj.detach())
+        self.gate_up = nn.ModuleList(_linear_view(w, method) for w in experts.gate_up_proj.detach())
+        self.down = nn.ModuleList(_linear_view(w, method) for w in experts.down_proj.detach())
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return _loop_over_experts(rows, counts, self._expert)
@@ -160,10 +164,12 @@ class ExpertLinears(nn.Module):
         return self.down[e](self.act(gate) * up)
 
 
-def _linear_view(weight: torch.Tensor) -> nn.Linear:
-    """An nn.Linear over one expert's slice of the stacked weight (shares its memory)."""
+def _linear_view(weight: torch.Tensor, method: LinearMethod) -> Linear:
+    """A linear layer of `method` over one expert's slice of the stacked float weight (shares its
+    memory until the method processes it)."""
     with torch.device("meta"):
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear = Linear(weight.shape[1], weight.shape[0])
+    linear.quant_method = method  # (a method of float weights: its weight is this view)
     linear.weight = nn.Parameter(weight, requires_grad=False)
     return linear
 
@@ -206,7 +212,7 @@ class SparseMoE(nn.Module):
         self.gate = TopKRouter(hidden_size, config)
         self.experts: nn.Module = GroupedExperts(hidden_size, config)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert is not None else None
+        self.shared_expert_gate = Linear(hidden_size, 1) if shared_expert is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.gate(x)
@@ -217,13 +223,16 @@ class SparseMoE(nn.Module):
 
 
 def split_experts(model: nn.Module) -> int:
-    """Replace every GroupedExperts by ExpertLinears (before int8 quantization, which rewrites
-    nn.Linear modules); returns how many layers changed."""
+    """Replace every GroupedExperts given a linear method at load by ExpertLinears of that method
+    (once the stacked weights are loaded, before the linear layers process them); returns how many
+    layers changed."""
     count = 0
     for module in list(model.modules()):
         if isinstance(module, SparseMoE) and isinstance(module.experts, GroupedExperts):
-            module.experts = ExpertLinears(module.experts)
-            count += 1
+            method = module.experts.linear_method
+            if method is not None:
+                module.experts = ExpertLinears(module.experts, method)
+                count += 1
     return count
 
 

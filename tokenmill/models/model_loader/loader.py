@@ -4,7 +4,11 @@ Strict by design: a model tokenmill cannot run exactly fails with one line namin
 the problem (`ModelLoadError`), never with silently wrong tokens. A config key the architecture
 needs must be present (transformers would default it), every checkpoint tensor must be consumed
 (except the derived buffers a model class lists in `ignored_checkpoint_tensors`), every weight
-must be found, and shapes must agree with the config.
+must be found, and shapes (and the dtypes of integer tensors) must agree with the config.
+
+Each linear layer's method (linear.py) is chosen before the checkpoint is read, from its
+quantization (quantization/) and the engine's backend: the method declares the tensors the layer
+loads (a float weight, or a format's packed integers and scales).
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.kernels.ops import cpu_kernels_available
+from tokenmill.models.layers.linear import LinearBackend, PartNames, assign_linear_methods
 from tokenmill.models.layers.parallel import NO_TP, TPInfo, check_shardable, local_spec, shard_state
+from tokenmill.models.layers.quantization import QuantizationConfig, quantization_config
 from tokenmill.models.model_loader.registry import GENERIC, NATIVE, Architecture, lookup
 from tokenmill.models.spec import ModelSpec, as_list
 
@@ -188,17 +195,37 @@ def _is_ignored(name: str, cls: type) -> bool:
     return name.endswith(tuple(getattr(cls, "ignored_checkpoint_tensors", ())))
 
 
-def _join_parts(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    """A fused group's parts concatenated; per-expert parts [E * rows, cols] viewed as [E, rows, cols]."""
-    joined = torch.cat(parts, dim=0)
-    if joined.dim() != len(shape) and joined.numel() == shape.numel():
-        return joined.view(shape)
+def _join_parts(name: str, parts: list[torch.Tensor], expected: torch.Tensor) -> torch.Tensor:
+    """A fused group's parts concatenated along the tensor's output dim (0 for a float weight; a
+    quantized layer's tensors say theirs); per-expert parts [E * rows, cols] viewed as [E, rows, cols].
+    A tensor without an output dim (GPTQ's g_idx) is one for every part: they must agree."""
+    dim = getattr(expected, "output_dim", 0)
+    if dim is None:
+        if any(not torch.equal(part, parts[0]) for part in parts[1:]):
+            raise ModelLoadError(f"{name}: the fused parts' tensors differ (they must be one for the whole layer)")
+        return parts[0]
+    joined = torch.cat(parts, dim=dim)
+    if joined.dim() != expected.dim() and joined.numel() == expected.numel():
+        return joined.view(expected.shape)
     return joined  # (a wrong size is reported by the shape check)
+
+
+def _load_dtype(name: str, tensor: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint tensor is loaded in: the model's for float weights, the one a quantized
+    layer declared for its float tensors (scales), and exactly the declared one for integer tensors."""
+    declared = getattr(expected, "load_dtype", None)
+    if declared is None:
+        return dtype
+    if tensor.is_floating_point() and declared.is_floating_point and declared.itemsize > 1:
+        return declared
+    if tensor.dtype != declared:
+        raise ModelLoadError(f"tensor {name} has dtype {tensor.dtype}, the quantization implies {declared}")
+    return declared
 
 
 def _read_state(
     model_dir: Path,
-    cls: type,
+    model: nn.Module,
     expected: dict[str, torch.Tensor],
     dtype: torch.dtype,
     progress: bool,
@@ -207,7 +234,10 @@ def _read_state(
     """Every checkpoint tensor renamed (and fused) into the model's names; unknown tensors are an error."""
     from tqdm.auto import tqdm
 
+    cls = type(model)
     transposed = getattr(cls, "transposed_weights", ())
+    # (not state_dict(): the parameters themselves, which carry the layout a quantized layer declared)
+    tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
     state: dict[str, torch.Tensor] = {}
     fused: dict[str, list[torch.Tensor | None]] = {}
     unexpected: list[str] = []
@@ -223,7 +253,7 @@ def _read_state(
             continue
         if name.endswith(transposed) and tensor.dim() == 2:
             tensor = tensor.t()
-        tensor = tensor.to(dtype=dtype).contiguous()
+        tensor = tensor.to(dtype=_load_dtype(hf_name, tensor, tensors.get(name, expected[name]), dtype)).contiguous()
         if group is None:
             state[name] = tensor
             continue
@@ -233,7 +263,7 @@ def _read_state(
             continue
         slots[part] = tensor
         if all(t is not None for t in slots):
-            state[name] = _join_parts(slots, expected[name].shape)
+            state[name] = _join_parts(name, slots, tensors.get(name, expected[name]))
             del fused[name]
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
@@ -244,6 +274,32 @@ def _read_state(
     return state
 
 
+def _checkpoint_parts(files: list[Path], cls: type) -> PartNames:
+    """{a layer's local name: the checkpoint modules it is loaded from} (a fused layer has several),
+    from the checkpoint's tensor names."""
+    from safetensors import safe_open
+
+    parts: dict[str, list[str]] = {}
+    for path in files:
+        if path.suffix != ".safetensors":
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            for hf_name in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
+                local = cls.hf_to_local(hf_name)[0].rpartition(".")[0]
+                module = hf_name.rpartition(".")[0]
+                if module not in parts.setdefault(local, []):
+                    parts[local].append(module)
+    return {name: tuple(modules) for name, modules in parts.items()}
+
+
+def _check_quantized_experts(model_dir: Path, model: nn.Module, quant: QuantizationConfig | None) -> None:
+    """Refuse a pre-quantized mixture of experts (its per-expert packed tensors have no loader yet)."""
+    from tokenmill.models.layers.moe import GroupedExperts
+
+    if quant is not None and quant.prequantized and any(isinstance(m, GroupedExperts) for m in model.modules()):
+        raise ModelLoadError(f"{model_dir}: {quant.name} checkpoints of mixture-of-experts models are not supported")
+
+
 def load_model(
     model_dir: Path,
     dtype: torch.dtype,
@@ -252,12 +308,21 @@ def load_model(
     tp: TPInfo = NO_TP,
     max_model_len: int | None = None,
     model_impl: str = "auto",
+    packed_linear: bool = False,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelSpec]:
     """The model (this rank's shard of it under tensor parallelism) and the spec of its shapes,
-    built for contexts of up to `max_model_len` tokens (default: the model's maximum)."""
+    built for contexts of up to `max_model_len` tokens (default: the model's maximum). Its linear
+    layers get their methods here: the checkpoint's quantization (or `--quantization`), else float,
+    packed for tokenmill's CPU kernels with `packed_linear`; their tensors are then as the checkpoint
+    holds them, until linear.process_weights_after_loading."""
     arch, full_spec = _architecture_and_spec(model_dir, model_impl)
     if max_model_len:
         full_spec.context_len = min(max_model_len, full_spec.max_position)
+    backend = LinearBackend(device, dtype, packed_linear)
+    quant = quantization_config(
+        read_config(model_dir), quantization, cpu_kernels_available(device), str(model_dir / "config.json")
+    )
     if arch.path == GENERIC:
         from tokenmill.models.model_loader.transformers_backend import load_generic_model
 
@@ -266,14 +331,25 @@ def load_model(
                 f"{model_dir}: --tensor-parallel-size > 1 needs the native path; "
                 f"{full_spec.model_type!r} runs on the generic transformers path"
             )
-        return load_generic_model(model_dir, full_spec, dtype, device)
+        if quant is not None and quant.prequantized:
+            raise ModelLoadError(
+                f"{model_dir}: {quant.name} checkpoints load on the native path only (`tokenmill models`); "
+                f"{full_spec.model_type!r} runs on the generic transformers path"
+            )
+        return load_generic_model(model_dir, full_spec, dtype, device, backend, quant)
     check_shardable(full_spec, tp.world_size)
+    if tp.enabled and quant is not None and quant.prequantized:
+        raise ModelLoadError(f"{model_dir}: --tensor-parallel-size > 1 does not take {quant.name} checkpoints yet")
     spec = local_spec(full_spec, tp)
     cls = arch.model_class
     with torch.device("meta"):
         model = cls(spec, tp) if tp.enabled else cls(spec)
+    files = _weight_files(model_dir)
+    assign_linear_methods(model, backend, quant, _checkpoint_parts(files, cls))
+    _check_quantized_experts(model_dir, model, quant)
     expected = dict(model.state_dict())
-    state = _read_state(model_dir, cls, expected, dtype, progress, {**FUSED_PARTS, **getattr(model, "fused_parts", {})})
+    fused_parts = {**FUSED_PARTS, **getattr(model, "fused_parts", {})}
+    state = _read_state(model_dir, model, expected, dtype, progress, fused_parts)
     tied = getattr(cls, "tied_weights", {}) if spec.tie_word_embeddings else {}
     for name in tied:  # the tied copy (if the checkpoint has one) is the embedding, as in HF
         expected.pop(name, None)

@@ -34,6 +34,8 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillSegment, paged_attention
+from tokenmill.models.layers.linear import LinearBackend, assign_linear_methods, replace_linear_modules
+from tokenmill.models.layers.quantization import QuantizationConfig
 from tokenmill.models.model_loader.registry import GENERIC, Architecture, register, register_resolver
 from tokenmill.models.spec import ModelSpec
 
@@ -304,9 +306,7 @@ class TransformersCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """HF's own *ForCausalLM.forward (lm_head, tied weights, logit scaling and softcapping exactly
-        as HF applies them) with the decoder swapped, for this call, for one that returns `hidden`.
-        The swap is done per call, so the head sees any later change to the modules (oneDNN packing,
-        quantization)."""
+        as HF applies them) with the decoder swapped, for this call, for one that returns `hidden`."""
         modules = self._decoder_parent._modules
         decoder = modules[self._decoder_name]
         modules[self._decoder_name] = self._hidden_states
@@ -588,15 +588,24 @@ def _check_state_in_kv_only(
 
 
 def load_generic_model(
-    model_dir: Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device
+    model_dir: Path,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: LinearBackend,
+    quantization: QuantizationConfig | None,
 ) -> tuple[TransformersCausalLM, ModelSpec]:
-    """The HF model behind tokenmill's interface, and `spec` with the cache shapes the probe found."""
+    """The HF model behind tokenmill's interface, and `spec` with the cache shapes the probe found.
+    Its nn.Linear modules become tokenmill's linear layers (the same weights), each given its
+    method as on the native path (`--quantization`, packing)."""
     try:
         hf_model = load_hf_model(model_dir, dtype, device)
+        replace_linear_modules(hf_model)
         model = TransformersCausalLM(hf_model, head_dim=0)
         info = probe(model, hf_model.config)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{model_dir}: {exc}") from None
+    assign_linear_methods(hf_model, backend, quantization, {})  # (after the probe: the float weights ran it)
     for note in info.notes:
         logger.warning("%s: %s", model_dir.name, note)
     logger.info("%s: %s on the generic transformers path", model_dir.name, type(hf_model).__name__)

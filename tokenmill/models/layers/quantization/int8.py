@@ -1,0 +1,188 @@
+"""Weight-only int8 linear layers (`--quantization int8`, and GPTQ's symmetric 8-bit checkpoints).
+
+Every layer keeps its weight as int8 with one scale per group of 32 input channels of each output row
+(per output channel when the width is not a multiple of 32); activations stay in the model dtype. On
+tokenmill's CPU kernels that includes the lm_head, the largest matrix a decode step streams (SmolLM2:
+57 MB in bf16, 30 MB in int8 with its scales), and an embedding tied to it reads its rows from the int8
+head (Int8Embedding: one copy). Its groups of 32 keep the head as close as bf16 did: teacher-forced
+top-1 agreement on SmolLM2 98.29% with fp32 either way (`tokenmill bench agreement`, bench/README.md);
+least-error scales (`group_scales`) took the whole model to 99.02%. Without the kernels (a GPU) the
+head stays in the model dtype: there int8 weights are widened on every call, which would cost a
+vocabulary-sized matrix per step.
+
+Why not w8a8 (torch.ao dynamic quantization, the previous CPU path): its activations are quantized
+per tensor, over the whole batch, so one outlier token costs every row its precision (and a request's
+tokens depend on its batch): teacher-forced top-1 agreement with fp32 on SmolLM2 was 49%, against
+98% for this scheme (`tokenmill bench agreement`).
+
+On CPU the product runs on tokenmill's panel GEMM (kernels/csrc/cpu/int8_linear.cpp: 1 byte per weight
+streamed, multiplied with the activations rounded to int16 per group (under 1/65534 of the group's
+largest value: far finer than bf16) in exact int32 sums, fp32 across groups); without it (no
+compiler, a GPU) the weight is widened to the activation dtype per call. On CPUs with AMX, larger
+steps run on its tiles from the same packed weight: an fp32 model's (16 rows and more) as the same
+int32 sums on AMX-int8 (the same bits), a bf16 model's (12 rows and more) as the weights widened to
+bf16 (q * scale, rounded once) on AMX-bf16, its activations being bf16 already
+(bench/amx_int8_vs_panels.py).
+MoE expert weights are split into one linear layer per expert first and quantized the same way; MoE
+routers are not linear layers and stay in the model dtype (int8 routing would pick other experts).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.kernels import ops
+from tokenmill.kernels.ops import cpu_kernels_available
+from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod, stored
+
+GROUP_SIZE = 32
+SCALE_CANDIDATES = 128  # bf16 scales tried per group: from round-to-nearest's up to twice it (group_scales)
+# Groups searched at once by the torch version: on a GPU large chunks (a 7B model's 2e8 groups in
+# ~200 chunks of 128 candidates), on a CPU without tokenmill's kernels chunks that stay in cache.
+_CPU_SEARCH_CHUNK, _GPU_SEARCH_CHUNK = 1 << 14, 1 << 20
+
+
+def group_size_for(in_features: int) -> int:
+    return GROUP_SIZE if in_features % GROUP_SIZE == 0 else in_features
+
+
+def quantize_weight(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], bf16 scales [N, K / group_size]): symmetric, round to nearest, each group's scale
+    the bf16 value of least squared error from its largest magnitude / 127 (rounded up: no weight
+    clips) up to twice that (`group_scales`)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = w.view(n, k // group_size, group_size)
+    scales = group_scales(groups.reshape(-1, group_size)).view(n, k // group_size)
+    q = torch.round(groups / scales.float()[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.view(n, k).contiguous(), scales.contiguous()
+
+
+def group_scales(groups: torch.Tensor, candidates: int = SCALE_CANDIDATES) -> torch.Tensor:
+    """bf16 scales [G] of fp32 groups [G, size]: of `candidates` consecutive bf16 values from the
+    round-to-nearest scale up, the one whose int8 values reproduce the group with the least squared
+    error (ties: the smaller). A larger step than max|w| / 127 wins where the weights sit on a
+    coarser grid than int8's: SmolLM2's checkpoint is dequantised from 4-bit GGUF blocks (16 levels
+    a block), whose levels a matching step reproduces nearly exactly; squared error of its layers'
+    int8 weights 3-5x bf16 rounding's, against 16-24x with the first candidate alone, and top-1
+    agreement with fp32 98.3% -> 99.0% (bench/README.md). On CPU one C++ pass
+    (kernels/csrc/cpu/quantize.cpp); elsewhere the same search in torch ops."""
+    if cpu_kernels_available(groups.device):
+        return ops.int8_group_scales(groups.contiguous(), candidates)
+    scales = torch.empty(groups.shape[0], dtype=torch.bfloat16, device=groups.device)
+    chunk = _CPU_SEARCH_CHUNK if groups.device.type == "cpu" else _GPU_SEARCH_CHUNK
+    for start in range(0, groups.shape[0], chunk):
+        g = groups[start : start + chunk]
+        first = round_up_to_bf16(g.abs().amax(dim=-1).clamp(min=1e-8) / 127.0).view(torch.int16)
+        best_error = torch.full(first.shape, float("inf"), device=g.device)
+        best = first.view(torch.bfloat16)
+        for j in range(candidates):
+            scale = (first + j).view(torch.bfloat16)
+            s = scale.float()[:, None]
+            error = (torch.round(g / s).clamp(-127, 127) * s - g).square().sum(dim=-1)
+            error = torch.where(torch.isfinite(s[:, 0]), error, float("inf"))
+            better = error < best_error
+            best_error = torch.where(better, error, best_error)
+            best = torch.where(better, scale, best)
+        scales[start : start + chunk] = best
+    return scales
+
+
+def round_up_to_bf16(values: torch.Tensor) -> torch.Tensor:
+    """Positive finite fp32 values as the least bf16 values not below them."""
+    rounded = values.to(torch.bfloat16)
+    below = rounded.float() < values
+    # (the next bf16 above a positive one is its bit pattern plus one)
+    return torch.where(below, (rounded.view(torch.int16) + 1).view(torch.bfloat16), rounded)
+
+
+class Int8LinearMethod(LinearMethod):
+    """Weight-only int8 of a float weight (quantized at load). With tokenmill's kernels (`kernels`)
+    the int8 weight and its scales are packed into the panels of the panel GEMM (the weight by pairs
+    of inputs, for int16 pair products; `layer.qweight`, `layer.scales`); elsewhere they stay [N, K]
+    and [N, K / group_size] and are widened per call."""
+
+    name = "int8"
+
+    def __init__(self, kernels: bool) -> None:
+        self.kernels = kernels
+
+    def packed_sizes(self, layer: Linear) -> list[tuple[int, torch.dtype]]:
+        if not self.kernels:
+            return []
+        width = ops.linear_panel_width()
+        panels = -(-layer.out_features // width)
+        groups = layer.in_features // group_size_for(layer.in_features)
+        return [
+            (panels * ((layer.in_features + 1) // 2) * 2 * width, torch.int8),
+            (panels * groups * width, torch.bfloat16),
+        ]
+
+    def process_weights_after_loading(self, layer: Linear, storage: list[torch.Tensor]) -> None:
+        layer.group_size = group_size_for(layer.in_features)
+        qweight, scales = quantize_weight(layer.weight, layer.group_size)
+        del layer.weight
+        if self.kernels:
+            qweight = stored(storage, 0, ops.pack_int8_weight(qweight))
+            scales = stored(storage, 1, ops.pack_linear_weight(scales))
+        layer.qweight, layer.scales = qweight, scales
+
+    def quantized(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 [N, K], bf16 scales [N, K / group_size]), unpacked from the panels if packed."""
+        if not self.kernels:
+            return layer.qweight, layer.scales
+        n, k = layer.out_features, layer.in_features
+        panels, pairs, width = layer.qweight.shape  # [panels, pairs of k, 2 * panel]: a pair's columns side by side
+        qweight = layer.qweight.view(panels, pairs, width // 2, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:n, :k]
+        return qweight, layer.scales.transpose(1, 2).reshape(-1, layer.scales.shape[1])[:n]
+
+    def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        qweight, scales = self.quantized(layer)
+        n, k = qweight.shape
+        groups = qweight.reshape(n, k // layer.group_size, layer.group_size).to(dtype)
+        return (groups * scales[..., None].to(dtype)).view(n, k)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return ops.packed_int8_linear(x, layer.qweight, layer.scales, layer.bias, layer.out_features)
+        out = nn.functional.linear(x, self.dequantized(layer, x.dtype))
+        return out + layer.bias if layer.bias is not None else out
+
+    def logits(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """On CPU the kernel's fp32 sums, not rounded to x's dtype first."""
+        if self.kernels:
+            return ops.packed_int8_logits(x, layer.qweight, layer.scales, layer.bias, layer.out_features)
+        return self.apply(layer, x).float()
+
+    def fused_projection(self, layer: Linear, activations: torch.dtype) -> FusedProjection | None:
+        if self.kernels and activations in (torch.float32, torch.bfloat16):
+            return FusedProjection(layer.qweight, layer.scales, layer.bias)
+        return None
+
+    def tied_embedding(self, layer: Linear, embedding: nn.Embedding) -> nn.Module | None:
+        return Int8Embedding(embedding, layer) if self.kernels else None
+
+    def streamed_tensors(self, layer: Linear) -> list[torch.Tensor]:
+        return [layer.qweight, layer.scales]
+
+
+class Int8Embedding(nn.Module):
+    """The token embedding of a model whose lm_head shares (ties) its matrix, read from the head's
+    packed int8 weight and scales: row v is column v % width of panel v // width (its int8 values by
+    pairs of inputs, see Int8LinearMethod), times its scales, in the embedding's dtype. Equal to the
+    head's dequantized rows; one copy of the vocabulary matrix instead of two."""
+
+    def __init__(self, embedding: nn.Embedding, head: Linear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.dtype = embedding.weight.dtype
+        self.head = [head]  # (a list: not a submodule, so the head's tensors are counted once, at the head)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        # (one C++ call: the ~10 torch ops it replaced were ~60 us of a batch-1 step)
+        return ops.packed_int8_rows(ids, head.qweight, head.scales, self.embedding_dim, self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, read from the int8 lm_head"
