@@ -72,7 +72,7 @@ def add_options(
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
-    """`cls` from the parsed flags of its fields (fields without a flag keep their default), with
-    `values` taking precedence."""
-    found = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    """`cls` (a dataclass) from the parsed flags of its fields (fields without a flag keep their
+    default), with `values` taking precedence."""
+    found = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
     return cls(**{**found, **values})

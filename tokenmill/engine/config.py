@@ -36,11 +36,11 @@ class EngineConfig:
     device: str = option("auto", "where to run; auto picks CUDA when available", choices=["auto", "cpu", "cuda"])
     quantization: str | None = option(
         None,
-        "weight-only quantization of the linear layers: int8 in groups of 32 inputs, each group's bf16 scale "
-        "the least-error one; activations stay in --dtype (SmolLM2 on an AMX CPU, teacher-forced top-1 agreement: "
-        "--dtype float32 99.0%% with fp32 and 98.1%% with the bf16 model; --dtype bfloat16 97.5%% with bf16, faster "
-        "on large batches)",
-        choices=["int8"],
+        "weight-only quantization of a float checkpoint's linear layers at load: int8 in groups of 32 inputs, "
+        "each group's bf16 scale the least-error one; int4 in groups of 32, each an fp16 scale and offset of least "
+        "error (the lm_head in int8); activations stay in --dtype. Pre-quantized checkpoints (GPTQ, AWQ, "
+        "compressed-tensors, FP8) are detected from their config.json and need no flag (docs/quantization.md)",
+        choices=["int8", "int4"],
     )
     block_size: int = option(16, "tokens per KV cache block")
     kv_cache_dtype: str = option(

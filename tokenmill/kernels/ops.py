@@ -135,6 +135,33 @@ def packed_int8_rows(
     return _library().packed_int8_rows(ids, packed, scales, k, dtype)
 
 
+def packed_int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    zero: int,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
+    """x W^T (+ bias) over 4-bit panels (see csrc/cpu/int4_linear.cpp for the layout)."""
+    return _library().packed_int4_linear(x, packed, scales, zeros, zero, offsets, bias, n)
+
+
+def packed_int4_logits(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    zero: int,
+    offsets: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
+    return _library().packed_int4_logits(x, packed, scales, zeros, zero, offsets, bias, n)
+
+
 def int8_group_scales(groups: torch.Tensor, candidates: int) -> torch.Tensor:
     return _library().int8_group_scales(groups, candidates)
 
@@ -218,6 +245,10 @@ def _register_fakes() -> None:
     )
     fake("tokenmill::packed_int8_linear")(lambda x, packed, scales, bias, n: _rows(x, n))
     fake("tokenmill::packed_int8_logits")(lambda x, packed, scales, bias, n: _rows(x, n, torch.float32))
+    fake("tokenmill::packed_int4_linear")(lambda x, packed, scales, zeros, zero, offsets, bias, n: _rows(x, n))
+    fake("tokenmill::packed_int4_logits")(
+        lambda x, packed, scales, zeros, zero, offsets, bias, n: _rows(x, n, torch.float32)
+    )
     fake("tokenmill::packed_int8_rows")(
         lambda ids, packed, scales, k, dtype: packed.new_empty((*ids.shape, k), dtype=dtype)
     )

@@ -51,7 +51,8 @@ def _padded(rows: torch.Tensor, segments: Sequence[tuple[int, int, int]], num_sl
     width = max(end - start for _, start, end in segments)
     if len(segments) != num_slots or width * num_slots > _MAX_PADDING * len(rows):
         return None
-    gather, valid = [], []
+    gather: list[int] = []
+    valid: list[int] = []
     for g, (_, start, end) in enumerate(segments):
         group = rows[start:end].tolist()
         gather += group + [group[0]] * (width - len(group))

@@ -149,6 +149,7 @@ def paged_attention(
                 mask = (positions[None, :] <= positions[:, None]) & _window_mask(positions, positions, window)
         else:
             slots, mask = seg.context_slots, seg.causal_mask
+            assert mask is not None  # (set with context_slots)
             if window is not None:
                 # Keys are positions 0..ctx-1 and the chunk's queries the last n of them; keys before
                 # the first query's window are never seen: do not gather them.

@@ -161,14 +161,18 @@ UNQUANTIZED = LinearMethod()
 @dataclass(frozen=True)
 class FusedProjection:
     """A projection as the C++ decoder layers take it: the packed weight and, for quantized ones, the
-    tensors that go with it; the bias (or None)."""
+    tensors that go with it (scales; 4-bit ones' zero points, or one for all, and offsets); the bias."""
 
     weight: torch.Tensor
     scales: torch.Tensor | None
     bias: torch.Tensor | None
+    zeros: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    zero: int = 0
 
-    def arguments(self) -> tuple[torch.Tensor | None, ...]:
-        return self.weight, self.scales, self.bias
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """In the order decoder_layer.cpp takes a projection's tensors."""
+        return self.weight, self.scales, self.zeros, self.offsets, self.bias
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,13 @@ class LinearBackend:
     device: torch.device
     dtype: torch.dtype
     packed: bool
+
+    @property
+    def kernels(self) -> bool:
+        """Whether tokenmill's CPU kernels compute here (quantized layers' packed forms)."""
+        from tokenmill.kernels.ops import cpu_kernels_available
+
+        return cpu_kernels_available(self.device)
 
     def float_method(self) -> LinearMethod:
         if self.packed and self.device.type == "cpu":
@@ -227,7 +238,6 @@ def process_weights_after_loading(model: nn.Module) -> None:
     split_experts(model)
     layers = [layer for _, layer in linear_layers(model)]
     tied_by_weight = {id(layer.weight): layer for layer in layers if "weight" in layer.quant_method.tensor_names}
-    tied_weights = {id(layer.weight): layer.weight for layer in layers if "weight" in layer.quant_method.tensor_names}
     sizes = [layer.quant_method.packed_sizes(layer) for layer in layers]
     starts = _aligned_starts([numel * dtype.itemsize for layer_sizes in sizes for numel, dtype in layer_sizes])
     buffer = huge_page_buffer(starts[-1]) if starts[-1] else None
@@ -235,8 +245,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
     for layer, layer_sizes in zip(layers, sizes):
         storage = [] if buffer is None else [_view(buffer, next(offsets), numel, dtype) for numel, dtype in layer_sizes]
         layer.quant_method.process_weights_after_loading(layer, storage)
-    tied = _read_tied_embeddings(model, tied_by_weight)
-    del tied_weights  # (held until here: the ids above stay the weights' own)
+    tied = _read_tied_embeddings(model, tied_by_weight)  # (a tied table lives on in its embedding: its id holds)
     counts = Counter(layer.quant_method.describe(layer) for layer in layers)
     if tied:
         counts[f"embedding read from the {tied} head"] += 1

@@ -204,6 +204,12 @@ def _join_parts(name: str, parts: list[torch.Tensor], expected: torch.Tensor) ->
         if any(not torch.equal(part, parts[0]) for part in parts[1:]):
             raise ModelLoadError(f"{name}: the fused parts' tensors differ (they must be one for the whole layer)")
         return parts[0]
+    shapes = [tuple(part.shape) for part in parts]
+    if any(
+        len(shape) != len(shapes[0]) or shape[:dim] + shape[dim + 1 :] != shapes[0][:dim] + shapes[0][dim + 1 :]
+        for shape in shapes
+    ):
+        raise ModelLoadError(f"{name}: the checkpoint's parts have shapes {shapes}, which do not join into one tensor")
     joined = torch.cat(parts, dim=dim)
     if joined.dim() != expected.dim() and joined.numel() == expected.numel():
         return joined.view(expected.shape)
@@ -230,6 +236,7 @@ def _read_state(
     dtype: torch.dtype,
     progress: bool,
     fused_parts: dict[str, int],
+    ignored: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor renamed (and fused) into the model's names; unknown tensors are an error."""
     from tqdm.auto import tqdm
@@ -248,7 +255,7 @@ def _read_state(
     ):
         name, part, group = cls.hf_to_local(hf_name)
         if name not in expected:
-            if not _is_ignored(hf_name, cls):
+            if not _is_ignored(hf_name, cls) and not hf_name.endswith(ignored):
                 unexpected.append(hf_name)
             continue
         if name.endswith(transposed) and tensor.dim() == 2:
@@ -349,7 +356,8 @@ def load_model(
     _check_quantized_experts(model_dir, model, quant)
     expected = dict(model.state_dict())
     fused_parts = {**FUSED_PARTS, **getattr(model, "fused_parts", {})}
-    state = _read_state(model_dir, model, expected, dtype, progress, fused_parts)
+    ignored = quant.ignored_tensors() if quant is not None else ()
+    state = _read_state(model_dir, model, expected, dtype, progress, fused_parts, ignored)
     tied = getattr(cls, "tied_weights", {}) if spec.tie_word_embeddings else {}
     for name in tied:  # the tied copy (if the checkpoint has one) is the embedding, as in HF
         expected.pop(name, None)

@@ -26,6 +26,11 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("packed_int8_linear(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int n) -> Tensor");
   m.def("packed_int8_logits(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int n) -> Tensor");
   m.def("packed_int8_rows(Tensor ids, Tensor packed, Tensor packed_scales, int k, ScalarType dtype) -> Tensor");
+  // int4_linear.cpp
+  m.def("packed_int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int zero, Tensor? offsets, "
+        "Tensor? bias, int n) -> Tensor");
+  m.def("packed_int4_logits(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int zero, Tensor? offsets, "
+        "Tensor? bias, int n) -> Tensor");
   // quantize.cpp
   m.def("int8_group_scales(Tensor groups, int candidates) -> Tensor");
   // onednn_linear.cpp
@@ -48,10 +53,8 @@ TORCH_LIBRARY(tokenmill, m) {
         "float[] uniform) -> Tensor");
   // decoder_layer.cpp
   m.def(
-      "llama_decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor qkv_weight, "
-      "Tensor? qkv_scales, Tensor? qkv_bias, Tensor o_weight, Tensor? o_scales, Tensor? o_bias, "
-      "Tensor gate_up_weight, Tensor? gate_up_scales, Tensor? gate_up_bias, Tensor down_weight, Tensor? down_scales, "
-      "Tensor? down_bias, int heads, int kv_heads, int intermediate, Tensor cos, Tensor sin, "
+      "llama_decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor?[] projections, "
+      "int[] zero_points, int heads, int kv_heads, int intermediate, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor query_start, Tensor query_lens, "
       "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window, float softcap) -> Tensor");
   tokenmill::register_decoder_stack(m);
@@ -69,6 +72,8 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("packed_int8_linear", &tokenmill::packed_int8_linear);
   m.impl("packed_int8_logits", &tokenmill::packed_int8_logits);
   m.impl("packed_int8_rows", &tokenmill::packed_int8_rows);
+  m.impl("packed_int4_linear", &tokenmill::packed_int4_linear);
+  m.impl("packed_int4_logits", &tokenmill::packed_int4_logits);
   m.impl("int8_group_scales", &tokenmill::int8_group_scales);
   m.impl("onednn_linear", &tokenmill::onednn_linear);
   m.impl("lora_delta", &tokenmill::lora_delta);

@@ -33,20 +33,26 @@ namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
 
-// One projection's weight: panels of fp32/bf16, int8 panels with their scales, or a weight reordered
-// for oneDNN (an opaque MkldnnCPU tensor); its bias if any.
+// One projection's weight: panels of fp32/bf16, int8 panels with their scales, 4-bit panels (uint8)
+// with their scales, zero points (or one for all: `zero`) and offsets, or a weight reordered for oneDNN
+// (an opaque MkldnnCPU tensor); its bias if any.
 struct Projection {
   at::Tensor weight;
-  OptTensor scales, bias;
+  OptTensor scales, zeros, offsets, bias;
+  int64_t zero = 0;
   // A bf16 weight in oneDNN's AMX layout with whole tiles of inputs (K a multiple of 32), which
   // amx_linear's tiles take: probed once by DecoderStack's constructor (the layout probe takes a
   // lock), read by its one-region check every step.
   bool amx_tiles = false;
 
-  bool int8() const { return scales.has_value() && scales->defined(); }
+  bool int4() const { return !onednn() && weight.scalar_type() == at::kByte; }
+  bool int8() const { return !onednn() && weight.scalar_type() == at::kChar; }
   bool onednn() const { return weight.is_mkldnn(); }
   const char* op_name() const {
-    return onednn() ? "tokenmill::amx_linear" : int8() ? "tokenmill::packed_int8_linear" : "tokenmill::packed_linear";
+    return onednn() ? "tokenmill::amx_linear"
+           : int8() ? "tokenmill::packed_int8_linear"
+           : int4() ? "tokenmill::packed_int4_linear"
+                    : "tokenmill::packed_linear";
   }
 };
 
@@ -57,6 +63,7 @@ struct Projection {
 at::Tensor linear(const at::Tensor& x, const Projection& p, int64_t n) {
   if (p.onednn()) return tokenmill::onednn_linear(x, p.weight, p.bias);
   RECORD_FUNCTION(p.op_name(), std::vector<c10::IValue>());
+  if (p.int4()) return tokenmill::packed_int4_linear(x, p.weight, *p.scales, p.zeros, p.zero, p.offsets, p.bias, n);
   return p.int8() ? tokenmill::packed_int8_linear(x, p.weight, *p.scales, p.bias, n)
                   : tokenmill::packed_linear(x, p.weight, p.bias, n);
 }
@@ -300,13 +307,16 @@ std::pair<int64_t, int64_t> share_of(int64_t count, int64_t tid, int64_t team) {
 }
 
 // One projection of m fp32 rows on the calling thread: its share of the panels of out [m, N]; an
-// int8 one quantizes x in the thread's scratch.
+// int8 or 4-bit one quantizes x in the thread's scratch.
 void project_rows(const Projection& p, const float* bias, const float* x, int64_t m, int64_t k, float* out, int64_t n,
                   int64_t tid, int64_t team, tokenmill::Int8RowScratch& scratch) {
   const auto [begin, end] = share_of(p.weight.size(0), tid, team);
   if (begin >= end) return;
   if (p.int8())
     tokenmill::packed_int8_linear_rows(x, m, k, p.weight, *p.scales, bias, out, n, begin, end, scratch);
+  else if (p.int4())
+    tokenmill::packed_int4_linear_rows(x, m, k, p.weight, *p.scales, p.zeros, p.zero, p.offsets, bias, out, n, begin,
+                                       end, scratch);
   else
     tokenmill::packed_linear_rows(x, m, p.weight, bias, out, n, begin, end);
 }
@@ -358,7 +368,8 @@ void project_share(const Projection& p, const float* bias, const T* x, int64_t m
 // weights on amx_linear's tiles, or int8 panels): batch-1 SmolLM2 at bf16 ~18 -> ~14 ms a step,
 // bf16 with int8 weights ~9 -> ~6.5 ms (2-core Xeon with AMX).
 struct DecoderStack : torch::CustomClassHolder {
-  static constexpr int64_t kTensors = 14, kInts = 4, kFloats = 3;  // per layer (see the constructor)
+  static constexpr int64_t kProjectionTensors = 5;  // weight, scales, zeros, offsets, bias
+  static constexpr int64_t kTensors = 2 + 4 * kProjectionTensors, kInts = 8, kFloats = 3;  // per layer
   std::vector<LayerWeights> layers;
   std::vector<std::array<at::Tensor, 4>> biases;  // per layer: qkv, o, gate_up, down biases in fp32 (or undefined)
   // Steps of up to this many tokens run in one region where a projection is on panels: at most one
@@ -372,9 +383,9 @@ struct DecoderStack : torch::CustomClassHolder {
   at::Tensor final_norm;  // the model's norm after the last layer (fp32 weight), applied by forward
   double final_eps;
 
-  // Per layer: tensors input_norm, post_norm, then weight, scales?, bias? of qkv, o, gate_up and
-  // down; ints heads, kv_heads, intermediate, window; floats eps, scale, softcap. Then the final
-  // norm's weight and eps.
+  // Per layer: tensors input_norm, post_norm, then weight, scales?, zeros?, offsets?, bias? of qkv, o,
+  // gate_up and down; ints heads, kv_heads, intermediate, window, then the four projections' zero
+  // points; floats eps, scale, softcap. Then the final norm's weight and eps.
   DecoderStack(const c10::List<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& ints,
                const std::vector<double>& floats, const at::Tensor& final_norm_weight, double final_norm_eps)
       : final_norm(final_norm_weight), final_eps(final_norm_eps) {
@@ -385,13 +396,15 @@ struct DecoderStack : torch::CustomClassHolder {
     auto tensor = [&](int64_t i) -> OptTensor { return tensors.get(i); };
     for (int64_t l = 0; l < count; ++l) {
       const int64_t t = l * kTensors;
-      auto projection = [&](int64_t first) {
-        Projection p{*tensor(t + first), tensor(t + first + 1), tensor(t + first + 2)};
+      auto projection = [&](int64_t index) {
+        const int64_t first = t + 2 + index * kProjectionTensors;
+        Projection p{*tensor(first), tensor(first + 1), tensor(first + 2), tensor(first + 3), tensor(first + 4),
+                     ints[l * kInts + 4 + index]};
         p.amx_tiles = p.onednn() && p.weight.size(1) % 32 == 0 && tokenmill::amx_linear_takes(1, p.weight);
         return p;
       };
-      layers.push_back({*tensor(t), *tensor(t + 1), floats[l * kFloats], projection(2), projection(5), projection(8),
-                        projection(11), ints[l * kInts], ints[l * kInts + 1], ints[l * kInts + 2],
+      layers.push_back({*tensor(t), *tensor(t + 1), floats[l * kFloats], projection(0), projection(1), projection(2),
+                        projection(3), ints[l * kInts], ints[l * kInts + 1], ints[l * kInts + 2],
                         floats[l * kFloats + 1], ints[l * kInts + 3], floats[l * kFloats + 2]});
       auto fp32 = [](const Projection& p) {
         return p.bias.has_value() && p.bias->defined() ? p.bias->to(at::kFloat).contiguous() : at::Tensor();
@@ -458,7 +471,8 @@ struct DecoderStack : torch::CustomClassHolder {
     const int64_t m = x.size(0);
     auto computes = [&](const Projection& p) {
       if (p.onednn()) return dtype == at::kBFloat16 && p.amx_tiles && m <= tokenmill::kAmxMaxRows;
-      return m <= kRegionRows && (dtype == at::kFloat || p.int8() || p.weight.scalar_type() == at::kBFloat16);
+      return m <= kRegionRows &&
+             (dtype == at::kFloat || p.int8() || p.int4() || p.weight.scalar_type() == at::kBFloat16);
     };
     const LayerWeights& first = layers[0];
     for (size_t l = 0; l < layers.size(); ++l) {
@@ -641,20 +655,23 @@ struct DecoderStack : torch::CustomClassHolder {
 namespace tokenmill {
 
 at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                               double eps, const at::Tensor& qkv_weight, const OptTensor& qkv_scales,
-                               const OptTensor& qkv_bias, const at::Tensor& o_weight, const OptTensor& o_scales,
-                               const OptTensor& o_bias, const at::Tensor& gate_up_weight,
-                               const OptTensor& gate_up_scales, const OptTensor& gate_up_bias,
-                               const at::Tensor& down_weight, const OptTensor& down_scales,
-                               const OptTensor& down_bias, int64_t heads, int64_t kv_heads, int64_t intermediate,
-                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                               at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& query_start,
-                               const at::Tensor& query_lens, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
-                               double softcap) {
-  const LayerWeights w{input_norm, post_norm, eps,
-                       {qkv_weight, qkv_scales, qkv_bias}, {o_weight, o_scales, o_bias},
-                       {gate_up_weight, gate_up_scales, gate_up_bias}, {down_weight, down_scales, down_bias},
+                               double eps, const c10::List<std::optional<at::Tensor>>& projections,
+                               c10::ArrayRef<int64_t> zero_points, int64_t heads, int64_t kv_heads,
+                               int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
+                               at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                               const at::Tensor& query_start, const at::Tensor& query_lens,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                               double scale, int64_t window, double softcap) {
+  constexpr int64_t kPer = DecoderStack::kProjectionTensors;
+  TORCH_CHECK(projections.size() == 4 * kPer && zero_points.size() == 4,
+              "llama_decoder_layer: weight, scales, zeros, offsets and bias of qkv, o, gate_up and down, and their "
+              "zero points");
+  auto projection = [&](int64_t index) {
+    const int64_t first = index * kPer;
+    return Projection{*projections.get(first), projections.get(first + 1), projections.get(first + 2),
+                      projections.get(first + 3), projections.get(first + 4), zero_points[index]};
+  };
+  const LayerWeights w{input_norm, post_norm, eps, projection(0), projection(1), projection(2), projection(3),
                        heads, kv_heads, intermediate, scale, window, softcap};
   return decoder_layer(x, w, cos, sin, k_cache, v_cache,
                        {slot_mapping, query_start, query_lens, block_tables, context_lens, block_size});

@@ -55,10 +55,26 @@ struct Int8RowScratch {  // a thread's x as int16 pairs and block scales (and th
   std::vector<float> sx;
   std::vector<int8_t> high;
   std::vector<uint8_t> low;
+  std::vector<float> group_sums;  // 4-bit layers with offsets: each row's sum of x per group
 };
 void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed,
                              const at::Tensor& packed_scales, const float* bias, float* out, int64_t n, int64_t begin,
                              int64_t end, Int8RowScratch& scratch);
+
+// int4_linear.cpp: 4-bit weights (panels two values a byte, fp16 scales, int8 zero points or one for
+// all, optional fp16 offsets), as the int8 ones compute them; the rows variant as above.
+at::Tensor packed_int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& zeros, int64_t zero,
+                              const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                              int64_t n);
+at::Tensor packed_int4_logits(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& zeros, int64_t zero,
+                              const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                              int64_t n);
+void packed_int4_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& zeros, int64_t zero,
+                             const c10::optional<at::Tensor>& offsets, const float* bias, float* out, int64_t n,
+                             int64_t begin, int64_t end, Int8RowScratch& scratch);
 
 // onednn_linear.cpp: x W^T + b with W reordered for oneDNN (bf16 on AMX / AVX512-BF16 CPUs); x's dtype.
 // Decode-sized bf16 steps on AMX CPUs run amx_linear on the same reordered weight.
@@ -152,19 +168,16 @@ void lora_delta(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, 
                 const at::Tensor& rows, const at::Tensor& segments, const at::Tensor& blocks);
 
 // decoder_layer.cpp: one Llama-shaped layer, and DecoderStack (every layer of a model) as a torch class
+// (projections: weight, scales, zeros, offsets and bias of qkv, o, gate_up and down; zero_points:
+// the four projections' one zero point, for 4-bit ones without per-group zero points)
 at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
-                               double eps, const at::Tensor& qkv_weight, const c10::optional<at::Tensor>& qkv_scales,
-                               const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
-                               const c10::optional<at::Tensor>& o_scales, const c10::optional<at::Tensor>& o_bias,
-                               const at::Tensor& gate_up_weight, const c10::optional<at::Tensor>& gate_up_scales,
-                               const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_weight,
-                               const c10::optional<at::Tensor>& down_scales, const c10::optional<at::Tensor>& down_bias,
-                               int64_t heads, int64_t kv_heads, int64_t intermediate, const at::Tensor& cos,
-                               const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                               const at::Tensor& slot_mapping, const at::Tensor& query_start,
-                               const at::Tensor& query_lens, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, int64_t block_size, double scale, int64_t window,
-                               double softcap);
+                               double eps, const c10::List<std::optional<at::Tensor>>& projections,
+                               c10::ArrayRef<int64_t> zero_points, int64_t heads, int64_t kv_heads,
+                               int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
+                               at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                               const at::Tensor& query_start, const at::Tensor& query_lens,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                               double scale, int64_t window, double softcap);
 void register_decoder_stack(torch::Library& m);
 
 }  // namespace tokenmill

@@ -42,6 +42,18 @@ inline Vec load_bf16(const at::BFloat16* src) {
 // the dtype of a row they stream: weight panels, K/V rows).
 inline Vec load_as_float(const float* src) { return Vec::loadu(src); }
 inline Vec load_as_float(const at::BFloat16* src) { return load_bf16(src); }
+// fp16 (4-bit layers' scales) widened exactly (F16C).
+inline Vec load_as_float(const at::Half* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+#else
+  float widened[kVec];
+  for (int64_t i = 0; i < kVec; ++i) widened[i] = static_cast<float>(src[i]);
+  return Vec::loadu(widened);
+#endif
+}
 
 // kVec fp32 values stored as T: fp32 as they are, bf16 rounded to nearest even (as Tensor.to rounds,
 // NaN kept NaN).

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from tokenmill.models.layers.linear import Linear, LinearBackend, LinearMethod
 
 # --quantization choices: a float checkpoint quantized at load
-ONLINE_METHODS = ("int8",)
+ONLINE_METHODS = ("int8", "int4")
 
 
 class QuantizationConfig:
@@ -45,22 +45,25 @@ class QuantizationConfig:
 
 
 class OnlineQuantization(QuantizationConfig):
-    """`--quantization int8`: every linear layer of a float checkpoint quantized at load. Without
-    tokenmill's CPU kernels the lm_head stays float (widening an int8 head on every call would cost a
-    vocabulary-sized matrix per step)."""
+    """`--quantization int8` / `int4`: every linear layer of a float checkpoint quantized at load
+    (int4: the lm_head in int8, the largest and most sensitive matrix, as llama.cpp's Q4 files keep
+    their output matrix wider). Without tokenmill's CPU kernels the lm_head stays float (widening a
+    quantized head on every call would cost a vocabulary-sized matrix per step)."""
 
     def __init__(self, name: str, kernels: bool) -> None:
+        from tokenmill.models.layers.quantization.int4 import Int4LinearMethod
         from tokenmill.models.layers.quantization.int8 import Int8LinearMethod
 
         self.name = name
         self.kernels = kernels
-        self.method: LinearMethod = Int8LinearMethod(kernels)
+        self.head: LinearMethod = Int8LinearMethod(kernels)
+        self.method: LinearMethod = Int4LinearMethod(kernels) if name == "int4" else self.head
 
     def linear_method(
         self, name: str, parts: tuple[str, ...], layer: Linear, backend: LinearBackend
     ) -> LinearMethod | None:
-        if not self.kernels and name.rpartition(".")[2] == "lm_head":
-            return None
+        if name.rpartition(".")[2] == "lm_head":
+            return self.head if self.kernels else None
         return self.method
 
     def expert_method(self) -> LinearMethod | None:
@@ -91,6 +94,11 @@ def quantization_config(
             f"{where}: --quantization {flag} asks to quantize a checkpoint that is already quantized ({method}); "
             "leave the flag out"
         )
-    raise ModelLoadError(
-        f"{where}: quantization method {method!r} is not supported (float checkpoints, with --quantization int8)"
-    )
+    from tokenmill.models.layers.quantization.formats import FORMATS
+
+    if method not in FORMATS:
+        raise ModelLoadError(
+            f"{where}: quantization method {method!r} is not supported (supported: {', '.join(FORMATS)}; "
+            f"float checkpoints also with --quantization {' or '.join(ONLINE_METHODS)})"
+        )
+    return FORMATS[method](declared, where)
