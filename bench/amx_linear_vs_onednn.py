@@ -19,7 +19,7 @@ LAYERS = 30
 
 
 def layer_weights() -> list[list[torch.Tensor]]:
-    """Each layer's four bf16 weights, random, reordered by oneDNN as OneDnnLinear reorders them."""
+    """Each layer's four bf16 weights, random, reordered by oneDNN as OneDnnLinearMethod reorders them."""
     return [
         [torch.ops.mkldnn._reorder_linear_weight((torch.randn(n, k) / k**0.5).bfloat16(), 64) for n, k in SHAPES]
         for _ in range(LAYERS)

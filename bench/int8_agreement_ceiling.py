@@ -4,7 +4,7 @@ bf16 arithmetic (every op's output rounded to bf16, GEMMs summed in fp32), with 
 to bf16 or kept fp32, over four sets of linear weights: the checkpoint's rounded to bf16 (the bf16
 model: the reference), the checkpoint's exact fp32 values (what a perfect int8 scheme could give at
 best), and int8 in groups of 32 by round-to-nearest and by tokenmill's least-error scales
-(tokenmill.models.layers.quant, dequantized exactly). A plain fp32 model is the other reference. Each
+(tokenmill.models.layers.quantization.int8, dequantized exactly). A plain fp32 model is the other reference. Each
 model is a plain torch forward here, not the engine: it isolates the weights from tokenmill's
 kernels. (~2 minutes on 2 cores.)
 

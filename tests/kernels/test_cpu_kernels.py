@@ -611,7 +611,7 @@ def test_packed_linear_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_pack_linears_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, native_bf16):
+def test_packing_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, native_bf16):
     """bf16 linears go to the panel GEMM where the CPU has no native bf16 (AMX / AVX512-BF16; torch's
     bf16 GEMMs are slow there), to oneDNN where it has; the tied embedding reads bf16 panels too."""
     from tests.utils.linear import prepare
@@ -648,7 +648,7 @@ def test_pack_linears_puts_bf16_on_panels_only_without_native_bf16(monkeypatch, 
 
 
 @pytest.mark.parametrize("kernels", [True, False])
-def test_pack_linears_picks_the_panel_kernel_for_fp32(monkeypatch, kernels):
+def test_packing_picks_the_panel_kernel_for_fp32(monkeypatch, kernels):
     """fp32 linears go to the panel GEMM when tokenmill's kernels load, to oneDNN when they cannot;
     either gives nn.Linear's result, for 2-D and 3-D inputs, with and without a bias."""
     from tests.utils.linear import prepare

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tokenmill.models.layers.quant as quant
+import tokenmill.models.layers.quantization.int8 as quant
 from tokenmill.kernels import build
 
 needs_kernels = pytest.mark.skipif(not build.load(), reason="kernels off (no C++ toolchain or TOKENMILL_CPU_KERNELS=0)")

@@ -15,7 +15,7 @@ is picked, not what the model thought of it.
 Draws: each sampled row takes one float64 U[0, 1) from its RNG (its own, seeded with seed + choice
 index, for a seeded request; else the engine's) and draws by inverse CDF over its filtered weights
 in vocabulary order. On CPU the temperature, top-k/top-p/min-p, the draw and greedy rows' argmax
-run as one kernel per row (tokenmill/kernels/csrc/sampling.cpp); elsewhere, and for speculative
+run as one kernel per row (tokenmill/kernels/csrc/cpu/sampling.cpp); elsewhere, and for speculative
 steps, as torch ops. Both keep the same rows and draw the same way, so a seeded row gets the same
 token from either, whatever else is in the batch.
 

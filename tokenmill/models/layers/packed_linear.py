@@ -5,7 +5,7 @@ PyTorch runs a CPU `nn.Linear` through MKL's sgemm, which on this project's AMD 
 code path (0.7-0.8x oneDNN's rate on decode-batch shapes, ~0.7x at one row).
 Two packings replace it, chosen by the weight's dtype:
 
-- fp32 (`PanelLinearMethod`): tokenmill's panel GEMM (kernels/csrc/packed_linear.cpp): the weight in
+- fp32 (`PanelLinearMethod`): tokenmill's panel GEMM (kernels/csrc/cpu/panel_linear.cpp): the weight in
   panels of 16 (AVX2) or 32 (AVX-512) output columns, k-major, which one row streams at memory
   speed and many rows multiply from registers. Against oneDNN's packed fp32 weights on SmolLM2's
   layer shapes (`tokenmill bench kernels`, AMD Zen3): 1.4-1.8x at one row, 1.3-1.5x at 16, ~1.3x at
@@ -18,7 +18,7 @@ Two packings replace it, chosen by the weight's dtype:
 - bf16 on CPUs with native bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinearMethod`):
   oneDNN with the weight reordered into its blocked layout (AMX / AVX512-BF16). On AMX CPUs, steps
   of up to 64 rows (decode) read that same weight with tokenmill's AMX tiles instead
-  (kernels/csrc/amx_linear.cpp: up to 32 rows bit-identical to oneDNN's results at ~1.3x its speed;
+  (kernels/csrc/cpu/amx_linear.cpp: up to 32 rows bit-identical to oneDNN's results at ~1.3x its speed;
   33-64 rows as chunks of 32, each row's bits those it has in any step, close to oneDNN's own
   blocking of those rows, ~1.05-1.1x its speed).
 
