@@ -284,18 +284,22 @@ def _read_state(
 def _checkpoint_parts(files: list[Path], cls: type) -> PartNames:
     """{a layer's local name: the checkpoint modules it is loaded from} (a fused layer has several),
     from the checkpoint's tensor names."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     parts: dict[str, list[str]] = {}
     for path in files:
         if path.suffix != ".safetensors":
             continue
-        with safe_open(str(path), framework="pt") as f:
-            for hf_name in f.keys():  # noqa: SIM118 - safe_open has keys(), no __iter__
-                local = cls.hf_to_local(hf_name)[0].rpartition(".")[0]
-                module = hf_name.rpartition(".")[0]
-                if module not in parts.setdefault(local, []):
-                    parts[local].append(module)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise _unreadable(path, exc) from None
+        for hf_name in names:
+            local = cls.hf_to_local(hf_name)[0].rpartition(".")[0]
+            module = hf_name.rpartition(".")[0]
+            if module not in parts.setdefault(local, []):
+                parts[local].append(module)
     return {name: tuple(modules) for name, modules in parts.items()}
 
 
