@@ -191,7 +191,8 @@ def test_bf16_without_native_bf16_is_bf16_weights_and_cache_in_fp32_arithmetic(
 def test_bf16_logits_are_the_heads_fp32_sums(sharp_tiny_model_dir, quantization):
     """`--dtype bfloat16` on CPU (and with int8 weights): the logits are the head's fp32 sums, not
     rounded to bf16 first (bf16 logits tie and swap near-equal tokens), whatever the CPU computes the
-    model in. (A bf16 head on oneDNN without AMX tiles is the exception: oneDNN rounds its output.)"""
+    model in (a bf16 head that oneDNN would compute without AMX tiles, which rounds its output, runs
+    on the panel GEMM instead)."""
     from safetensors.torch import load_file
 
     from tokenmill import LLM

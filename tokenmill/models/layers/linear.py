@@ -198,6 +198,20 @@ class LinearBackend:
             return packed_method_for(self.dtype) or UNQUANTIZED
         return UNQUANTIZED
 
+    def head_method(self) -> LinearMethod:
+        """The lm_head's float method: the layers' one, except a bf16 head that oneDNN would compute
+        without AMX tiles (AVX512-BF16 CPUs): oneDNN rounds that GEMM's output to bf16, and bf16 logits
+        tie and swap near-equal tokens. The panel GEMM returns the head's fp32 sums from the same bf16
+        weight (a head computes one row per sequence: the bytes streamed are the same)."""
+        method = self.float_method()
+        if method.name == "onednn" and self.dtype == torch.bfloat16:
+            from tokenmill.kernels.cpu_caps import detect
+            from tokenmill.models.layers.packed_linear import PANELS
+
+            if not detect().amx_bf16 and detect().vector_isa != "generic" and self.kernels:
+                return PANELS
+        return method
+
 
 def linear_layers(model: nn.Module) -> Iterator[tuple[str, Linear]]:
     for name, module in model.named_modules():
@@ -213,11 +227,11 @@ def assign_linear_methods(
     of each layer (several for a fused layer), which the quantization's per-module rules match."""
     from tokenmill.models.layers.moe import GroupedExperts
 
-    float_method = backend.float_method()
+    float_method, head_method = backend.float_method(), backend.head_method()
     for name, layer in linear_layers(model):
         layer.name = name  # (errors about its tensors name it)
         method = quantization.linear_method(name, parts.get(name, (name,)), layer, backend) if quantization else None
-        layer.use_method(method or float_method)
+        layer.use_method(method or (head_method if name.rpartition(".")[2] == "lm_head" else float_method))
     for module in model.modules():
         if isinstance(module, GroupedExperts):  # (stacked: split into linear layers once loaded)
             module.linear_method = quantization.expert_method() if quantization else None
