@@ -455,7 +455,7 @@ def execute(step: Step, dry_run: bool, log) -> None:
 
 
 def write_workload(args: argparse.Namespace, model_dir: Path, path: Path) -> None:
-    from tokenmill.bench.offline import make_workload
+    from tokenmill.bench.offline.workload import make_workload
     from tokenmill.models.model_loader.loader import load_spec
 
     requests = make_workload(

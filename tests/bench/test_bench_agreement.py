@@ -72,7 +72,7 @@ def test_step_reads_keys_back_from_a_narrower_kv_cache(tiny_model_dir, monkeypat
     and the references keep the full-width cache."""
     import torch
 
-    from tokenmill.bench.offline import make_llm
+    from tokenmill.bench.engine_args import make_llm
     from tokenmill.cli import build_parser
 
     monkeypatch.setattr(agreement, "resolve_bench_model", lambda model: tiny_model_dir)

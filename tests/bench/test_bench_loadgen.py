@@ -24,19 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokenmill.bench import compare
-from tokenmill.bench.serve import (
-    BenchReport,
+from tokenmill.bench.report import LatencyStats, percentiles
+from tokenmill.bench.serve.client import RequestResult, completions_url
+from tokenmill.bench.serve.report import BenchReport, build_report, format_table, plot_reports
+from tokenmill.bench.serve.runner import run_benchmark
+from tokenmill.bench.serve.workload import (
     BenchRequest,
-    LatencyStats,
-    RequestResult,
     arrival_offsets,
-    build_report,
-    completions_url,
-    format_table,
     load_sharegpt,
-    percentiles,
-    plot_reports,
-    run_benchmark,
     synthetic_requests,
     warmup_requests,
 )
@@ -450,12 +445,13 @@ def test_engine_benchmarks_without_the_bench_extra(monkeypatch: pytest.MonkeyPat
     """Without numpy/httpx/matplotlib the CLI still builds; an engine benchmark says which extra it needs."""
     args = _parser().parse_args(["bench", "offline", "--model", "tiny"])
     assert args.bench_command == "offline" and args.model == "tiny"
-    monkeypatch.setitem(sys.modules, "httpx", None)  # `import httpx` now raises ImportError
+    for extra in ("numpy", "httpx", "matplotlib"):  # `import numpy` now raises ImportError
+        monkeypatch.setitem(sys.modules, extra, None)
     import tokenmill.bench
 
-    for name in ("offline", "features", "moe_dispatch", "serve"):  # forget them: the next import runs again
-        monkeypatch.delitem(sys.modules, f"tokenmill.bench.{name}", raising=False)
-        monkeypatch.delattr(tokenmill.bench, name, raising=False)
+    for module in [m for m in sys.modules if m.startswith("tokenmill.bench.")]:  # forget them: imported again
+        monkeypatch.delitem(sys.modules, module)
+        monkeypatch.delattr(tokenmill.bench, module.split(".")[2], raising=False)
     for command in (["bench", "offline"], ["bench", "features"], ["bench", "serve"]):
         args = _parser().parse_args(command)
         with pytest.raises(ValueError, match=r"tokenmill\[bench\]"):

@@ -7,48 +7,61 @@ import json
 import pytest
 import torch
 
-from tokenmill.bench import offline
+from tokenmill.bench import engine_args
+from tokenmill.bench.engine_args import DEFAULT_KV_CACHE
+from tokenmill.bench.offline.cli import main as offline_main
+from tokenmill.bench.offline.hf_baseline import (
+    hf_pad_id,
+    load_hf_model,
+    padding_accounting,
+    run_hf_static,
+    static_batches,
+)
+from tokenmill.bench.offline.report import format_runs, greedy_agreement
+from tokenmill.bench.offline.runners import run_tokenmill, warmup
+from tokenmill.bench.offline.workload import MIN_PROMPT_TOKEN_ID, STRUCTURED_SCHEMA, OfflineRequest, make_workload
 from tokenmill.bench.roofline import (
     RooflineResult,
     copy_bandwidth,
     measure_roofline,
     model_weight_bytes,
 )
+from tokenmill.bench.sampling import Sampling
 
 
 def test_workload_deterministic_and_in_range():
-    a = offline.make_workload(50, 4, 200, 16, 128, vocab_size=49152, seed=3)
-    b = offline.make_workload(50, 4, 200, 16, 128, vocab_size=49152, seed=3)
-    c = offline.make_workload(50, 4, 200, 16, 128, vocab_size=49152, seed=4)
+    a = make_workload(50, 4, 200, 16, 128, vocab_size=49152, seed=3)
+    b = make_workload(50, 4, 200, 16, 128, vocab_size=49152, seed=3)
+    c = make_workload(50, 4, 200, 16, 128, vocab_size=49152, seed=4)
     assert a == b
     assert a != c
     assert len(a) == 50
     for r in a:
         assert 4 <= len(r.prompt_token_ids) <= 200
         assert 16 <= r.output_len <= 128
-        assert all(offline.MIN_PROMPT_TOKEN_ID <= t < 49152 for t in r.prompt_token_ids)
+        assert all(MIN_PROMPT_TOKEN_ID <= t < 49152 for t in r.prompt_token_ids)
     # Mixed lengths, not a constant.
     assert len({len(r.prompt_token_ids) for r in a}) > 10
     assert len({r.output_len for r in a}) > 10
     # Inclusive bounds.
-    fixed = offline.make_workload(5, 7, 7, 9, 9, vocab_size=1000, seed=0)
+    fixed = make_workload(5, 7, 7, 9, 9, vocab_size=1000, seed=0)
     assert all(len(r.prompt_token_ids) == 7 and r.output_len == 9 for r in fixed)
     with pytest.raises(ValueError):
-        offline.make_workload(3, 10, 5, 1, 2, vocab_size=1000)
+        make_workload(3, 10, 5, 1, 2, vocab_size=1000)
 
 
 def test_padding_accounting():
-    w = [offline.OfflineRequest([1] * 3, n) for n in (5, 10, 2, 8)]
+    w = [OfflineRequest([1] * 3, n) for n in (5, 10, 2, 8)]
     # Batches of 2: [5, 10] -> 2*10, [2, 8] -> 2*8; useful 25 of 36.
-    useful, generated, waste = offline.padding_accounting(w, 2)
+    useful, generated, waste = padding_accounting(w, 2)
     assert (useful, generated) == (25, 36)
     assert waste == pytest.approx(11 / 36)
-    assert offline.padding_accounting(w, 1) == (25, 25, 0.0)
-    assert offline.static_batches(w, 3) == [[0, 1, 2], [3]]
+    assert padding_accounting(w, 1) == (25, 25, 0.0)
+    assert static_batches(w, 3) == [[0, 1, 2], [3]]
 
 
 def test_greedy_agreement():
-    agree = offline.greedy_agreement([[1, 2, 3], [4, 5], [6, 7, 8]], [[1, 2, 3, 9], [4, 6], [6, 7, 8]])
+    agree = greedy_agreement([[1, 2, 3], [4, 5], [6, 7, 8]], [[1, 2, 3, 9], [4, 6], [6, 7, 8]])
     assert agree["requests"] == 3
     assert agree["exact_match_fraction"] == pytest.approx(2 / 3)
     assert agree["mean_matching_prefix_fraction"] == pytest.approx((1 + 0.5 + 1) / 3)
@@ -63,13 +76,13 @@ def tiny_llm(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def small_workload():
-    return offline.make_workload(4, 3, 12, 2, 6, vocab_size=49152, seed=1)
+    return make_workload(4, 3, 12, 2, 6, vocab_size=49152, seed=1)
 
 
 def test_hf_static_baseline_counts(tiny_model_dir, small_workload):
-    model = offline.load_hf_model(tiny_model_dir)
-    pad = offline.hf_pad_id(tiny_model_dir)
-    run = offline.run_hf_static(model, small_workload, batch_size=2, pad_id=pad, progress=False)
+    model = load_hf_model(tiny_model_dir)
+    pad = hf_pad_id(tiny_model_dir)
+    run = run_hf_static(model, small_workload, batch_size=2, pad_id=pad, progress=False)
     outs = [r.output_len for r in small_workload]
     assert [len(t) for t in run.token_ids] == outs
     assert run.output_tokens == run.requested_tokens == sum(outs)
@@ -83,22 +96,20 @@ def test_warmup_leaves_the_measured_prompts_uncached(tiny_llm):
     """The untimed warm-up must not put the timed prompts in the prefix cache (HF has none)."""
     from tokenmill import SamplingParams
 
-    workload = offline.make_workload(2, 40, 60, 2, 2, vocab_size=49152, seed=7)
+    workload = make_workload(2, 40, 60, 2, 2, vocab_size=49152, seed=7)
     prompts = [r.prompt_token_ids for r in workload]
-    offline.warmup(tiny_llm, workload, max_tokens=2)
-    first = offline.run_tokenmill(tiny_llm, workload, use_tqdm=False)
+    warmup(tiny_llm, workload, max_tokens=2)
+    first = run_tokenmill(tiny_llm, workload, use_tqdm=False)
     assert first.cached_prompt_tokens == 0  # the report says so too
     again = tiny_llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
     assert all(o.num_cached_tokens >= 32 for o in again)  # (a hit is visible when there is one)
-    repeated = offline.run_tokenmill(tiny_llm, workload, use_tqdm=False)
-    assert repeated.cached_prompt_tokens >= 64 and "Prompt tokens from the prefix cache" in offline.format_runs(
-        [repeated]
-    )
+    repeated = run_tokenmill(tiny_llm, workload, use_tqdm=False)
+    assert repeated.cached_prompt_tokens >= 64 and "Prompt tokens from the prefix cache" in format_runs([repeated])
 
 
 def test_offline_run_consistent(tiny_llm, small_workload):
-    offline.warmup(tiny_llm, small_workload, max_tokens=2)
-    run = offline.run_tokenmill(tiny_llm, small_workload, use_tqdm=False)
+    warmup(tiny_llm, small_workload, max_tokens=2)
+    run = run_tokenmill(tiny_llm, small_workload, use_tqdm=False)
     assert run.num_requests == 4
     assert [len(t) for t in run.token_ids] == [r.output_len for r in small_workload]
     assert run.output_tokens == run.requested_tokens == sum(r.output_len for r in small_workload)
@@ -114,15 +125,15 @@ def test_offline_run_consistent(tiny_llm, small_workload):
 def test_sampled_workload_in_tokenmill_and_hf(tiny_llm, tiny_model_dir, small_workload):
     """--temperature/--top-p/--top-k/--min-p: both sides sample (the tokens leave the greedy ones) and
     still produce every requested token."""
-    sampling = offline.Sampling(temperature=1.5, top_p=0.95, top_k=50, min_p=0.01)
-    greedy = offline.run_tokenmill(tiny_llm, small_workload, use_tqdm=False)
-    sampled = offline.run_tokenmill(tiny_llm, small_workload, use_tqdm=False, sampling=sampling)
+    sampling = Sampling(temperature=1.5, top_p=0.95, top_k=50, min_p=0.01)
+    greedy = run_tokenmill(tiny_llm, small_workload, use_tqdm=False)
+    sampled = run_tokenmill(tiny_llm, small_workload, use_tqdm=False, sampling=sampling)
     assert sampled.output_tokens == sampled.requested_tokens
     assert sampled.token_ids != greedy.token_ids
-    model = offline.load_hf_model(tiny_model_dir)
-    hf = offline.run_hf_static(model, small_workload, batch_size=2, progress=False, sampling=sampling)
+    model = load_hf_model(tiny_model_dir)
+    hf = run_hf_static(model, small_workload, batch_size=2, progress=False, sampling=sampling)
     assert hf.output_tokens == hf.requested_tokens
-    assert offline.Sampling().greedy and offline.Sampling(temperature=0.7, top_k=1).greedy and not sampling.greedy
+    assert Sampling().greedy and Sampling(temperature=0.7, top_k=1).greedy and not sampling.greedy
 
 
 def test_structured_output_workload_keeps_every_document_open(tiny_llm):
@@ -130,10 +141,10 @@ def test_structured_output_workload_keeps_every_document_open(tiny_llm):
     count (STRUCTURED_SCHEMA's minItems never lets the document end), and the tokens are JSON."""
     import jiter
 
-    workload = offline.make_workload(4, 3, 12, 40, 60, vocab_size=49152, seed=2)
-    structured = {"json": offline.STRUCTURED_SCHEMA}
-    offline.warmup(tiny_llm, workload, max_tokens=2, structured=structured)
-    run = offline.run_tokenmill(tiny_llm, workload, use_tqdm=False, structured=structured)
+    workload = make_workload(4, 3, 12, 40, 60, vocab_size=49152, seed=2)
+    structured = {"json": STRUCTURED_SCHEMA}
+    warmup(tiny_llm, workload, max_tokens=2, structured=structured)
+    run = run_tokenmill(tiny_llm, workload, use_tqdm=False, structured=structured)
     assert run.output_tokens == run.requested_tokens
     for token_ids in run.token_ids:
         text = tiny_llm.tokenizer.decode(token_ids)
@@ -156,7 +167,7 @@ def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch):
     from tokenmill.bench import features
     from tokenmill.cli import build_parser
 
-    monkeypatch.setattr(offline, "resolve_bench_model", lambda model: tiny_model_dir)
+    monkeypatch.setattr(engine_args, "resolve_bench_model", lambda model: tiny_model_dir)
     monkeypatch.setattr(features, "resolve_bench_model", lambda model: tiny_model_dir)
     args = build_parser().parse_args(
         [
@@ -246,11 +257,11 @@ def test_cli_parsing():
             "x.json",
         ]
     )
-    assert args.func is offline.main
+    assert args.func is offline_main
     assert args.compare == "hf" and args.sweep and args.sweep_values == [1, 2, 8]
     assert args.model == "tiny" and args.max_num_seqs == 32 and args.json == "x.json"
     assert (args.num_prompts, args.min_input, args.max_input, args.min_output, args.max_output) == (64, 4, 200, 16, 128)
-    assert args.hf_batch_size == 16 and args.kv_cache_memory == offline.DEFAULT_KV_CACHE
+    assert args.hf_batch_size == 16 and args.kv_cache_memory == DEFAULT_KV_CACHE
     assert (
         build_parser().parse_args(["bench", "offline", "--compare", "structured-output"]).compare == "structured-output"
     )

@@ -24,19 +24,16 @@ from typing import Any
 
 import httpx
 
+from tokenmill.bench.report import json_safe, write_json
 from tokenmill.bench.sampling import sampling_from_args
-from tokenmill.bench.serve import (
-    BenchReport,
+from tokenmill.bench.serve.report import BenchReport, format_table, plot_reports
+from tokenmill.bench.serve.runner import run_benchmark
+from tokenmill.bench.serve.workload import (
     BenchRequest,
     describe_trace,
-    format_table,
-    json_safe,
     load_tokenizer,
-    plot_reports,
     requests_from_args,
-    run_benchmark,
     warmup_requests,
-    write_json,
 )
 from tokenmill.server.omp import server_omp_settings
 

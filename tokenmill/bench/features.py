@@ -27,21 +27,13 @@ from typing import Any
 import numpy as np
 
 from tokenmill.bench.arg_types import positive_int
+from tokenmill.bench.engine_args import add_bench_engine_args, engine_kwargs, resolve_bench_model
 from tokenmill.bench.lora_adapters import write_random_adapter
-from tokenmill.bench.offline import (
-    MIN_PROMPT_TOKEN_ID,
-    OfflineRequest,
-    _fmt,
-    add_bench_engine_args,
-    engine_kwargs,
-    greedy_agreement,
-    in_fresh_process,
-    make_workload,
-    print_report,
-    resolve_bench_model,
-    tokenmill_run,
-)
-from tokenmill.bench.serve import format_grid, load_tokenizer, synthetic_requests
+from tokenmill.bench.offline.report import greedy_agreement
+from tokenmill.bench.offline.runners import in_fresh_process, tokenmill_run
+from tokenmill.bench.offline.workload import MIN_PROMPT_TOKEN_ID, OfflineRequest, make_workload
+from tokenmill.bench.report import format_cell, format_grid, print_report
+from tokenmill.bench.serve.workload import load_tokenizer, synthetic_requests
 from tokenmill.bench.served_features import COLLECTOR_STUB, served_run
 from tokenmill.bench.speculative import BS1_WORKLOADS, bs1_run, bs1_workloads
 
@@ -315,12 +307,12 @@ def format_rows(rows: Sequence[FeatureRow]) -> str:
                 r.feature,
                 r.setting,
                 r.workload,
-                _fmt(r.output_tok_s, ".1f"),
-                _fmt(speedup, ".2f") + ("x" if speedup else ""),
-                _fmt(r.mean_ttft_s, ".3f"),
-                _fmt(r.p50_latency_s, ".2f"),
-                _fmt(r.weight_mib, ".1f"),
-                _fmt(None if r.greedy_agreement_with_off is None else r.greedy_agreement_with_off * 100, ".0f")
+                format_cell(r.output_tok_s, ".1f"),
+                format_cell(speedup, ".2f") + ("x" if speedup else ""),
+                format_cell(r.mean_ttft_s, ".3f"),
+                format_cell(r.p50_latency_s, ".2f"),
+                format_cell(r.weight_mib, ".1f"),
+                format_cell(None if r.greedy_agreement_with_off is None else r.greedy_agreement_with_off * 100, ".0f")
                 + ("%" if r.greedy_agreement_with_off is not None else ""),
                 "-"
                 if r.spec_acceptance_rate is None

@@ -22,15 +22,17 @@ Each figure is the best of 7 timed repeats (a noisy VM slows repeats, it never s
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tokenmill.bench.arg_types import positive_int
-from tokenmill.bench.offline import print_report, resolve_bench_model
-from tokenmill.bench.serve import format_grid
+from tokenmill.bench.engine_args import resolve_bench_model
+from tokenmill.bench.report import format_grid, print_report
 
 if TYPE_CHECKING:  # (imported where used: the CLI registers this module's flags without loading torch)
     import torch
@@ -147,6 +149,10 @@ def gemm_paths(
     return paths
 
 
+def _in_turn(gemm: Callable[[torch.Tensor, int], Any], x: torch.Tensor, turn: Iterator[int]) -> Any:
+    return gemm(x, next(turn) % 4)
+
+
 def _linear_of(weight: torch.Tensor) -> torch.nn.Linear:
     import torch
 
@@ -165,15 +171,10 @@ def projection_cases(vocab: int, hidden: int) -> list[dict[str, Any]]:
     results = []
     for rows in PROJECTION_ROWS:
         x = torch.randn(rows, hidden, generator=gen)
-        turn = [0]
-
-        def next_index() -> int:
-            turn[0] += 1
-            return turn[0] % 4
-
+        turn = itertools.count(1)  # which of the 4 weights the next call reads, across paths
         row: dict[str, Any] = {"rows": rows}
         for path, gemm in paths.items():
-            row[path] = best_seconds(lambda gemm=gemm: gemm(x, next_index()), calls=8) * 1e3
+            row[path] = best_seconds(functools.partial(_in_turn, gemm, x, turn), calls=8) * 1e3
         row["weight_gb_per_s_kernel"] = weight_bytes / row["panel kernel"] / 1e6
         results.append(row)
     return results

@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenmill.bench.arg_types import positive_int
-from tokenmill.bench.offline import print_report
-from tokenmill.bench.serve import format_grid
+from tokenmill.bench.report import format_grid, print_report
 
 if TYPE_CHECKING:  # (imported where used: the CLI registers this module's flags without loading torch)
     import torch

@@ -110,7 +110,9 @@ class NaiveEngine:
                 streamer.end()  # unblock the consumer
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # (one sequence's ids; a batch of them would decode to a list)
+        return text
 
     def finish_reason(self, job: GenerationJob) -> str:
         return "length" if len(job.completion_ids) >= job.kwargs["max_new_tokens"] else "stop"
@@ -137,6 +139,7 @@ def _token_streamer(tokenizer: Any) -> Any:
                 return
             self.token_cache.extend(value.tolist())
             text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+            assert isinstance(text, str)  # (one sequence's ids)
             if text.endswith("\ufffd"):  # a multi-byte character is still incomplete
                 return
             self.on_finalized_text(text[self.print_len :])

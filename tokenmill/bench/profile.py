@@ -28,14 +28,9 @@ from typing import Any
 import numpy as np
 
 from tokenmill.bench.arg_types import positive_int
-from tokenmill.bench.offline import (
-    MIN_PROMPT_TOKEN_ID,
-    add_bench_engine_args,
-    make_llm,
-    print_report,
-    resolve_bench_model,
-)
-from tokenmill.bench.serve import format_grid
+from tokenmill.bench.engine_args import add_bench_engine_args, make_llm, resolve_bench_model
+from tokenmill.bench.offline.workload import MIN_PROMPT_TOKEN_ID
+from tokenmill.bench.report import format_grid, print_report
 
 CATEGORIES = ("attention", "gemm", "elementwise", "sampler", "host")
 _SCOPES = {"tokenmill::attention": "attention", "tokenmill::sampler": "sampler"}

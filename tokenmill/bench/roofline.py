@@ -85,7 +85,7 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
             linear_ptrs.add(module.weight.data_ptr())
         elif isinstance(module, nn.Embedding):
             embedding_ptrs.add(module.weight.data_ptr())
-    tensors = list(model.parameters())
+    tensors: list[torch.Tensor] = list(model.parameters())
     tensors += [b for name, b in model.named_buffers() if "rope" not in name and "inv_freq" not in name]
     for t in tensors:
         if t.numel() == 0:

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.compare import free_port, real_server_cmd, start_server, stop_server, wait_ready
-from tokenmill.bench.serve import BenchReport, BenchRequest, run_benchmark, warmup_requests
+from tokenmill.bench.serve.report import BenchReport
+from tokenmill.bench.serve.runner import run_benchmark
+from tokenmill.bench.serve.workload import BenchRequest, warmup_requests
 
 # Stands for the collector stub's address in a Feature's settings.
 COLLECTOR_STUB = "collector-stub"

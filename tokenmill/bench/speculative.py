@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.bench.offline import OfflineRequest, RunResult, _result
+from tokenmill.bench.offline.runners import RunResult, run_result
+from tokenmill.bench.offline.workload import OfflineRequest
 
 _SNIPPETS = [
     '''def moving_average(values, window):
@@ -135,7 +136,7 @@ def bs1_run(kwargs: dict[str, Any], workload: Sequence[OfflineRequest], name: st
             ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
         duration = time.perf_counter() - start
         after = llm.engine.stats()
-        run = _result(name, workload, token_ids, duration, latencies, ttfts, max_num_seqs=1)
+        run = run_result(name, workload, token_ids, duration, latencies, ttfts, max_num_seqs=1)
         run.weight_bytes = model_weight_bytes(llm.engine.model)[0]
         drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
         proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens

@@ -217,12 +217,13 @@ def _register_engine_benchmarks(bench_subparsers: Any) -> None:
         except ImportError as exc:
             add_bench_command(bench_subparsers, name, f"{summary} (needs the bench extra)", None, _missing_extra(exc))
             continue
-        parser = add_bench_command(bench_subparsers, name, summary, inspect.cleandoc(module.__doc__), module.main)
+        description = inspect.cleandoc(module.__doc__) if module.__doc__ else None
+        parser = add_bench_command(bench_subparsers, name, summary, description, module.main)
         module.add_args(parser)
         parser.add_argument(
             "--json",
             metavar="PATH",
-            default=None,  # (read by offline.print_report)
+            default=None,  # (read by tokenmill.bench.report.print_report)
             help="write the results, the command line, date, torch version and threads as JSON to PATH",
         )
 
