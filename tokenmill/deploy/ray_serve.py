@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
+from ray.serve import Deployment
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -149,7 +150,8 @@ class TokenmillReplica:
 def build_application(engine_config: EngineConfig, settings: ServerSettings, scale: ScaleOptions) -> Any:
     """The bound Ray Serve application (pass it to `serve.run`)."""
     settings = replace(settings, grpc_port=0)  # replicas serve HTTP only, through the Serve proxy
-    deployment = TokenmillReplica.options(**deployment_options(engine_config, scale))
+    # (@serve.deployment made the class a Deployment; type checkers keep a decorated class's own type.)
+    deployment = cast(Deployment, TokenmillReplica).options(**deployment_options(engine_config, scale))
     return deployment.bind(replica_engine_config(engine_config, scale), settings)
 
 

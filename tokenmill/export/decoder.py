@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -92,13 +93,12 @@ class ExportDecoder(nn.Module):
     """forward(input_ids, attention_mask, position_ids, *past) -> (logits, *presents), flat
     tensors in the order of `past_names` / `present_names` (what tracing exporters take)."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        check_exportable(model)
-        for layer in model.layers:
-            layer.self_attn = ContiguousAttention(layer.self_attn)
-        self.model = model
-        self.windows = {w for w in model.spec.layer_windows if w is not None}
+        self.model = exportable(model)
+        for layer in self.model.layers:
+            layer.self_attn = ContiguousAttention(cast(LlamaAttention, layer.self_attn))  # (as `exportable` checked)
+        self.windows = {w for w in self.model.spec.layer_windows if w is not None}
 
     @property
     def num_layers(self) -> int:
@@ -115,8 +115,9 @@ class ExportDecoder(nn.Module):
         return (logits, *meta.presents)
 
 
-def check_exportable(model: nn.Module) -> None:
-    """Only dense Llama-family decoders export (their attention and MLP are the ones handled here)."""
+def exportable(model: nn.Module) -> LlamaForCausalLM:
+    """`model`, checked: only dense Llama-family decoders export (their attention and MLP are the
+    ones handled here)."""
     families = "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3"
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(
@@ -129,6 +130,7 @@ def check_exportable(model: nn.Module) -> None:
                 f"{type(model).__name__} has {type(layer.mlp).__name__} layers (mixture of experts "
                 "routing is data-dependent and is not exported)"
             )
+    return model
 
 
 def load_exportable(

@@ -102,7 +102,11 @@ def _export_onnx(decoder: ExportDecoder, args: tuple[torch.Tensor, ...], path: P
             optimize=False,
             verbose=False,
         )
+    if program is None:  # (only the legacy exporter, dynamo=False, returns none)
+        raise RuntimeError("torch.onnx.export returned no ONNX program")
     mask = program.model.graph.inputs[1]  # its length axis got a generated name: call it what it is
+    if mask.shape is None:
+        raise RuntimeError("the exported ONNX graph's attention_mask input has no shape")
     mask.shape = ir.Shape([mask.shape[0], "past_sequence + sequence"])
     program.save(str(path))
 

@@ -25,8 +25,9 @@ The adapter's scale (alpha / r) is folded into B when the adapter is read.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
@@ -56,6 +57,9 @@ class ActiveStep:
 
 class LoRALinear(nn.Module):
     """`base` (a Linear, computed by its method) plus per-slot LoRA deltas."""
+
+    lora_a: torch.Tensor  # (buffers, registered in __init__)
+    lora_b: torch.Tensor
 
     def __init__(
         self,
@@ -99,16 +103,18 @@ class LoRALinear(nn.Module):
             ops.lora_delta(x, out, self.lora_a, self.lora_b, step.rows, step.kernel_segments, self.blocks)
             return out
         if step.padded is not None:
-            delta = self._batched(x, step)
+            delta = self._batched(x, step.padded, step.slot_range)
         else:
             shrunk = self._matmul(x.index_select(0, step.rows), self.lora_a.transpose(1, 2), step)
             delta = self._matmul(shrunk, self.lora_b, step)
         return out.index_add_(0, step.rows, delta)
 
-    def _batched(self, x: torch.Tensor, step: ActiveStep) -> torch.Tensor:
-        """The deltas of `step.rows` from batched GEMMs over the groups padded to one width."""
-        gather, valid = step.padded
-        first, end = step.slot_range
+    def _batched(
+        self, x: torch.Tensor, padded: tuple[torch.Tensor, torch.Tensor], slot_range: tuple[int, int]
+    ) -> torch.Tensor:
+        """The deltas of the step's rows from batched GEMMs over the groups padded to one width."""
+        gather, valid = padded
+        first, end = slot_range
         blocks = x.index_select(0, gather).view(end - first, -1, x.shape[-1])
         shrunk = torch.bmm(blocks, self.lora_a[first:end].transpose(1, 2))
         delta = torch.bmm(shrunk, self.lora_b[first:end])
@@ -169,7 +175,9 @@ class LoRAModel:
                 "native Llama-family models of `tokenmill models`: llama, mistral, qwen2, qwen3, gemma 1/2/3, "
                 "phi3, and the attention of the MoE models)"
             )
-        self.hf_to_local = type(model).hf_to_local  # checkpoint (and so PEFT) names -> wrapped layer names
+        # Checkpoint (and so PEFT) names -> wrapped layer names: every model class has `hf_to_local`
+        # (models/model_loader/registry.py), which nn.Module's type does not declare.
+        self.hf_to_local: Callable[[str], tuple[str, int | None, Any]] = getattr(type(model), "hf_to_local")  # noqa: B009
         self.resident: list[int | None] = [None] * max_loras  # adapter id held by each slot
         self.active: ActiveStep | None = None
         # On CPU in fp32 the kernel serves every step: in the engine it cost a quarter of the GEMM
@@ -195,12 +203,16 @@ class LoRAModel:
             batch.offsets.to(device, non_blocking=True),
             batch.segments,
             tuple(slot for slot, _ in batch.adapters),
-            None if batch.padded is None else tuple(t.to(device, non_blocking=True) for t in batch.padded),
+            None if batch.padded is None else _to_device(batch.padded, device),
             torch.tensor(batch.segments, dtype=torch.long) if self.kernel else None,
         )
 
     def end(self) -> None:
         self.active = None
+
+
+def _to_device(pair: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return pair[0].to(device, non_blocking=True), pair[1].to(device, non_blocking=True)
 
 
 def _check_slot_memory(

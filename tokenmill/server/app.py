@@ -425,7 +425,9 @@ def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | No
         reason = "draining" if state.draining else "engine not running"
         return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
 
-    not_ready = {503: {"model": HealthStatus, "description": "Draining, or the engine is not running"}}
+    not_ready: dict[int | str, dict[str, Any]] = {
+        503: {"model": HealthStatus, "description": "Draining, or the engine is not running"}
+    }
 
     @app.get("/health/ready", response_model=HealthStatus, responses=not_ready)
     async def ready() -> JSONResponse:

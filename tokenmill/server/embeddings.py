@@ -29,10 +29,6 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 class EmbeddingJob(Job):
     encoding_format: str = "float"
 
-    @property
-    def n_seqs(self) -> int:
-        return len(self.prompts)
-
     async def full(self, gen: Generation) -> EmbeddingResponse:
         finals = await final_outputs(gen)
         data = [

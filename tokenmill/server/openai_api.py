@@ -93,7 +93,8 @@ class Job:
 
     @property
     def n_seqs(self) -> int:
-        return self.params.n * len(self.prompts)
+        """Sequences the request runs: n per prompt (embeddings: one)."""
+        return (self.params.n if isinstance(self.params, SamplingParams) else 1) * len(self.prompts)
 
     async def full(self, gen: Generation) -> BaseModel:
         raise NotImplementedError
@@ -163,6 +164,7 @@ def vllm_prompt_logprobs(entries: list[Any], prompt_ids: list[int], num_top: int
 
 @dataclass
 class CompletionJob(Job):
+    params: SamplingParams
     tokens: TokenText | None = None  # set when any logprobs are shown
     num_logprobs: int | None = None  # `logprobs`: top alternatives per shown token
     prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs` extra
@@ -245,7 +247,8 @@ class CompletionJob(Job):
         offset: int,
     ) -> tuple[CompletionChoice, int]:
         """A choice (or a streamed piece of one): with echo, the first piece starts with the prompt."""
-        echo_prompt = self.echo and first
+        echo_text = self.echo_texts[prompt_index] if self.echo_texts is not None and first else None
+        echo_prompt = echo_text is not None
         logprobs = None
         if self.num_logprobs is not None:
             logprobs = CompletionLogprobs()
@@ -256,11 +259,12 @@ class CompletionJob(Job):
             offset = self._add_logprobs(logprobs, token_ids, entries, offset)
         prompt_logprobs = None
         if self.prompt_logprobs is not None and first:
+            assert self.tokens is not None  # (set whenever logprobs are shown)
             prompt_logprobs = vllm_prompt_logprobs(
                 self._prompt_entries[prompt_index], out.prompt_token_ids, self.prompt_logprobs, self.tokens
             )
-        if echo_prompt:
-            text = self.echo_texts[prompt_index] + text
+        if echo_text is not None:
+            text = echo_text + text
         choice = CompletionChoice(
             index=self._index(prompt_index, choice_index),
             text=text,
@@ -363,6 +367,7 @@ async def _checked(work: Awaitable[T], req: SamplingRequest | None = None) -> T:
 
 @dataclass
 class ChatJob(Job):
+    params: SamplingParams
     tokens: TokenText | None = None
     top_logprobs: int = 0
     new_reader: Callable[[], OutputReader] | None = None  # set when the output is read as reasoning / tool calls
@@ -387,6 +392,7 @@ class ChatJob(Job):
             )
         prompt_logprobs = None
         if self.prompt_logprobs is not None:
+            assert self.tokens is not None  # (set whenever logprobs are shown)
             prompt_logprobs = vllm_prompt_logprobs(
                 entries[0], finals[0].prompt_token_ids, self.prompt_logprobs, self.tokens
             )

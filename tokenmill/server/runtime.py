@@ -92,7 +92,7 @@ async def serve(engine: Any, settings: ServerSettings) -> int:
         http=limited_http_protocol(settings.header_timeout, settings.max_connections),
         # After the drain, anything still open gets this long before uvicorn cancels it.
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=settings.keep_alive_timeout,
+        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # (declared int; any seconds work)
         lifespan="off",
     )
     http = _Uvicorn(config)

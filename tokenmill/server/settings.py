@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from tokenmill.engine.config import parse_memory
-from tokenmill.engine.pooling_params import POOLING_TYPES
+from tokenmill.engine.pooling_params import POOLING_TYPES, PoolingType
 from tokenmill.options import option
 from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools.parsers import PARSERS
@@ -131,7 +131,7 @@ class ServerSettings:
         f"OTLP transport (default: ${OTLP_PROTOCOL_ENV[0]}, ${OTLP_PROTOCOL_ENV[1]}, else grpc)",
         choices=list(OTLP_PROTOCOLS),
     )
-    embedding_pooling: str = option(
+    embedding_pooling: PoolingType = option(
         "last",
         "/v1/embeddings: pool the final hidden states of the last token (default, as vLLM does for decoder "
         "LMs) or the mean over all tokens; a request may choose with `pooling`",

@@ -118,6 +118,7 @@ class RequestTracing:
 
     def __init__(self, settings: ServerSettings, model: str) -> None:
         assert settings.otlp_traces_endpoint
+        assert settings.otlp_traces_protocol  # (None becomes the default in ServerSettings.__post_init__)
         self.provider = TracerProvider(resource=_resource())
         self.provider.add_span_processor(span_processor(settings.otlp_traces_endpoint, settings.otlp_traces_protocol))
         self.tracer = self.provider.get_tracer("tokenmill", __version__)

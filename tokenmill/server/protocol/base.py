@@ -236,7 +236,8 @@ def screen_fields(model: BaseModel, path: str = "") -> None:
         if name in (model.model_extra or {}):
             _FIELD_LOG.once("unknown", _field_name(path + name))
             continue
-        marker = type(model).model_fields[name].json_schema_extra or {}
+        extra = type(model).model_fields[name].json_schema_extra
+        marker = extra if isinstance(extra, dict) else {}  # (ours are dicts; pydantic also allows a callable)
         where = f"{path}{name}"
         if value is None:
             continue
