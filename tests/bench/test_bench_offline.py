@@ -214,7 +214,10 @@ def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch):
     assert "speed-up" in table and "prefix caching" in table
 
 
-def test_roofline_positive_and_bound_below_measured(tiny_llm):
+def test_roofline_counts_the_weights_once_and_derives_the_bound(tiny_llm):
+    """What the roofline reports, apart from timings (how the measured step compares with the bound
+    is the benchmark's result, `tokenmill bench offline --roofline`, not something a test can assert
+    on a loaded machine)."""
     assert copy_bandwidth(16 << 20, reps=2) > 0
     r = measure_roofline(tiny_llm, prompt_len=8, new_tokens=12, copy_bytes=64 << 20, copy_reps=2, decode_reps=1)
     assert isinstance(r, RooflineResult)
@@ -229,11 +232,6 @@ def test_roofline_positive_and_bound_below_measured(tiny_llm):
     assert r.param_bytes == params + sum(w.numel() * w.element_size() for w in packed)
     assert r.weight_bytes == r.param_bytes
     assert r.bound_step_s == pytest.approx(r.weight_bytes / (r.bandwidth_gbs * 1e9))
-    # The bound is DRAM's (a copy of 64 MiB here, 1 GiB by default); this tiny model's 113 MB of
-    # weights can sit largely in a large last-level cache and stream faster than that (an Intel Xeon
-    # here: 2.9 ms a step against a bound of 4.7). No step is faster than its weights read at twice
-    # the rate of a copy that fits in cache.
-    assert r.measured_step_s >= r.weight_bytes / (2 * copy_bandwidth(16 << 20, reps=2) * 1e9)
     assert r.ratio == pytest.approx(r.measured_step_s / r.bound_step_s)
 
 
