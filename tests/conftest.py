@@ -9,6 +9,36 @@ from pathlib import Path
 import pytest
 import torch
 
+# Test tiers (markers registered in pyproject.toml; CONTRIBUTING.md says which `make` target runs
+# which). Every test is in exactly one of `unit` (no engine, no server: functions, kernels against
+# references, parsers, manifests), `engine` (builds an engine in this process) and `server` (talks to
+# a running server): its own mark, else its module's `pytestmark`, else its folder's tier below.
+TIERS = ("unit", "engine", "server")
+FOLDER_TIERS = {
+    "bench": "unit",
+    "cli": "unit",
+    "deploy": "unit",
+    "engine": "engine",
+    "examples": "engine",
+    "export": "engine",
+    "gpu": "engine",
+    "kernels": "unit",
+    "lora": "engine",
+    "models": "engine",
+    "server": "server",
+    "stress": "server",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    tests_root = Path(__file__).parent
+    for item in items:
+        tiers = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
+        if len(tiers) > 1:  # (a module of mixed tiers marks its tests, not the module)
+            raise pytest.UsageError(f"{item.nodeid} is marked {' and '.join(sorted(tiers))}: a test is in one tier")
+        if not tiers:
+            item.add_marker(FOLDER_TIERS.get(Path(item.path).relative_to(tests_root).parts[0], "unit"))
+
 
 def pytest_addoption(parser) -> None:
     parser.addoption(

@@ -79,6 +79,7 @@ def small_workload():
     return make_workload(4, 3, 12, 2, 6, vocab_size=49152, seed=1)
 
 
+@pytest.mark.engine
 def test_hf_static_baseline_counts(tiny_model_dir, small_workload):
     model = load_hf_model(tiny_model_dir)
     pad = hf_pad_id(tiny_model_dir)
@@ -92,6 +93,7 @@ def test_hf_static_baseline_counts(tiny_model_dir, small_workload):
     assert run.duration_s > 0 and run.output_throughput > 0
 
 
+@pytest.mark.engine
 def test_warmup_leaves_the_measured_prompts_uncached(tiny_llm):
     """The untimed warm-up must not put the timed prompts in the prefix cache (HF has none)."""
     from tokenmill import SamplingParams
@@ -107,6 +109,7 @@ def test_warmup_leaves_the_measured_prompts_uncached(tiny_llm):
     assert repeated.cached_prompt_tokens >= 64 and "Prompt tokens from the prefix cache" in format_runs([repeated])
 
 
+@pytest.mark.engine
 def test_offline_run_consistent(tiny_llm, small_workload):
     warmup(tiny_llm, small_workload, max_tokens=2)
     run = run_tokenmill(tiny_llm, small_workload, use_tqdm=False)
@@ -122,6 +125,7 @@ def test_offline_run_consistent(tiny_llm, small_workload):
     json.dumps(data)
 
 
+@pytest.mark.engine
 def test_sampled_workload_in_tokenmill_and_hf(tiny_llm, tiny_model_dir, small_workload):
     """--temperature/--top-p/--top-k/--min-p: both sides sample (the tokens leave the greedy ones) and
     still produce every requested token."""
@@ -136,6 +140,7 @@ def test_sampled_workload_in_tokenmill_and_hf(tiny_llm, tiny_model_dir, small_wo
     assert Sampling().greedy and Sampling(temperature=0.7, top_k=1).greedy and not sampling.greedy
 
 
+@pytest.mark.engine
 def test_structured_output_workload_keeps_every_document_open(tiny_llm):
     """`--compare structured-output`'s constrained side: every request produces exactly its token
     count (STRUCTURED_SCHEMA's minItems never lets the document end), and the tokens are JSON."""
@@ -163,6 +168,7 @@ def test_weight_bytes_tied_once():
     assert (total, streamed) == (2 * 800 * 4, 800 * 4)
 
 
+@pytest.mark.engine
 def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch):
     from tokenmill.bench import features
     from tokenmill.cli import build_parser
@@ -214,6 +220,7 @@ def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch):
     assert "speed-up" in table and "prefix caching" in table
 
 
+@pytest.mark.engine
 def test_roofline_counts_the_weights_once_and_derives_the_bound(tiny_llm):
     """What the roofline reports, apart from timings (how the measured step compares with the bound
     is the benchmark's result, `tokenmill bench offline --roofline`, not something a test can assert
@@ -284,6 +291,7 @@ def test_cli_parsing():
             build_parser().parse_args(["bench", "offline", *bad])
 
 
+@pytest.mark.engine
 def test_long_outputs_runs_both_modes(tiny_llm):
     from tokenmill.bench.long_outputs import format_long_outputs, run_long_outputs
 
@@ -301,6 +309,7 @@ def test_long_outputs_runs_both_modes(tiny_llm):
         run_long_outputs(tiny_llm, [10**6], streams=1, prompt_len=5, vocab_size=49152)
 
 
+@pytest.mark.engine
 def test_features_bench_multi_lora_row(tiny_model_dir, monkeypatch):
     """The multi-LoRA pair: the base model alone, then the same workload spread over 4 random
     adapters in one LoRA engine (their slots show in the weight memory)."""

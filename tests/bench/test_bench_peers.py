@@ -96,6 +96,7 @@ def test_unknown_engine_is_a_clear_error():
     assert result.returncode == 2 and "unknown engine(s) tgi" in result.stderr
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("weights", ["compute", "int8"])
 def test_tokenmill_runs_the_workload_and_results_are_written(tiny_model_dir, tmp_path, weights):
     out = tmp_path / "results"
@@ -136,6 +137,7 @@ def test_tokenmill_runs_the_workload_and_results_are_written(tiny_model_dir, tmp
     assert (out / "peers.png").stat().st_size > 0
 
 
+@pytest.mark.server
 def test_serve_dry_run_and_tokenmill_under_load(tiny_model_dir, tmp_path):
     """`serve`: each server's command and the `tokenmill bench serve` loads; tokenmill's for real."""
     import socket

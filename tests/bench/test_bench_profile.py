@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tokenmill.bench import profile
 
 
+@pytest.mark.engine
 def test_profile_runs_and_splits_the_step(tiny_model_dir, monkeypatch, tmp_path, capsys):
     from tokenmill.cli import build_parser
 
@@ -55,9 +58,8 @@ def test_ops_are_categorised_by_scope_then_name():
     assert profile._category(Event("aten::argmax", Event("tokenmill::sampler"))) == "sampler"
 
 
+@pytest.mark.engine
 def test_kernels_bench_reports_attention_projection_and_gemms(tiny_model_dir, monkeypatch, tmp_path, capsys):
-    import pytest
-
     from tokenmill.bench import kernels
     from tokenmill.cli import build_parser
     from tokenmill.kernels.build import load

@@ -115,6 +115,7 @@ def test_cli_registered():
 # ---------------------------------------------------------------------------------------------- the CLI
 
 
+@pytest.mark.server
 def test_serve_ray_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path):
     """`tokenmill serve-ray` starts its own local Ray, serves, and exits 0 on SIGTERM.
 
@@ -201,6 +202,7 @@ def replica_states() -> dict[str, int]:
     return dict(status.replica_states)
 
 
+@pytest.mark.server
 def test_openai_client_through_ray(cluster):
     import openai
 
@@ -218,6 +220,7 @@ def test_openai_client_through_ray(cluster):
     assert any(c.choices and c.choices[0].finish_reason for c in chunks), "the stream never finished"
 
 
+@pytest.mark.server
 def test_streaming_is_tagged_with_replica(cluster):
     base, model = cluster
     body = {"model": model, "prompt": "Once upon a time", "max_tokens": 5, "stream": True}
@@ -229,6 +232,7 @@ def test_streaming_is_tagged_with_replica(cluster):
     assert events[-1] == "data: [DONE]" and len(events) >= 3
 
 
+@pytest.mark.server
 def test_errors_and_metrics_per_replica(cluster):
     base, _ = cluster
     r = httpx.post(f"{base}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30.0)
@@ -252,6 +256,7 @@ def answers_by_replica(base: str, model: str, label: str) -> dict[str, int]:
     return seen
 
 
+@pytest.mark.server
 def test_both_replicas_serve(cluster):
     base, model = cluster
     seen = answers_by_replica(base, model, "prompt")
@@ -259,6 +264,7 @@ def test_both_replicas_serve(cluster):
     assert replica_states() == {"RUNNING": 2}
 
 
+@pytest.mark.server
 def test_killed_replica_is_replaced_and_requests_keep_flowing(cluster):
     base, model = cluster
     before = set(answers_by_replica(base, model, "warm"))

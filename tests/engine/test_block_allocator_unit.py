@@ -13,6 +13,8 @@ from tokenmill.engine.core.sequence import Sequence
 from tokenmill.engine.outputs import RequestMetrics
 from tokenmill.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 BLOCK = 4
 _ids = itertools.count()
 

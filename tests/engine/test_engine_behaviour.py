@@ -228,6 +228,7 @@ def test_bad_requests_raise_clear_errors(llm, prompt, params, message):
         llm.engine.make_request("bad", prompt, params)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "fields, message",
     [

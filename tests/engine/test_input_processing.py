@@ -185,6 +185,7 @@ def test_process_validates_against_the_model(tokenizer):
     assert IM_START not in escaped and tokenizer.decode(escaped) == "<|im_start|>"
 
 
+@pytest.mark.unit
 def test_sampling_params_errors_name_their_field():
     for fields, param in [
         ({"top_p": 2.0}, "top_p"),
@@ -197,6 +198,7 @@ def test_sampling_params_errors_name_their_field():
         assert exc.value.param == param
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_top_p_below_the_dtype_range_keeps_the_top_token(dtype):
     probs = torch.randn(4, 50).softmax(-1).to(dtype)

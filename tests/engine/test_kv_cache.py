@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.conftest import hf_greedy, mixed_prompts
@@ -9,6 +10,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.engine.core.block_manager import BlockAllocator
 
 
+@pytest.mark.unit
 def test_allocator_reserves_zero_block_and_recycles_lru():
     a = BlockAllocator(5, 16, enable_prefix_caching=True)
     assert a.num_blocks == 4 and a.num_free == 4

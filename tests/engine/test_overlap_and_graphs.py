@@ -230,6 +230,7 @@ def test_failed_step_frees_blocks_and_the_engine_serves_on(tiny_model_dir):
 # ---------------------------------------------------------------------------------------------- graphs
 
 
+@pytest.mark.unit
 def test_bucket_ladders():
     assert batch_buckets(128) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128]
     assert batch_buckets(6) == [1, 2, 4, 6]

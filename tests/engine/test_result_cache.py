@@ -74,6 +74,7 @@ def test_off_by_default(tiny_model_dir):
     assert llm.engine.stats().result_cache_misses_total == 0
 
 
+@pytest.mark.unit
 def test_lru_eviction_and_only_normal_finishes_are_stored():
     cache = ResultCache(2)
     params = SamplingParams(temperature=0.0)

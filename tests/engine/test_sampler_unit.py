@@ -29,6 +29,8 @@ from tokenmill.engine.sample.sampler import Sampler, SamplingInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.kernels.ops import cpu_kernels_available
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 64
 ROWS = 256
 SEED0 = 1000

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from tokenmill.engine.core.block_manager import BlockAllocator
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.core.sequence import Sequence, SequenceStatus
 from tokenmill.engine.outputs import RequestMetrics
 from tokenmill.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 EOS = 0
 TOKEN = 5  # a sampled token that is not EOS

@@ -174,6 +174,7 @@ def test_prompt_logprobs_and_embeddings_survive_preemption(sharp_tiny_model_dir,
             assert outs[-1].outputs[0].token_ids == hf_greedy(sharp_tiny_model_dir, prompt, params.max_tokens)
 
 
+@pytest.mark.unit
 def test_max_tokens_zero_needs_prompt_logprobs():
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         SamplingParams(max_tokens=0)
@@ -229,6 +230,7 @@ def test_embeddings_and_the_prefix_cache(sharp_tiny_model_dir):
         assert_embedding_matches_hf(sharp_tiny_model_dir, prompt, final.embedding, params)
 
 
+@pytest.mark.unit
 def test_bad_pooling():
     with pytest.raises(ValueError, match="pooling must be one of"):
         PoolingParams("max")

@@ -14,6 +14,8 @@ from tokenmill.engine.sample.sampler import Sampler, SamplingInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.spec_decode.ngram import ngram_lookup
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 8
 
 

@@ -256,6 +256,7 @@ def test_kernels_can_be_switched_off(monkeypatch):
     assert build.disabled_reason() is None
 
 
+@pytest.mark.engine
 @needs_kernels
 def test_engine_with_and_without_the_kernel_matches_hf(sharp_tiny_model_dir, monkeypatch):
     """Decodes and prefill chunks with cached context (chunked prefill, prefix-cache hits) through
@@ -286,6 +287,7 @@ def test_engine_with_and_without_the_kernel_matches_hf(sharp_tiny_model_dir, mon
         assert any(m.decode_groups for m in seen) != fused
 
 
+@pytest.mark.build
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
 @pytest.mark.parametrize("isa", sorted(build.ISA_FLAGS))
 def test_every_isa_variant_compiles(isa):
@@ -932,6 +934,7 @@ def test_fp32_queries_over_a_narrower_kv_cache(seed, cache_dtype):
     _assert_fp32_kernel_matches_reference(c)
 
 
+@pytest.mark.engine
 @needs_kernels
 @pytest.mark.parametrize("kv_dtype, blocks_vs_fp32", [(torch.bfloat16, 1.99), (torch.int8, 3.5)])
 def test_narrow_kv_cache_engine_kernel_and_fallback_agree(sharp_tiny_model_dir, kv_dtype, blocks_vs_fp32):
@@ -963,6 +966,7 @@ def test_narrow_kv_cache_engine_kernel_and_fallback_agree(sharp_tiny_model_dir, 
     assert blocks[name] >= blocks_vs_fp32 * blocks["auto"]
 
 
+@pytest.mark.engine
 def test_a_kv_cache_wider_than_the_model_is_refused(sharp_tiny_model_dir):
     with pytest.raises(ValueError, match="--kv-cache-dtype float32 is wider"):
         LLM(str(sharp_tiny_model_dir), progress=False, dtype="bfloat16", kv_cache_dtype="float32")

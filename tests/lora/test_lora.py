@@ -477,6 +477,7 @@ def test_generic_path_refuses_lora(tiny_qwen2_dir):
 # ---------------------------------------------------------------------------------------------- slot plans
 
 
+@pytest.mark.unit
 def test_slot_plan_groups_rows_by_slot_and_evicts_lru():
     from tokenmill.lora.batch import LoRASlots
     from tokenmill.lora.types import LoRAAdapter

@@ -289,6 +289,7 @@ def test_bf16_valued_weights_run_from_bf16_panels_bit_identically(bf16_sharp_tin
     ]
 
 
+@pytest.mark.unit
 def test_only_exact_bf16_values_go_to_bf16_panels():
     from tokenmill.models.layers.packed_linear import panel_dtype
 

@@ -75,6 +75,7 @@ def test_sharded_safetensors_and_bin_load_the_same_weights(small_llama_dir, tmp_
         assert all(torch.equal(state[k], reference[k]) for k in reference)
 
 
+@pytest.mark.unit
 def test_eos_list_from_generation_config(broken_dir):
     (broken_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
     assert load_spec(broken_dir).eos_token_ids == [2, 7, 9]
@@ -201,6 +202,7 @@ def test_cli_serve_on_broken_model_dir_exits_2_with_one_line(broken_dir):
     assert lines[0].startswith("tokenmill serve: error: ") and re.search(pattern, lines[0])
 
 
+@pytest.mark.unit
 def test_models_command_lists_every_architecture_with_its_path(capsys):
     from tokenmill.cli import main
     from tokenmill.models.model_loader.registry import architectures

@@ -167,6 +167,7 @@ def _assert_greedy_equal(llm: LLM, hf_model, prompts, params: SamplingParams = G
         assert out.outputs[0].token_ids == _hf_greedy(hf_model, prompt, params.max_tokens), f"prompt {i}"
 
 
+@pytest.mark.unit
 def test_matrix_is_what_the_registry_calls_tested():
     assert set(MATRIX) == set(TESTED_ARCHITECTURES)
 
@@ -365,6 +366,7 @@ def test_checkpoint_with_extra_tensor_is_refused(tmp_path):
         _generic_llm(model_dir)
 
 
+@pytest.mark.unit
 def test_models_command_marks_generic_and_native_paths(capsys):
     import json
 

@@ -54,6 +54,7 @@ def _hidden(tokens: int, dead_experts: tuple[int, ...], block) -> torch.Tensor:
     return x
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "qwen3_moe_norm"])
 @pytest.mark.parametrize("tokens,dead", [(1, ()), (7, (1, 5)), (64, (0, 3, 7))])
 @pytest.mark.parametrize("hf_experts", ["eager", "grouped_mm"])
@@ -74,6 +75,7 @@ def test_dispatch_matches_hf_sparse_moe_block(model_type, tokens, dead, hf_exper
         torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.unit
 def test_packing_leaves_experts_and_int8_quantizes_them():
     from tests.utils.linear import prepare
     from tokenmill.models.layers.moe import GroupedExperts

@@ -7,16 +7,20 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tokenmill.cli import build_parser
 from tokenmill.server.omp import server_omp_settings
 
 
+@pytest.mark.unit
 def test_settings_fill_in_only_when_neither_is_set() -> None:
     assert server_omp_settings({}) == {"GOMP_SPINCOUNT": "100000"}
     assert server_omp_settings({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
     assert server_omp_settings({"GOMP_SPINCOUNT": "1000"}) == {}
 
 
+@pytest.mark.unit
 def test_server_commands_ask_for_them_and_offline_ones_do_not() -> None:
     parser = build_parser()
     assert parser.parse_args(["serve"]).server_omp is True

@@ -45,6 +45,7 @@ def _openai_fields(typed_dict: type) -> set[str]:
     return set(typing.get_type_hints(typed_dict))
 
 
+@pytest.mark.unit
 def test_every_field_of_the_openai_request_types_is_a_known_field() -> None:
     """The installed `openai` package's request types: every field is one the server knows (and so
     supports, ignores on purpose, or rejects as not supported yet), none falls to "unknown"."""

@@ -27,6 +27,8 @@ from tokenmill.server.tools.parsers import (
     parse_text,
 )
 
+pytestmark = pytest.mark.unit
+
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
 TRICKY = '{"query": "a } b { \\"quoted\\" </tool_call> <tool_call> ; ]", "n": [1, {"x": null}], "ok": true}'
 

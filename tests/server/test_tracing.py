@@ -260,6 +260,7 @@ def test_tracing_off_creates_no_span_and_imports_no_sdk(traced, tiny_model_dir, 
     assert not any(s["context"]["trace_id"] == "0x" + _trace_id(4) for s in traced[1].spans())
 
 
+@pytest.mark.unit
 def test_endpoint_from_the_standard_environment_variables(monkeypatch):
     from tokenmill.cli import build_parser
     from tokenmill.cli.serve import settings_from_args
@@ -340,6 +341,7 @@ def test_bench_features_measures_tracing_off_and_on(tiny_model_dir, monkeypatch)
     assert exported >= 5 * (2 + len(STAGES)), lines
 
 
+@pytest.mark.unit
 def test_engine_flags_rebuild_the_engine_config():
     from tokenmill.bench.served_features import engine_cli_args
     from tokenmill.cli import build_parser

@@ -269,6 +269,7 @@ def test_sigterm_under_load_drains_every_started_stream(drain_server: ServerProc
     assert "server stopped" in drain_server.log_tail()
 
 
+@pytest.mark.unit
 def test_fault_hook_is_off_by_default_and_hits_only_marked_requests() -> None:
     from types import SimpleNamespace
 
