@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# Test tiers (markers registered in pyproject.toml; CONTRIBUTING.md says which `make` target runs
-# which). Every test is in exactly one of `unit` (no engine, no server: functions, kernels against
+# Test tiers (markers registered in pyproject.toml; the Makefile's test targets select by them).
+# Every test is in exactly one of `unit` (no engine, no server: functions, kernels against
 # references, parsers, manifests), `engine` (builds an engine in this process) and `server` (talks to
 # a running server): its own mark, else its module's `pytestmark`, else its folder's tier below.
 TIERS = ("unit", "engine", "server")
