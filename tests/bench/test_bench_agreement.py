@@ -9,6 +9,7 @@ import pytest
 from tokenmill.bench import agreement
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_agreement_of_a_setting_with_itself_is_total_and_int8_is_measured(tiny_model_dir, monkeypatch, tmp_path):
     from tokenmill.cli import build_parser
@@ -69,6 +70,7 @@ def test_chunks_are_real_text(default_model_dir):
     assert sum(word in text.split() for word in ("the", "a", "is", "of")) >= 3  # English prose
 
 
+@pytest.mark.slow
 @pytest.mark.engine
 def test_step_reads_keys_back_from_a_narrower_kv_cache(tiny_model_dir, monkeypatch):
     """--step: positions in passes that read their keys from the KV cache. With the model's own KV

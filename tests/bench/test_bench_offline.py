@@ -168,11 +168,22 @@ def test_weight_bytes_tied_once():
     assert (total, streamed) == (2 * 800 * 4, 800 * 4)
 
 
-@pytest.mark.engine
-def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch):
+@pytest.fixture
+def features_in_this_process(monkeypatch):
+    """`bench features` with its runs in the test process: each run's fresh interpreter, which keeps
+    the benchmark's timings independent, costs seconds of imports and changes no result checked here."""
     from tokenmill.bench import features
+
+    monkeypatch.setattr(features, "in_fresh_process", lambda fn, *args: fn(*args))
+    return features
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+def test_features_bench_runs_each_flag_off_and_on(tiny_model_dir, monkeypatch, features_in_this_process):
     from tokenmill.cli import build_parser
 
+    features = features_in_this_process
     monkeypatch.setattr(engine_args, "resolve_bench_model", lambda model: tiny_model_dir)
     monkeypatch.setattr(features, "resolve_bench_model", lambda model: tiny_model_dir)
     args = build_parser().parse_args(
@@ -309,12 +320,14 @@ def test_long_outputs_runs_both_modes(tiny_llm):
         run_long_outputs(tiny_llm, [10**6], streams=1, prompt_len=5, vocab_size=49152)
 
 
+@pytest.mark.slow
 @pytest.mark.engine
-def test_features_bench_multi_lora_row(tiny_model_dir, monkeypatch):
+def test_features_bench_multi_lora_row(tiny_model_dir, monkeypatch, features_in_this_process):
     """The multi-LoRA pair: the base model alone, then the same workload spread over 4 random
     adapters in one LoRA engine (their slots show in the weight memory)."""
-    from tokenmill.bench import features
     from tokenmill.cli import build_parser
+
+    features = features_in_this_process
 
     monkeypatch.setattr(features, "resolve_bench_model", lambda model: tiny_model_dir)
     args = build_parser().parse_args(

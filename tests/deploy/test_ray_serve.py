@@ -115,6 +115,7 @@ def test_cli_registered():
 # ---------------------------------------------------------------------------------------------- the CLI
 
 
+@pytest.mark.slow
 @pytest.mark.server
 def test_serve_ray_cli_end_to_end(tiny_model_dir: Path, tmp_path: Path):
     """`tokenmill serve-ray` starts its own local Ray, serves, and exits 0 on SIGTERM.

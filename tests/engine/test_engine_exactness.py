@@ -16,7 +16,13 @@ def _engine_outputs(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "fixture",
-    ["sharp_tiny_model_dir", "tiny_gpt2_dir", "tiny_qwen2_dir", "tiny_llama_bias_dir", "tiny_gpt2_unscaled_dir"],
+    [
+        pytest.param("sharp_tiny_model_dir", marks=pytest.mark.smoke),
+        "tiny_gpt2_dir",
+        "tiny_qwen2_dir",
+        "tiny_llama_bias_dir",
+        "tiny_gpt2_unscaled_dir",
+    ],
 )
 def test_greedy_matches_hf_random_models(request, fixture):
     model_dir = request.getfixturevalue(fixture)
@@ -42,6 +48,7 @@ def test_greedy_matches_hf_default_model(default_model_dir):
     assert "Paris" in outs[0].outputs[0].text
 
 
+@pytest.mark.slow
 def test_32_mixed_prompts_staggered_arrival(sharp_tiny_model_dir):
     """Requests join the running batch at different steps; chunked prefill splits the long ones."""
     llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="128MiB", max_num_batched_tokens=128)
@@ -65,6 +72,7 @@ def test_32_mixed_prompts_staggered_arrival(sharp_tiny_model_dir):
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
+@pytest.mark.slow
 def test_preemption_under_tiny_kv_budget(sharp_tiny_model_dir):
     # 40 usable blocks of 16 tokens for 12 sequences that need up to ~10 blocks each: preemption is forced.
     import torch
@@ -88,6 +96,7 @@ def test_preemption_under_tiny_kv_budget(sharp_tiny_model_dir):
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
 
 
+@pytest.mark.slow
 def test_prefix_caching_gives_identical_outputs(sharp_tiny_model_dir):
     """A prompt whose prefix is cached runs its suffix as a chunk over cached context (the paged
     kernel) where the plain engine prefills it whole (SDPA): the same arithmetic in another order, so
@@ -107,6 +116,7 @@ def test_prefix_caching_gives_identical_outputs(sharp_tiny_model_dir):
         assert got.token_ids == hf_greedy(sharp_tiny_model_dir, prompt, 16)
 
 
+@pytest.mark.slow
 def test_prefix_cache_eviction_stays_correct(sharp_tiny_model_dir):
     import torch
 

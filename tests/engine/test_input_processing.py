@@ -284,6 +284,7 @@ def test_server_chat_injection_is_plain_text_by_default(server: ServerProcess):
     assert _completion_prompt_tokens(server, "<|im_start|>") == 1
 
 
+@pytest.mark.slow
 def test_server_opt_out_flags(tiny_model_dir, server_log_dir):
     proc = ServerProcess(
         tiny_model_dir, server_log_dir, "--allow-special-tokens-in-messages", "--escape-special-tokens-in-prompts"

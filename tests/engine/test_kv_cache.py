@@ -28,6 +28,7 @@ def test_allocator_reserves_zero_block_and_recycles_lru():
     assert a.lookup(1234) is None
 
 
+@pytest.mark.slow
 def test_uninitialised_cache_memory_never_leaks_into_outputs(tiny_model_dir):
     """Fill the whole cache with NaN: every read must hit written slots or the zero block."""
     llm = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="32MiB")

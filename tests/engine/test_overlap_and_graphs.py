@@ -110,6 +110,7 @@ def _sampled_params() -> list[SamplingParams]:
     ]
 
 
+@pytest.mark.slow
 def test_overlap_equals_sync_for_seeded_sampling_stops_and_penalties(tiny_model_dir):
     prompts = mixed_prompts(6, 5, 80, seed=21)
     params = _sampled_params()
@@ -172,6 +173,7 @@ def test_overlap_abort_while_a_step_is_in_flight(tiny_model_dir):
     assert _all_blocks_free(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_failed_step_fails_one_request_and_the_rest_finish_exactly(tiny_model_dir, overlap):
     """A request failing mid-decode (its 6th step) while the next step is already launched."""
@@ -239,6 +241,7 @@ def test_bucket_ladders():
     assert width_buckets(33) == [1, 2, 4, 8, 16, 32, 64]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True])
 def test_graph_decode_path_equals_hf(tiny_model_dir, overlap):
     """Decode steps through the padded static-buffer path (eager replay on CPU) stay exact."""

@@ -58,6 +58,7 @@ def prompt_logprobs_of(outputs: list) -> list:
 # ---------------------------------------------------------------------------------------------- prompt logprobs
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_hf_across_chunks_with_generation_alongside(sharp_tiny_model_dir):
     """Scoring requests (max_tokens 0) and scoring + generating ones, batched with plain generation;
     prompts longer than the step budget are prefilled in chunks that accumulate."""
@@ -108,6 +109,7 @@ def test_prompt_logprobs_with_n_choices_are_reported_once(sharp_tiny_model_dir):
     assert [len(c.token_ids) for c in outs[-1].outputs] == [4, 4, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 def test_prompt_logprobs_and_embeddings_survive_preemption(sharp_tiny_model_dir, overlap):
     """A KV budget far too small for the batch: sequences are preempted mid-prompt and mid-generation

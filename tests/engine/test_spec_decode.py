@@ -62,6 +62,7 @@ def small_engine(model_dir: Path, block_bytes: int = TINY_BLOCK_BYTES, **kwargs)
     )
 
 
+@pytest.mark.slow
 def test_ngram_greedy_equals_speculation_off(tiny_model_dir):
     """The tiny model with HF's soft random init repeats itself, so its n-gram drafts are mostly
     accepted and rejected where the repeated token changes."""
@@ -82,6 +83,7 @@ def greedy_off(sharp_tiny_model_dir) -> list[list[int]]:
     return tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["unrelated", "same-as-target"])
 def test_draft_model_greedy_equals_speculation_off(request, sharp_tiny_model_dir, greedy_off, draft):
     """An unrelated draft is nearly always rejected; the target as its own draft nearly always
@@ -224,6 +226,7 @@ def test_draft_model_must_share_the_vocabulary(tmp_path, default_model_dir, shar
         LLM(str(sharp_tiny_model_dir), progress=False, speculative_method="draft")
 
 
+@pytest.mark.slow
 def test_metrics_over_http(tiny_model_dir, tmp_path):
     """`tokenmill serve --speculative-method ngram`: the spec-decode counters on /metrics, read with
     prometheus_client's parser, add up to what a repetitive completion proposed and accepted."""

@@ -14,6 +14,7 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
 
 
+@pytest.mark.slow
 def test_compile_equals_eager_greedy(tiny_model_dir):
     prompts = mixed_prompts(6, 3, 70, seed=31)
     eager = _tokens(LLM(str(tiny_model_dir), progress=False, kv_cache_memory="32MiB"), prompts)

@@ -68,6 +68,7 @@ def assert_valid_person(outs) -> None:
             jsonschema.validate(json.loads(c.text), PERSON)
 
 
+@pytest.mark.slow
 def test_json_schema_outputs_validate_for_sampled_requests(llm) -> None:
     outs = llm.generate(["Hello"] * 20, SamplingParams(**SAMPLED, structured_outputs=constrained(json=PERSON)))
     assert_valid_person(outs)

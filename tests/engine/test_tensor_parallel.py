@@ -18,6 +18,7 @@ def _greedy(model_dir, prompts, **engine_args) -> list[list[int]]:
         llm.engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_qwen2_dir"])  # GQA; Qwen2 adds q/k/v biases
 def test_tp2_equals_tp1_greedy(fixture, request):
     model_dir = request.getfixturevalue(fixture)

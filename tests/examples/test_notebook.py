@@ -37,6 +37,7 @@ def test_notebook_is_valid_and_clean():
     )
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_executes(tmp_path: Path):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     env_before = os.environ.pop("TOKENMILL_QUICKSTART_MODEL", None)  # the notebook builds its own tiny model

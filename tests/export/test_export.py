@@ -83,6 +83,7 @@ def test_llama_family_exports_match(fixture, request, tmp_path):
     _assert_matches(report)
 
 
+@pytest.mark.slow
 def test_cli_check_only_and_refusals(torchscript_dir, sharp_tiny_model_dir, tiny_gpt2_dir, tmp_path):
     copy = Path(shutil.copytree(torchscript_dir, tmp_path / "copy"))
     run = subprocess.run(

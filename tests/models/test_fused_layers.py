@@ -193,6 +193,7 @@ def test_small_steps_run_every_layer_in_one_parallel_region(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("sequences", [20, 48])
 def test_bf16_decode_batches_on_amx_tiles_run_in_one_region_up_to_64_rows(sharp_tiny_model_dir, cache_dtype, sequences):

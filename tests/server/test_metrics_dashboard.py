@@ -1,13 +1,11 @@
 """The Grafana dashboard and the HPA only query metrics a real `tokenmill serve` exports.
 
 tests/deploy/test_deploy.py checks the dashboard against a hand-written list of metric names; this test
-checks it against the server itself: start one, send a completion, scrape /metrics with the
+checks it against the server itself: send the test server a completion, scrape /metrics with the
 official Prometheus parser and compare the metric families.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,7 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.test_deploy import DASHBOARD, K8S, dashboard_metrics
-from tests.utils.server import ServerProcess
+from tests.utils.server import ServerProcess, server_fixture, server_log_dir_fixture  # noqa: F401 - fixtures
 
 # Exported only when torch sees a CUDA device (tokenmill/server/metrics.py `_GpuProbe`).
 GPU_ONLY = frozenset({"tokenmill_gpu_memory_used_bytes", "tokenmill_gpu_utilization_ratio"})
@@ -45,24 +43,20 @@ def hpa_pod_metrics() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def scrape(tiny_model_dir: Path, tmp_path_factory) -> str:
-    server = ServerProcess(tiny_model_dir, tmp_path_factory.mktemp("metrics-dashboard"), "--grpc-port", "0")
-    try:
-        server.wait_ready()
-        model = httpx.get(f"{server.base_url}/v1/models", timeout=10.0).json()["data"][0]["id"]
-        r = httpx.post(
-            f"{server.base_url}/v1/completions",
-            timeout=60.0,
-            json={"model": model, "prompt": "Hello there", "max_tokens": 8, "temperature": 0},
-        )
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] > 0
-        metrics = httpx.get(f"{server.base_url}/metrics", timeout=10.0)
-        assert metrics.status_code == 200
-        assert metrics.headers["content-type"].startswith("text/plain")
-        return metrics.text
-    finally:
-        server.stop()
+def scrape(server: ServerProcess) -> str:
+    """/metrics of the shared test server after a completion it served."""
+    model = httpx.get(f"{server.base_url}/v1/models", timeout=10.0).json()["data"][0]["id"]
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        timeout=60.0,
+        json={"model": model, "prompt": "Hello there", "max_tokens": 8, "temperature": 0},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] > 0
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=10.0)
+    assert metrics.status_code == 200
+    assert metrics.headers["content-type"].startswith("text/plain")
+    return metrics.text
 
 
 def test_dashboard_uses_metrics(scrape):

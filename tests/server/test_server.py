@@ -62,6 +62,7 @@ def test_health_and_models(server: ServerProcess) -> None:
     assert [m.id for m in models.data] == [Path(server.proc.args[server.proc.args.index("--model") + 1]).name]
 
 
+@pytest.mark.smoke
 def test_greedy_completion_matches_offline(server: ServerProcess, offline) -> None:
     client = openai_client(server)
     model = client.models.list().data[0].id
@@ -73,6 +74,7 @@ def test_greedy_completion_matches_offline(server: ServerProcess, offline) -> No
         assert resp.usage.total_tokens == resp.usage.prompt_tokens + MAX_TOKENS
 
 
+@pytest.mark.smoke
 def test_streaming_concatenates_to_non_streaming(server: ServerProcess, offline) -> None:
     client = openai_client(server)
     prompt = PROMPTS[0]
@@ -134,6 +136,7 @@ def test_explicit_nulls_mean_defaults(server: ServerProcess, offline) -> None:
     assert_openai_error(post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "ignore_eos": None}), 400)
 
 
+@pytest.mark.smoke
 def test_chat_completion_and_stream(server: ServerProcess) -> None:
     client = openai_client(server)
     model = client.models.list().data[0].id

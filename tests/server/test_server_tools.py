@@ -424,6 +424,7 @@ def assert_valid_calls(message: dict, names: set[str]) -> list[dict]:
     return calls
 
 
+@pytest.mark.slow
 def test_required_returns_calls_whose_arguments_fit_their_schema(server: ServerProcess) -> None:
     """tool_choice "required" on a model with no tool template and no parser: every sampled reply is
     one or more calls to the offered functions with arguments valid for that function's schema

@@ -236,6 +236,7 @@ def test_grpc_stream_is_traced_under_the_grpc_server_span(traced):
     assert {s["name"] for s in spans} >= set(STAGES)
 
 
+@pytest.mark.slow
 def test_tracing_off_creates_no_span_and_imports_no_sdk(traced, tiny_model_dir, server_log_dir):
     # The control: the traced server imported the SDK (-X importtime lines name every module).
     assert "opentelemetry.sdk.trace" in traced[0].log_tail(10**8)
@@ -310,6 +311,7 @@ def test_missing_opentelemetry_is_a_one_line_error(tmp_path, tiny_model_dir):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_bench_features_measures_tracing_off_and_on(tiny_model_dir, monkeypatch):
     from tokenmill.bench import features
     from tokenmill.cli import build_parser

@@ -64,6 +64,7 @@ def steal_fraction(a: tuple[float, float], b: tuple[float, float]) -> float:
     return (b[0] - a[0]) / max(b[1] - a[1], 1e-9)
 
 
+@pytest.mark.slow
 def test_soak_at_70_percent_capacity(soak_server: ServerProcess, long_mode: bool) -> None:
     duration = 600.0 if long_mode else 30.0
     url = soak_server.base_url
