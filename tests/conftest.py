@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The shared `tokenmill serve` (and its log directory) for every test that asks for `server`: fixtures
+# defined here exist once per run, whereas each module importing them would start its own.
+from tests.utils.server import server_fixture, server_log_dir_fixture  # noqa: F401 - pytest fixtures
+
 # Test tiers (markers registered in pyproject.toml; the Makefile's test targets select by them).
 # Every test is in exactly one of `unit` (no engine, no server: functions, kernels against
 # references, parsers, manifests), `engine` (builds an engine in this process) and `server` (talks to

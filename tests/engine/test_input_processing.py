@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.utils.server import ServerProcess, server_fixture, server_log_dir_fixture  # noqa: F401 - fixtures
+from tests.utils.server import ServerProcess
 from tokenmill import SamplingParams
 from tokenmill.engine.input_processor import InputProcessor, PromptInput, render_chat
 from tokenmill.engine.sample.sampler import Sampler

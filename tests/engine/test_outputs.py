@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import mixed_prompts
-from tests.utils.server import ServerProcess, server_fixture, server_log_dir_fixture  # noqa: F401 - fixtures
+from tests.utils.server import ServerProcess
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenText
 from tokenmill.engine.outputs import RequestOutputKind

@@ -13,7 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.test_deploy import DASHBOARD, K8S, dashboard_metrics
-from tests.utils.server import ServerProcess, server_fixture, server_log_dir_fixture  # noqa: F401 - fixtures
+from tests.utils.server import ServerProcess
 
 # Exported only when torch sees a CUDA device (tokenmill/server/metrics.py `_GpuProbe`).
 GPU_ONLY = frozenset({"tokenmill_gpu_memory_used_bytes", "tokenmill_gpu_utilization_ratio"})

@@ -1,7 +1,7 @@
 """The HTTP/gRPC server against a real `tokenmill serve` subprocess running the tiny random model.
 
-One shared server (see server_fixtures.server) keeps this file fast; lifecycle tests that need their
-own flags (API key, tiny queue, SIGTERM) live in test_server_lifecycle.py.
+One shared server (`server` of tests/utils/server.py, one for the whole run) keeps this file fast;
+lifecycle tests that need their own flags (API key, tiny queue, SIGTERM) live in test_server_lifecycle.py.
 """
 
 from __future__ import annotations
@@ -17,15 +17,13 @@ import grpc
 import httpx
 import pytest
 
-from tests.utils.server import (  # noqa: F401 - *_fixture are pytest fixtures
+from tests.utils.server import (
     MALFORMED_MESSAGES,
     ServerProcess,
     assert_openai_error,
     async_openai_client,
     openai_client,
     raw_grpc_call,
-    server_fixture,
-    server_log_dir_fixture,
     sse_events,
 )
 

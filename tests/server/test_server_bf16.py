@@ -9,13 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils.server import (  # noqa: F401 - server_log_dir_fixture is a pytest fixture
-    ServerProcess,
-    model_id,
-    openai_client,
-    running_server,
-    server_log_dir_fixture,
-)
+from tests.utils.server import ServerProcess, model_id, openai_client, running_server
 from tokenmill import LLM, SamplingParams
 from tokenmill.kernels.cpu_caps import detect
 

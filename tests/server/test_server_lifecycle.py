@@ -17,13 +17,12 @@ import grpc
 import httpx
 import pytest
 
-from tests.utils.server import (  # noqa: F401 - server_log_dir_fixture is a pytest fixture
+from tests.utils.server import (
     MALFORMED_MESSAGES,
     ServerProcess,
     assert_openai_error,
     openai_client,
     raw_grpc_call,
-    server_log_dir_fixture,
     sse_events,
 )
 

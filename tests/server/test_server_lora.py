@@ -11,16 +11,7 @@ import grpc
 import pytest
 
 from tests.utils.lora import make_peft_adapter, peft_greedy
-from tests.utils.server import (
-    ServerProcess,
-    assert_openai_error,
-    model_id,
-    openai_client,
-    post_json,
-    running_server,
-    server_fixture,  # noqa: F401 - the shared server (no LoRA flags)
-    server_log_dir_fixture,  # noqa: F401
-)
+from tests.utils.server import ServerProcess, assert_openai_error, model_id, openai_client, post_json, running_server
 from tokenmill.server.proto import tokenmill_pb2 as pb
 from tokenmill.server.proto import tokenmill_pb2_grpc as pb_grpc
 

@@ -13,14 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.utils.server import (  # noqa: F401 - *_fixture are pytest fixtures
-    ServerProcess,
-    assert_openai_error,
-    model_id,
-    openai_client,
-    server_fixture,
-    server_log_dir_fixture,
-)
+from tests.utils.server import ServerProcess, assert_openai_error, model_id, openai_client
 from tokenmill.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 
 MSG = [{"role": "user", "content": "Say something"}]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_forward, hf_greedy, mixed_prompts
-from tests.utils.server import ServerProcess, assert_openai_error, openai_client, server_log_dir_fixture  # noqa: F401
+from tests.utils.server import ServerProcess, assert_openai_error, openai_client
 
 TOL = 1e-4
 BUDGET = 32  # --max-num-batched-tokens: longer prompts are prefilled in chunks

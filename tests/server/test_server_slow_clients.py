@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.utils.server import ServerProcess, server_log_dir_fixture  # noqa: F401 - pytest fixture
+from tests.utils.server import ServerProcess
 
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 3.0

@@ -17,14 +17,13 @@ import jsonschema
 import pytest
 
 from tests.engine.test_structured_outputs import MAX_TOKENS, PERSON
-from tests.utils.server import (  # noqa: F401 - server_log_dir_fixture is a pytest fixture
+from tests.utils.server import (
     ServerProcess,
     assert_openai_error,
     async_openai_client,
     model_id,
     openai_client,
     running_server,
-    server_log_dir_fixture,
 )
 from tests.utils.server import (
     post_json as post,

@@ -20,16 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.utils.server import (  # noqa: F401 - *_fixture are pytest fixtures
-    ServerProcess,
-    assert_openai_error,
-    model_id,
-    openai_client,
-    running_server,
-    server_fixture,
-    server_log_dir_fixture,
-    sse_events,
-)
+from tests.utils.server import ServerProcess, assert_openai_error, model_id, openai_client, running_server, sse_events
 from tests.utils.tool_models import HERMES_TEMPLATE, scripted_model
 from tokenmill.engine.input_processor import render_chat
 from tokenmill.server.protocol import ChatCompletionRequest

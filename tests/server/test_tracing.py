@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.utils.server import ServerProcess, server_log_dir_fixture, sse_events  # noqa: F401
+from tests.utils.server import ServerProcess, sse_events
 
 # A client's trace context (W3C traceparent: version, trace id, parent span id, flags).
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

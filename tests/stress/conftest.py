@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.stress.stress_lib import MAX_NUM_SEQS, MAX_QUEUE, REPORT
-from tests.utils.server import ServerProcess, server_log_dir_fixture  # noqa: F401 - pytest fixture
+from tests.utils.server import ServerProcess
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Fixtures for server tests: a real `tokenmill serve` subprocess on free 127.0.0.1 ports.
 
-Import the fixtures (`from tests.utils.server import server_fixture, server_log_dir_fixture`) and helpers into a
-test module. `ServerProcess` starts a server with its own flags.
+`server` (one shared server for the whole run) and `server_log_dir` are registered by tests/conftest.py:
+ask for them, do not import them into a test module (each importing module would start its own). Import
+the helpers; `ServerProcess` starts a server with its own flags.
 """
 
 from __future__ import annotations
@@ -123,8 +124,8 @@ def post_json(server: ServerProcess, path: str, body: dict, timeout: float = 120
     return httpx.post(f"{server.base_url}{path}", json=body, timeout=timeout)
 
 
-# Fixtures are registered under their `name=` so that importing them into a test module
-# (`from server_fixtures import server_fixture`) does not shadow the test's `server` parameter.
+# Fixtures are registered under their `name=` so that importing them (into tests/conftest.py) does not
+# shadow a test's `server` parameter.
 
 
 @pytest.fixture(scope="session", name="server_log_dir")
