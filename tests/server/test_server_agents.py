@@ -20,14 +20,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.utils.server import (  # noqa: F401 - *_fixture are pytest fixtures
+from tests.utils.server import (
     ServerProcess,
     assert_openai_error,
     async_openai_client,
-    model_id,
     openai_client,
-    server_fixture,
-    server_log_dir_fixture,
     sse_events,
 )
 from tests.utils.tool_models import HERMES_TEMPLATE, scripted_turns_model

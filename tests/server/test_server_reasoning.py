@@ -16,12 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.utils.server import (  # noqa: F401 - *_fixture are pytest fixtures
-    ServerProcess,
-    openai_client,
-    server_log_dir_fixture,
-    sse_events,
-)
+from tests.utils.server import ServerProcess, openai_client, sse_events
 from tests.utils.tool_models import QWEN3_TEMPLATE, scripted_turns_model
 from tokenmill.engine.input_processor import render_chat
 from tokenmill.server.protocol import ChatCompletionRequest
