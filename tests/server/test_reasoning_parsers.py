@@ -12,6 +12,8 @@ from tokenmill.server.output import OutputReader, ParsedOutput
 from tokenmill.server.reasoning import ReasoningPlan
 from tokenmill.server.tools.parsers import HermesParser, ParsedCall
 
+pytestmark = pytest.mark.unit
+
 OPEN = "<|im_start|>assistant\n"  # a prompt that leaves the section to the output
 OPENED = "<｜Assistant｜><think>\n"  # DeepSeek-R1's: the output starts inside the section
 CLOSED = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3 with enable_thinking false

@@ -345,6 +345,7 @@ def test_messages_refuses_what_it_cannot_serve(server: ServerProcess, body: dict
     assert err["param"] == param, err
 
 
+@pytest.mark.unit
 def test_every_sdk_request_field_is_known() -> None:
     """Each field the installed SDKs can send is read, accepted as having no effect, or refused by
     name: none is an unknown field."""
@@ -358,6 +359,7 @@ def test_every_sdk_request_field_is_known() -> None:
     assert set(MessageCreateParamsBase.__annotations__) <= set(MessagesRequest.model_fields)
 
 
+@pytest.mark.unit
 def test_responses_input_limits_count_items_not_characters() -> None:
     from tokenmill.server.errors import APIError
     from tokenmill.server.protocol import parse_request
@@ -371,6 +373,7 @@ def test_responses_input_limits_count_items_not_characters() -> None:
     assert exc.value.param == "input"
 
 
+@pytest.mark.unit
 def test_response_store_is_bounded_least_recently_used_first() -> None:
     from tokenmill.server.protocol import ChatMessage
 
