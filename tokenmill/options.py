@@ -77,5 +77,5 @@ def add_options(
 def from_args(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
     """`cls` (a dataclass) from the parsed flags of its fields (fields without a flag keep their
     default), with `values` taking precedence."""
-    found = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
+    found = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
     return cls(**{**found, **values})

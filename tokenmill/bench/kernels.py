@@ -205,6 +205,12 @@ def layer_gemm_cases(shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
     return results
 
 
+def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """A tensor a linear method set on its layer (mypy sees nn.Module's attributes as Tensor | Module)."""
+    tensor: torch.Tensor = getattr(module, name)
+    return tensor
+
+
 def model_gemm_cases(shapes: list[tuple[int, int]], layers: int) -> list[dict[str, Any]]:
     """ms per pass over `layers` decoder layers' GEMMs (`shapes`: (in, out) each), every layer its
     own weights, and GB/s of the weights read, on fp32, bf16 and int8 panels at MODEL_GEMM_ROWS rows."""
@@ -223,11 +229,12 @@ def model_gemm_cases(shapes: list[tuple[int, int]], layers: int) -> list[dict[st
         return (lambda x, i, j: ops.packed_linear(x, packed[i][j], None, shapes[j][1])), nbytes
 
     int8 = [[linear_with(_linear_of(w), Int8LinearMethod(kernels=True)) for w in layer] for layer in weights]
-    int8_bytes = sum(t.numel() * t.element_size() for layer in int8 for m in layer for t in (m.qweight, m.scales))
+    int8_tensors = [[(_tensor(m, "qweight"), _tensor(m, "scales")) for m in layer] for layer in int8]
+    int8_bytes = sum(t.numel() * t.element_size() for layer in int8_tensors for pair in layer for t in pair)
 
     def int8_gemm(x: torch.Tensor, i: int, j: int) -> torch.Tensor:  # (the op itself, as the fp32 path calls it)
-        m = int8[i][j]
-        return ops.packed_int8_linear(x, m.qweight, m.scales, None, m.out_features)
+        qweight, scales = int8_tensors[i][j]
+        return ops.packed_int8_linear(x, qweight, scales, None, int8[i][j].out_features)
 
     paths = {"fp32": panel_path(torch.float32), "bf16": panel_path(torch.bfloat16), "int8": (int8_gemm, int8_bytes)}
     results = []

@@ -81,8 +81,9 @@ def model_weight_bytes(model: nn.Module) -> tuple[int, int]:
     linear_ptrs: set[int] = set()
     embedding_ptrs: set[int] = set()
     for module in model.modules():
-        if isinstance(module, (nn.Linear, Linear)) and isinstance(getattr(module, "weight", None), torch.Tensor):
-            linear_ptrs.add(module.weight.data_ptr())
+        weight = getattr(module, "weight", None)
+        if isinstance(module, (nn.Linear, Linear)) and isinstance(weight, torch.Tensor):
+            linear_ptrs.add(weight.data_ptr())
         elif isinstance(module, nn.Embedding):
             embedding_ptrs.add(module.weight.data_ptr())
     tensors: list[torch.Tensor] = list(model.parameters())
