@@ -1,11 +1,10 @@
 """Where a step's time goes on a GPU machine: per-step wall times, a cProfile and a torch.profiler table.
 
-The 2026-12-04 GPU check (H200, tiny model, fp16, 64 prompts of 4-200 tokens) found prefill steps of
-0.4-1.3 s and eager decode steps of ~90 ms (4-5 ms with CUDA graphs), on a GPU that runs the whole
-step's kernels in a few ms: host time, not GPU time. This script gathers what is needed to say where:
+A GPU runs a small model's step kernels in a few ms, so slow steps there are host time, not GPU
+time. This script gathers what is needed to say where it goes:
 
 1. ms per step for overlap scheduling on/off and CUDA graphs on/off (same workload, same process;
-   the first GPU run found the slow steps repeat in a second pass, so each variant runs once);
+   each variant runs once);
 2. a cProfile of one pass without overlap (every step on this thread, Python included);
 3. a torch.profiler table (CPU + CUDA) of a short run without overlap, and its chrome trace (gzip).
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
 from tokenmill.bench.agreement import TEXT_SOURCE, text_chunks
+from tokenmill.bench.report import environment
 from tokenmill.models.layers.quantization.int8 import group_scales, quantize_weight
 from tokenmill.models.model_loader.hub import resolve_model
 
@@ -143,8 +146,13 @@ def main() -> None:
                 flush=True,
             )
     if args.json:
+        env = {**environment(), "command": shlex.join(["python", *sys.argv])}
         with open(args.json, "w") as f:
-            json.dump({"text": TEXT_SOURCE, "tokens": args.tokens, "chunk": args.chunk, "rows": rows}, f, indent=2)
+            json.dump(
+                {"environment": env, "text": TEXT_SOURCE, "tokens": args.tokens, "chunk": args.chunk, "rows": rows},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

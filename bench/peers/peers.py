@@ -412,8 +412,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     sampling = "greedy" if args.temperature == 0 else f"sampled: temperature {args.temperature}, top_p {args.top_p}"
+    env = environment()
     lines = [
-        f"CPU: {cpu_name()}; {sampling}",
+        f"CPU: {env['machine']}; {sampling}",
         "",
         "| engine | streams | output tok/s | p50 TTFT ms | completed | prompt tokens from a cache |",
         "|---|---|---|---|---|---|",
@@ -424,11 +425,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for r in rows
     ]
     (out_dir / "serve.md").write_text("\n".join(lines) + "\n")
+    (out_dir / "serve.json").write_text(
+        json.dumps({"environment": env, "sampling": sampling, "results": rows}, indent=2)
+    )
     if rows:
         plot_serve(
             rows,
             out_dir / "serve.png",
-            f"{model_dir.name}, {args.num_prompts} streamed requests a load, {cpu_name()}; {sampling}",
+            f"{model_dir.name}, {args.num_prompts} streamed requests a load, {env['machine']}; {sampling}",
         )
     print("\n".join(lines))
     return 0
@@ -534,14 +538,27 @@ def plot_serve(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"unknown CPU, {os.cpu_count()} cores"
+def default_out(args: argparse.Namespace) -> Path:
+    """bench/results/peers/<precision>[-kv8][-w8][-sampled]: one directory per setting."""
+    name = args.precision
+    name += "-kv8" if getattr(args, "kv_cache", "compute") == "int8" else ""
+    name += "-w8" if getattr(args, "weights", "compute") == "int8" else ""
+    name += "-sampled" if getattr(args, "temperature", 0.0) > 0 else ""
+    return HERE.parent / "results" / "peers" / name
+
+
+def environment() -> dict:
+    """The run's command, date, machine and checkout, written with its results."""
+    import datetime
+
+    from tokenmill.bench import provenance
+
+    return {
+        "command": shlex.join(["python", "bench/peers/peers.py", *sys.argv[1:]]),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": provenance.machine(),
+        "commit": provenance.commit(),
+    }
 
 
 def cmd_install(args: argparse.Namespace) -> int:
@@ -588,10 +605,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             results.append(json.loads(result.read_text()))
     if args.dry_run:
         return 0
-    table = format_table(results, cpu_name()) + "".join(f"\n| {e} | failed (see the log) | | | | | | |" for e in failed)
+    env = environment()
+    failed_rows = "".join(f"\n| {e} | failed (see the log) | | | | | | |" for e in failed)
+    table = format_table(results, env["machine"]) + failed_rows
     (out_dir / "peers.md").write_text(table + "\n")
-    (out_dir / "peers.json").write_text(json.dumps({"cpu": cpu_name(), "results": results, "failed": failed}, indent=2))
-    plot(results, out_dir / "peers.png", f"{model_dir.name}, {args.num_prompts} requests, {cpu_name()}")
+    (out_dir / "peers.json").write_text(
+        json.dumps({"environment": env, "results": results, "failed": failed}, indent=2)
+    )
+    plot(results, out_dir / "peers.png", f"{model_dir.name}, {args.num_prompts} requests, {env['machine']}")
     print(table)
     return 1 if failed else 0
 
@@ -663,7 +684,12 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="llama.cpp --no-repack (its AMX repack path segfaulted on q4/q8 weights)",
         )
-        p.add_argument("--out", default="bench/peers/results", help="results directory (default: bench/peers/results)")
+        p.add_argument(
+            "--out",
+            default=None,
+            help="results directory (default: bench/results/peers/PRECISION, with -kv8, -w8 or -sampled "
+            "for those settings)",
+        )
         p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of vLLM and OpenVINO, GiB (default: 4)")
     install.set_defaults(func=cmd_install)
     run.set_defaults(func=cmd_run)
@@ -678,6 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown engine(s) {', '.join(unknown)}; choose from {', '.join(ENGINES)}")
     args.engines = args.engines or list(SERVE_ENGINES if args.command == "serve" else ENGINES)
+    if args.command != "install" and args.out is None:
+        args.out = str(default_out(args))
     start = time.perf_counter()
     code = args.func(args)
     print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)

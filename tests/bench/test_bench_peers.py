@@ -135,6 +135,9 @@ def test_tokenmill_runs_the_workload_and_results_are_written(tiny_model_dir, tmp
     assert row["weights"] == ("int8, groups of 32" if weights == "int8" else None)
     assert row["cached_prompt_tokens"] == 0  # reported (that the warm-up leaves none: test_bench_offline)
     assert (out / "peers.png").stat().st_size > 0
+    environment = json.loads((out / "peers.json").read_text())["environment"]
+    assert environment["command"].startswith("python bench/peers/peers.py run tokenmill")
+    assert {"date", "machine", "commit"} <= environment.keys() and "cores" in environment["machine"]
 
 
 @pytest.mark.server
@@ -185,3 +188,6 @@ def test_serve_dry_run_and_tokenmill_under_load(tiny_model_dir, tmp_path):
     assert "sampled: temperature 1.0, top_p 0.9" in table and "--temperature 1.0 --top-p 0.9" in result.stderr
     assert json.loads((out / "serve-tokenmill-c2.json").read_text())["output_throughput"] > 0
     assert (out / "serve.png").stat().st_size > 0
+    summary = json.loads((out / "serve.json").read_text())
+    assert summary["environment"]["machine"] and summary["sampling"] == "sampled: temperature 1.0, top_p 0.9"
+    assert [(r["engine"], r["concurrency"], r["completed"]) for r in summary["results"]] == [("tokenmill", 2, 4)]

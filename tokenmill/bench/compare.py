@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from tokenmill.bench.report import json_safe, write_json
+from tokenmill.bench.report import environment, json_safe, write_json
 from tokenmill.bench.sampling import sampling_from_args
 from tokenmill.bench.serve.report import BenchReport, format_table, plot_reports
 from tokenmill.bench.serve.runner import run_benchmark
@@ -253,6 +253,7 @@ def main(args: argparse.Namespace) -> int:
             args.json,
             json_safe(
                 {
+                    "environment": environment(),
                     "config": _config(args, model_dir, requests),
                     "ratios": ratios,
                     "reports": {name: rep.to_dict() for name, rep in reports.items()},

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.bench import provenance
+
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
 
 
@@ -108,6 +110,8 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "machine": provenance.machine(torch.cuda.get_device_name(0) if torch.cuda.is_available() else None),
+        "commit": provenance.commit(),
     }
 
 

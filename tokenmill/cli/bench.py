@@ -199,14 +199,14 @@ def _register_compare(bench_subparsers: Any) -> None:
     parser.add_argument(
         "--json",
         metavar="PATH",
-        default="bench/compare.json",
-        help="write both reports and the ratios as JSON to PATH; '' to skip (default: bench/compare.json)",
+        default="bench/results/compare.json",
+        help="write both reports and the ratios as JSON to PATH; '' to skip (default: bench/results/compare.json)",
     )
     parser.add_argument(
         "--plot",
         metavar="PATH",
-        default="bench/compare.png",
-        help="write the side-by-side PNG to PATH; '' to skip (default: bench/compare.png)",
+        default="bench/results/compare.png",
+        help="write the side-by-side PNG to PATH; '' to skip (default: bench/results/compare.png)",
     )
 
 
