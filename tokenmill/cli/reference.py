@@ -44,7 +44,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, ar
 def _default(action: argparse.Action) -> str:
     if action.nargs == 0:  # a switch
         return {True: "on", False: "off"}.get(action.default, "")  # None: the help says what decides
-    if action.default is None or action.default is argparse.SUPPRESS:
+    if action.default is None or action.default is argparse.SUPPRESS or action.default == "":
         return ""
     if isinstance(action.default, (list, tuple)):
         return " ".join(f"`{value}`" for value in action.default) if action.default else ""
