@@ -278,7 +278,13 @@ SECTIONS = (
     Section(
         "Batch-1 decode against the weight-streaming bound (`--roofline`)",
         "Bound = weight bytes / copy bandwidth; below 1x the caches hold part of the weights.",
-        ("offline-default.json", "roofline-fp32.json", "roofline-bf16.json", "roofline-int8.json", "roofline-int4.json"),
+        (
+            "offline-default.json",
+            "roofline-fp32.json",
+            "roofline-bf16.json",
+            "roofline-int8.json",
+            "roofline-int4.json",
+        ),
         ("weights MB", "copy GB/s", "bound ms", "measured ms", "measured / bound"),
         roofline,
     ),

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.utils.tool_models import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+from tokenmill.server.tools.catalog import PARSERS, default_parser_name
 from tokenmill.server.tools.definitions import required_calls_schema
 from tokenmill.server.tools.formats import MistralParser, Phi4MiniJsonParser, PythonicParser, Qwen3CoderParser
 from tokenmill.server.tools.parsers import (
-    PARSERS,
     ArgumentsOnly,
     HermesParser,
     JsonCallList,
@@ -23,7 +23,6 @@ from tokenmill.server.tools.parsers import (
     ParsedCall,
     ParsedText,
     ToolCallParser,
-    default_parser_name,
     parse_text,
 )
 

@@ -9,7 +9,7 @@ from tokenmill.engine.config import parse_memory
 from tokenmill.engine.pooling_params import POOLING_TYPES, PoolingType
 from tokenmill.options import option
 from tokenmill.server.reasoning import REASONING_PARSERS
-from tokenmill.server.tools.parsers import PARSERS
+from tokenmill.server.tools.catalog import PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime LoRA endpoints

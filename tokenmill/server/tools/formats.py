@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from tokenmill.server.tools.json_scan import EMPTY_ARGUMENTS, ValueScan, loads_or_invalid
-from tokenmill.server.tools.parsers import ParsedDelta, ToolSchemas, _CallsInText, _Mode, register
+from tokenmill.server.tools.parsers import ParsedDelta, ToolSchemas, _CallsInText, _Mode
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]*")
 
@@ -55,7 +55,6 @@ class _ListOfCallObjects(_CallsInText):
         return self._opener + self._call_text
 
 
-@register("phi4_mini_json")
 class Phi4MiniJsonParser(_ListOfCallObjects):
     """Phi-4-mini: `functools[{"name": ..., "arguments": {...}}, ...]`; text before it is content."""
 
@@ -73,7 +72,6 @@ class Phi4MiniJsonParser(_ListOfCallObjects):
         return True
 
 
-@register("mistral")
 class MistralParser(_ListOfCallObjects):
     """Mistral: `[TOOL_CALLS]` then `[{...}, ...]` (or one `{...}`), or `name[ARGS]{...}` once per call.
     [TOOL_CALLS] and [ARGS] are special tokens of Mistral's tokenizers: its outputs keep them."""
@@ -174,7 +172,6 @@ class _NamedArguments:
 # ---------------------------------------------------------------------------------------------- pythonic
 
 
-@register("pythonic")
 class PythonicParser(_CallsInText):
     """`[get_weather(city="Paris", unit="celsius"), now()]`: the output opens with a Python list of
     calls with keyword arguments of literal values (Llama 4 wraps it in <|python_start|>). Each call
@@ -317,7 +314,6 @@ def _literal(node: ast.AST) -> Any:
 # ---------------------------------------------------------------------------------------------- Qwen3-Coder
 
 
-@register("qwen3_coder")
 class Qwen3CoderParser(_CallsInText):
     """Qwen3-Coder: `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nvalue\\n</parameter>\\n</function>\\n
     </tool_call>` (a bare `<function=` opens a call too). A value is text, read as the type its

@@ -8,16 +8,17 @@ once (`parse_text`), so streamed deltas always concatenate to the non-streamed c
 Text that only looks like the start of a call (a partial `<tool_call>`) is held back until it is
 decided, so no markup leaks into the content. Whitespace next to a call is not content.
 
-Formats are registered by name (`--tool-call-parser`); the default is picked from the chat
-template (`default_parser_name`). `ArgumentsOnly` and `JsonCallList` read the output of a request
-whose tool_choice (a named function / required) was enforced with a JSON schema.
+Formats are named for `--tool-call-parser` in catalog.py, which also picks the default from the
+chat template (`default_parser_name`); more formats are in formats.py. `ArgumentsOnly` and
+`JsonCallList` read the output of a request whose tool_choice (a named function / required) was
+enforced with a JSON schema.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any, ClassVar, Protocol
@@ -183,37 +184,6 @@ def partial_suffix(text: str, marker: str) -> int:
 # ---------------------------------------------------------------------------------------------- registry
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {}
-
-
-def register(name: str) -> Callable[[type[ToolCallParser]], type[ToolCallParser]]:
-    def add(cls: type[ToolCallParser]) -> type[ToolCallParser]:
-        PARSERS[name] = cls
-        return cls
-
-    return add
-
-
-def default_parser_name(chat_template: str | None) -> str | None:
-    """The parser a chat template asks for: Qwen3-Coder's XML when it writes <function=...> and
-    <parameter=...>; Mistral's when it writes [TOOL_CALLS]; pythonic for Llama 4's <|python_start|>;
-    Hermes when it writes <tool_call> (Qwen 2.5/3, Hermes); Llama 3 JSON when it is a Llama 3
-    template that offers tools (<|python_tag|> or the JSON instructions next to
-    <|start_header_id|>); else none."""
-    template = chat_template or ""
-    if "<function=" in template and "<parameter=" in template:
-        return "qwen3_coder"
-    if "[TOOL_CALLS]" in template:
-        return "mistral"
-    if "<|python_start|>" in template:
-        return "pythonic"
-    if "<tool_call>" in template:
-        return "hermes"
-    if "<|start_header_id|>" in template and ("<|python_tag|>" in template or "tools" in template):
-        return "llama3_json"
-    return None
-
-
 def parse_text(parser: ToolCallParser, text: str) -> ParsedText:
     """A whole output at once (non-streamed responses): the same parser run over all of it."""
     first, last = parser.feed(text), parser.finish()
@@ -341,7 +311,6 @@ class _CallsInText(ToolCallParser):
         self._mode = _Mode.PLAIN
 
 
-@register("hermes")
 class HermesParser(_CallsInText):
     """Hermes 2 Pro / Qwen 2.5 / Qwen 3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
     any number of them, with text before, between and after. A missing closing tag ends the call at
@@ -374,7 +343,6 @@ class HermesParser(_CallsInText):
         return self.OPEN + self._call_text
 
 
-@register("llama3_json")
 class Llama3JsonParser(_CallsInText):
     """Llama 3.1 / 3.2 JSON tool calls: the output is `{"name": ..., "parameters": {...}}`, optionally
     after `<|python_tag|>`, several separated by `;`. An output that does not start with a call
@@ -498,7 +466,3 @@ class JsonCallList(ToolCallParser):
         if self._expect != "" or not self._calls:
             self.failed = True
         return out
-
-
-# The other formats register themselves (they build on the classes above).
-from tokenmill.server.tools import formats  # noqa: E402, F401

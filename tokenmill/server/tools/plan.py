@@ -21,8 +21,9 @@ from tokenmill.engine.structured_output.params import ReasoningSection, Structur
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
+from tokenmill.server.tools.catalog import PARSERS, default_parser_name
 from tokenmill.server.tools.definitions import arguments_schema, required_calls_schema
-from tokenmill.server.tools.parsers import PARSERS, ArgumentsOnly, JsonCallList, ToolCallParser, default_parser_name
+from tokenmill.server.tools.parsers import ArgumentsOnly, JsonCallList, ToolCallParser
 
 logger = logging.getLogger(__name__)
 
