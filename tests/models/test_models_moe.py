@@ -214,8 +214,12 @@ def _save_fused_layout(model_dir, target):
 def test_loaded_layers_match_hf_layers(moe_model_dirs, tmp_path, model_type, layout):
     """Every layer's MLP (sparse with its shared expert, or dense) as loaded from either checkpoint
     layout equals transformers' on random hidden states, each routing path included."""
-    from tokenmill.models.layers.linear import LinearBackend, assign_linear_methods, process_weights_after_loading
     from tokenmill.models.layers.packed_linear import packed_method_for
+    from tokenmill.models.model_loader.linear_setup import (
+        assign_linear_methods,
+        linear_backend,
+        process_weights_after_loading,
+    )
     from tokenmill.models.model_loader.loader import load_model
 
     model_dir = moe_model_dirs[model_type]
@@ -228,7 +232,7 @@ def test_loaded_layers_match_hf_layers(moe_model_dirs, tmp_path, model_type, lay
         expected = [layer.mlp(x[None])[0] for layer in hf.model.layers]
         for ours_layer, want in zip(ours.layers, expected):
             torch.testing.assert_close(ours_layer.mlp(x), want, atol=1e-5, rtol=0)
-        assign_linear_methods(ours, LinearBackend(torch.device("cpu"), torch.float32, True), None, {})
+        assign_linear_methods(ours, linear_backend(torch.device("cpu"), torch.float32, True), None, {})
         for layer in ours.layers:  # the per-expert form (quantized experts'), its linears packed as well
             if hasattr(layer.mlp, "experts"):
                 layer.mlp.experts.linear_method = packed_method_for(torch.float32)

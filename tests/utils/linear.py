@@ -5,15 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.models.layers.linear import (
-    Linear,
-    LinearBackend,
-    assign_linear_methods,
-    linear_with,
-    process_weights_after_loading,
-    replace_linear_modules,
-)
+from tokenmill.models.layers.linear import Linear, linear_with, replace_linear_modules
 from tokenmill.models.layers.quantization import OnlineQuantization
+from tokenmill.models.model_loader.linear_setup import (
+    assign_linear_methods,
+    linear_backend,
+    process_weights_after_loading,
+)
 
 
 def int8_linear(linear: nn.Linear, kernels: bool) -> Linear:
@@ -27,5 +25,5 @@ def prepare(model: nn.Module, packed: bool = True, quantization: str | None = No
     replace_linear_modules(model)
     dtype = next(model.parameters()).dtype
     quant = OnlineQuantization(quantization, kernels) if quantization else None
-    assign_linear_methods(model, LinearBackend(torch.device("cpu"), dtype, packed), quant, {})
+    assign_linear_methods(model, linear_backend(torch.device("cpu"), dtype, packed), quant, {})
     process_weights_after_loading(model)

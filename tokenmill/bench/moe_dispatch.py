@@ -55,9 +55,10 @@ def _variants(args: argparse.Namespace) -> list[tuple[str, Any]]:
     import torch
 
     from tokenmill.kernels.ops import cpu_kernels_available
-    from tokenmill.models.layers.linear import UNQUANTIZED, LinearMethod, process_weights_after_loading
+    from tokenmill.models.layers.linear import UNQUANTIZED, LinearMethod
     from tokenmill.models.layers.packed_linear import packed_method_for
     from tokenmill.models.layers.quantization.int8 import Int8LinearMethod
+    from tokenmill.models.model_loader.linear_setup import process_weights_after_loading
 
     def make(method: LinearMethod | None = None):
         layer = _layer(args.hidden_size, args.intermediate_size, args.num_experts, args.top_k, args.seed)

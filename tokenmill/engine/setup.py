@@ -15,8 +15,8 @@ from tokenmill.engine.config import EngineConfig, parse_memory
 from tokenmill.engine.precision import Precision
 from tokenmill.engine.worker.kv_cache import bytes_per_block
 from tokenmill.models.layers.fused_layer import fuse_decoder_layers
-from tokenmill.models.layers.linear import process_weights_after_loading
 from tokenmill.models.layers.parallel import TPInfo, check_shardable
+from tokenmill.models.model_loader.linear_setup import process_weights_after_loading
 from tokenmill.models.model_loader.loader import load_model, load_spec, resolve_architecture
 from tokenmill.models.model_loader.registry import NATIVE
 from tokenmill.models.spec import ModelSpec

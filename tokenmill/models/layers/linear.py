@@ -1,33 +1,26 @@
 """Linear layers and the methods that hold and multiply their weights (vLLM's `quant_method`).
 
-Every linear layer of a model is a `Linear`, and every `Linear` has one `LinearMethod`, chosen once at
-load time, before the checkpoint is read (`assign_linear_methods`): the method declares the tensors the
-checkpoint fills (`create_weights`: a float `weight`, or a format's packed integers, scales and zero
-points), turns them into the layout its kernel reads once they are loaded
-(`process_weights_after_loading`), and computes the layer (`apply`, and `logits` for a vocabulary
-projection). The choice is made by the checkpoint's quantization (`quantization.QuantizationConfig`,
-from config.json's `quantization_config` or `--quantization`) and, for layers left in float, by
-`LinearBackend` (the device, the dtype, the CPU's features and `--packed-linear`). Code that needs to
-know how a layer computes (the fused decoder layers, LoRA, the tied embedding, the roofline) asks its
-method, never its class.
+Every linear layer of a model is a `Linear`, and every `Linear` has one `LinearMethod`, chosen once
+at load time, before the checkpoint is read (model_loader/linear_setup.py's
+`assign_linear_methods`): the method declares the tensors the checkpoint fills (`create_weights`: a
+float `weight`, or a format's packed integers, scales and zero points), turns them into the layout
+its kernel reads once they are loaded (`process_weights_after_loading`), and computes the layer
+(`apply`, and `logits` for a vocabulary projection). The choice is made by the checkpoint's
+quantization (`quantization.QuantizationConfig`, from config.json's `quantization_config` or
+`--quantization`) and, for layers left in float, by `LinearBackend` (the device, the dtype, the
+CPU's features and `--packed-linear`). Code that needs to know how a layer computes (the fused
+decoder layers, LoRA, the tied embedding, the roofline) asks its method, never its class.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import mmap
 import os
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from tokenmill.models.layers.quantization import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -177,40 +170,21 @@ class FusedProjection:
 
 @dataclass(frozen=True)
 class LinearBackend:
-    """How layers left in float run here: the device, the compute dtype, and whether their weights
-    are packed for tokenmill's CPU kernels or oneDNN (`--packed-linear`: CPU, not under --compile)."""
+    """How layers left in float run here: the device, the compute dtype, the float method of the
+    layers and of the lm_head (model_loader/linear_setup.py's `linear_backend` picks them), and
+    whether tokenmill's CPU kernels compute here (quantized layers' packed forms)."""
 
     device: torch.device
     dtype: torch.dtype
-    packed: bool
-
-    @property
-    def kernels(self) -> bool:
-        """Whether tokenmill's CPU kernels compute here (quantized layers' packed forms)."""
-        from tokenmill.kernels.ops import cpu_kernels_available
-
-        return cpu_kernels_available(self.device)
+    float_linear: LinearMethod
+    head_linear: LinearMethod
+    kernels: bool
 
     def float_method(self) -> LinearMethod:
-        if self.packed and self.device.type == "cpu":
-            from tokenmill.models.layers.packed_linear import packed_method_for
-
-            return packed_method_for(self.dtype) or UNQUANTIZED
-        return UNQUANTIZED
+        return self.float_linear
 
     def head_method(self) -> LinearMethod:
-        """The lm_head's float method: the layers' one, except a bf16 head that oneDNN would compute
-        without AMX tiles (AVX512-BF16 CPUs): oneDNN rounds that GEMM's output to bf16, and bf16 logits
-        tie and swap near-equal tokens. The panel GEMM returns the head's fp32 sums from the same bf16
-        weight (a head computes one row per sequence: the bytes streamed are the same)."""
-        method = self.float_method()
-        if method.name == "onednn" and self.dtype == torch.bfloat16:
-            from tokenmill.kernels.cpu_caps import detect
-            from tokenmill.models.layers.packed_linear import PANELS
-
-            if not detect().amx_bf16 and detect().vector_isa != "generic" and self.kernels:
-                return PANELS
-        return method
+        return self.head_linear
 
 
 def linear_layers(model: nn.Module) -> Iterator[tuple[str, Linear]]:
@@ -219,92 +193,8 @@ def linear_layers(model: nn.Module) -> Iterator[tuple[str, Linear]]:
             yield name, module
 
 
-def assign_linear_methods(
-    model: nn.Module, backend: LinearBackend, quantization: QuantizationConfig | None, parts: PartNames
-) -> None:
-    """Give every linear layer its method (before the checkpoint is read): the quantization's for the
-    layers it covers, the backend's float method for the rest. `parts`: the checkpoint module names
-    of each layer (several for a fused layer), which the quantization's per-module rules match."""
-    from tokenmill.models.layers.moe import GroupedExperts
-
-    float_method, head_method = backend.float_method(), backend.head_method()
-    for name, layer in linear_layers(model):
-        layer.name = name  # (errors about its tensors name it)
-        method = quantization.linear_method(name, parts.get(name, (name,)), layer, backend) if quantization else None
-        layer.use_method(method or (head_method if name.rpartition(".")[2] == "lm_head" else float_method))
-    for module in model.modules():
-        if isinstance(module, GroupedExperts):  # (stacked: split into linear layers once loaded)
-            module.linear_method = quantization.expert_method() if quantization else None
-
-
 # {a local linear layer's name: the checkpoint module names its parts come from}
 PartNames = dict[str, tuple[str, ...]]
-
-
-@torch.no_grad()
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Every linear layer's loaded tensors turned into its method's layout. The tensors steps stream
-    share one huge-page buffer (see huge_page_buffer), and an embedding whose table is tied to a
-    layer whose method can read rows from its own layout reads them there (one copy of the matrix).
-    Quantized experts of a mixture of experts become linear layers of their own first."""
-    from tokenmill.models.layers.moe import split_experts
-
-    split_experts(model)
-    layers = [layer for _, layer in linear_layers(model)]
-    tied_by_weight = {id(layer.weight): layer for layer in layers if "weight" in layer.quant_method.tensor_names}
-    sizes = [layer.quant_method.packed_sizes(layer) for layer in layers]
-    starts = _aligned_starts([numel * dtype.itemsize for layer_sizes in sizes for numel, dtype in layer_sizes])
-    buffer = huge_page_buffer(starts[-1]) if starts[-1] else None
-    offsets = iter(starts)
-    for layer, layer_sizes in zip(layers, sizes):
-        storage = [] if buffer is None else [_view(buffer, next(offsets), numel, dtype) for numel, dtype in layer_sizes]
-        layer.quant_method.process_weights_after_loading(layer, storage)
-    tied = _read_tied_embeddings(model, tied_by_weight)  # (a tied table lives on in its embedding: its id holds)
-    counts = Counter(layer.quant_method.describe(layer) for layer in layers)
-    if tied:
-        counts[f"embedding read from the {tied} head"] += 1
-    logger.info("linear layers: %s", ", ".join(f"{n} {kind}" for kind, n in counts.items()) or "none")
-
-
-def _read_tied_embeddings(model: nn.Module, heads: dict[int, Linear]) -> str:
-    """Replace an nn.Embedding whose table one of `heads` was loaded from by the head's method's reader
-    (the float table then goes with the embedding); the head's method name, or '' if none."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            head = heads.get(id(child.weight)) if type(child) is nn.Embedding else None
-            if head is None or child.max_norm is not None or head.bias is not None:
-                continue
-            reader = head.quant_method.tied_embedding(head, child)
-            if reader is not None:
-                setattr(module, name, reader)
-                return head.quant_method.name
-    return ""
-
-
-def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """`nbytes` of (uint8) memory, advised for transparent huge pages where the OS offers them.
-    A decode step streams every weight once: with 4 KiB pages that is a TLB miss, and a stop of the
-    hardware prefetcher, every 1,024 floats (one row of panel GEMMs over SmolLM2's layers: 1.09x
-    faster from 2 MiB pages, 13.1 vs 14.3 ms)."""
-    try:
-        region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError, ValueError):  # no THP (or no madvise) here: ordinary pages
-        return torch.empty(nbytes, dtype=torch.uint8)
-    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)  # keeps `region` alive
-
-
-# Offsets of tensors in a shared huge-page buffer are multiples of this many bytes (a cache line).
-_ALIGN_BYTES = 64
-
-
-def _aligned_starts(nbytes: list[int]) -> list[int]:
-    return list(itertools.accumulate((-(-n // _ALIGN_BYTES) * _ALIGN_BYTES for n in nbytes), initial=0))
-
-
-def _view(buffer: torch.Tensor, start: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """`numel` values of `dtype` at byte `start` of a uint8 buffer."""
-    return buffer[start : start + numel * dtype.itemsize].view(dtype)
 
 
 def stored(storage: list[torch.Tensor], index: int, packed: torch.Tensor) -> torch.Tensor:

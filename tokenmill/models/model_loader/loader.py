@@ -24,9 +24,10 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.kernels.ops import cpu_kernels_available
-from tokenmill.models.layers.linear import LinearBackend, PartNames, assign_linear_methods
+from tokenmill.models.layers.linear import PartNames
 from tokenmill.models.layers.parallel import NO_TP, TPInfo, check_shardable, local_spec, shard_state
 from tokenmill.models.layers.quantization import QuantizationConfig, quantization_config
+from tokenmill.models.model_loader.linear_setup import assign_linear_methods, linear_backend
 from tokenmill.models.model_loader.registry import GENERIC, NATIVE, Architecture, lookup
 from tokenmill.models.spec import ModelSpec, as_list
 
@@ -326,11 +327,11 @@ def load_model(
     built for contexts of up to `max_model_len` tokens (default: the model's maximum). Its linear
     layers get their methods here: the checkpoint's quantization (or `--quantization`), else float,
     packed for tokenmill's CPU kernels with `packed_linear`; their tensors are then as the checkpoint
-    holds them, until linear.process_weights_after_loading."""
+    holds them, until linear_setup.process_weights_after_loading."""
     arch, full_spec = _architecture_and_spec(model_dir, model_impl)
     if max_model_len:
         full_spec.context_len = min(max_model_len, full_spec.max_position)
-    backend = LinearBackend(device, dtype, packed_linear)
+    backend = linear_backend(device, dtype, packed_linear)
     quant = quantization_config(
         read_config(model_dir), quantization, cpu_kernels_available(device), str(model_dir / "config.json")
     )

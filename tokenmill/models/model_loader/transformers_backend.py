@@ -34,8 +34,9 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.layers.attention import AttentionMetadata, PrefillSegment, paged_attention
-from tokenmill.models.layers.linear import LinearBackend, assign_linear_methods, replace_linear_modules
+from tokenmill.models.layers.linear import LinearBackend, replace_linear_modules
 from tokenmill.models.layers.quantization import QuantizationConfig
+from tokenmill.models.model_loader.linear_setup import assign_linear_methods
 from tokenmill.models.model_loader.registry import GENERIC, Architecture, register, register_resolver
 from tokenmill.models.spec import ModelSpec
 
