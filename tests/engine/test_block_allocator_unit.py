@@ -11,6 +11,7 @@ from tokenmill.engine.core.block_manager import BlockAllocator, block_hash
 from tokenmill.engine.core.scheduler import Scheduler
 from tokenmill.engine.core.sequence import Sequence
 from tokenmill.engine.outputs import RequestMetrics
+from tokenmill.engine.runner_output import ModelRunnerOutput
 from tokenmill.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -44,7 +45,7 @@ def prefill_and_finish(s: Scheduler, prompt: list[int]) -> Sequence:
     seq = make_seq(prompt)
     s.add(seq)
     out = s.schedule()
-    s.update_from_output(out, [7] * len(out.sampled), None)
+    s.update_from_output(out, ModelRunnerOutput([7] * len(out.sampled)))
     s.finish(seq, "abort")
     return seq
 
@@ -65,7 +66,7 @@ def test_same_prefix_reuses_the_same_blocks_and_a_different_start_reuses_none():
     first = make_seq(prompt)
     s.add(first)
     out = s.schedule()
-    s.update_from_output(out, [7], None)
+    s.update_from_output(out, ModelRunnerOutput([7]))
     blocks = list(first.block_table)
     assert first.block_hashes == chain(prompt)
     # A second request with the same first 8 tokens shares those two blocks while the first runs.
@@ -118,7 +119,7 @@ def test_a_finished_sequence_frees_its_tail_blocks_first_so_its_prefix_stays_cac
     s.add(seq)
     out = s.schedule()
     table = list(seq.block_table)
-    s.update_from_output(out, [7], None)
+    s.update_from_output(out, ModelRunnerOutput([7]))
     s.finish(seq, "abort")
     hashes = chain(prompt)
     assert [s.allocator.allocate() for _ in range(2)] == [table[3], table[2]]

@@ -11,6 +11,7 @@ from tokenmill.engine.core.block_manager import BlockAllocator
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.core.sequence import Sequence, SequenceStatus
 from tokenmill.engine.outputs import RequestMetrics
+from tokenmill.engine.runner_output import ModelRunnerOutput
 from tokenmill.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -51,7 +52,7 @@ def land(
 ) -> None:
     """Land `token` for every sampled row, or the token `per_seq` gives a sequence's id."""
     per_seq = per_seq or {}
-    scheduler.update_from_output(step, [per_seq.get(i.seq.seq_id, token) for i in step.sampled], None)
+    scheduler.update_from_output(step, ModelRunnerOutput([per_seq.get(i.seq.seq_id, token) for i in step.sampled]))
 
 
 def step(scheduler: Scheduler, token: int = TOKEN) -> dict[int, int]:

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.engine.core.sequence import Sequence
 from tokenmill.engine.outputs import RequestMetrics
+from tokenmill.engine.runner_output import ModelRunnerOutput
 from tokenmill.engine.sample.sampler import Sampler, SamplingInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.spec_decode.ngram import ngram_lookup
@@ -231,7 +232,7 @@ def decoding_seq(scheduler, prompt_len: int = 6, **params) -> Sequence:
         99, "r", 0, tuple(range(10, 10 + prompt_len)), SamplingParams(**params), None, RequestMetrics(arrival_time=0.0)
     )
     scheduler.add(seq)
-    scheduler.update_from_output(scheduler.schedule(), [7], None)
+    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput([7]))
     return seq
 
 
@@ -244,7 +245,7 @@ def test_scheduler_budgets_drafts_and_rolls_back_rejected_ones():
     assert not out.decodes and len(seq.block_table) == 3  # positions 6..10 need a third block
     assert seq.num_computed_tokens == 7  # the drafts count only once accepted
     # Two drafts accepted, then the model's own token: 3 new tokens, K/V valid through the 2nd draft.
-    s.update_from_output(out, [30], None, accepted=[[20, 21]])
+    s.update_from_output(out, ModelRunnerOutput([30], accepted_token_ids=[[20, 21]]))
     assert seq.output_token_ids == [7, 20, 21, 30] and seq.num_computed_tokens == 9
     assert len(seq.block_table) == 3  # 10 tokens: still 3 blocks
     assert seq.metrics.spec_num_draft_tokens == 4 and seq.metrics.spec_num_accepted_tokens == 2
@@ -261,11 +262,11 @@ def test_scheduler_frees_blocks_of_rejected_drafts_and_respects_max_tokens():
     assert item.num_spec_tokens == 2  # at most max_tokens - outputs - 1 drafts: 2 accepted + 1 = 4 outputs
     assert len(seq.block_table) == 2
     free_before = s.allocator.num_free
-    s.update_from_output(out, [30], None, accepted=[[]])  # all rejected
+    s.update_from_output(out, ModelRunnerOutput([30], accepted_token_ids=[[]]))  # all rejected
     assert seq.output_token_ids == [7, 30] and seq.num_computed_tokens == 5
     assert len(seq.block_table) == 2 and s.allocator.num_free == free_before  # 6 tokens still need 2 blocks
     out = s.schedule()
-    s.update_from_output(out, [31], None, accepted=[[20]])
+    s.update_from_output(out, ModelRunnerOutput([31], accepted_token_ids=[[20]]))
     assert seq.output_token_ids == [7, 30, 20, 31] and seq.finish_reason == "length"
 
 
@@ -273,7 +274,7 @@ def test_scheduler_stops_inside_accepted_drafts():
     s = spec_scheduler((20, 0, 22, 23))  # the second draft is EOS
     seq = decoding_seq(s, prompt_len=6)
     out = s.schedule()
-    s.update_from_output(out, [30], None, accepted=[[20, 0, 22, 23]])
+    s.update_from_output(out, ModelRunnerOutput([30], accepted_token_ids=[[20, 0, 22, 23]]))
     assert seq.output_token_ids == [7, 20, 0] and seq.finish_reason == "stop"  # nothing after EOS
     assert seq.block_table == [] and s.allocator.num_free == s.allocator.num_blocks
 

@@ -61,7 +61,7 @@ _GRAMMAR_POLL_S = 0.01  # how long an otherwise idle step waits for a grammar co
 class LaunchedStep:
     scheduled: SchedulerOutput  # what the scheduling thread planned (live sequences: this thread only)
     step_input: StepInput  # what the model thread runs
-    future: Future  # -> (StepOutput, model-thread seconds)
+    future: Future  # -> (ModelRunnerOutput, model-thread seconds)
 
 
 def _init_model_thread(num_threads: int, device: torch.device) -> None:
@@ -546,18 +546,7 @@ class LLMEngine:
             result, seconds = step.future.result()
         except Exception as exc:
             return self._recover(step, exc)
-        sampled = result.sampled
-        if sampled is None:
-            touched = self.scheduler.update_from_output(step.scheduled, None, None, result.prefill)
-        else:
-            touched = self.scheduler.update_from_output(
-                step.scheduled,
-                sampled.tokens,
-                sampled.logprobs,
-                result.prefill,
-                sampled.accepted,
-                sampled.accepted_logprobs,
-            )
+        touched = self.scheduler.update_from_output(step.scheduled, result)
         self.num_steps += 1
         batch = step.scheduled
         self._notify(

@@ -67,6 +67,9 @@ class RankedLogprob:
     rank: int
 
 
+PromptLogprob = dict[int, RankedLogprob]  # a prompt token's own logprob first, then the top alternatives
+
+
 @dataclass
 class CompletionOutput:
     """One choice of a request. `*_delta` are new since this request's previous output; `text`,
@@ -103,5 +106,5 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it), else {token id: RankedLogprob} with the prompt's own token first, then the top
     # alternatives. Delivered once, in the first output after the whole prompt was prefilled.
-    prompt_logprobs: list[dict[int, RankedLogprob] | None] | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     embedding: list[float] | None = None  # a PoolingParams request's pooled vector (in its final output)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from tokenmill.engine.core.block_manager import BlockAllocator, block_hash
 from tokenmill.engine.core.sequence import Sequence, SequenceStatus, placeholder
 from tokenmill.engine.outputs import Logprob
-from tokenmill.engine.worker.prefill_outputs import PrefillResults, embedding
+from tokenmill.engine.runner_output import ModelRunnerOutput
 
 
 @dataclass(frozen=True)
@@ -383,44 +383,37 @@ class Scheduler:
 
     # -- a step's results ----------------------------------------------------------------------
 
-    def update_from_output(
-        self,
-        step: SchedulerOutput,
-        tokens: list[int] | None,
-        logprobs: list[Logprob | None] | None,
-        prefill: PrefillResults | None = None,
-        accepted: Seq[Seq[int]] | None = None,
-        accepted_logprobs: Seq[Seq[Logprob | None]] | None = None,
-    ) -> list[Sequence]:
+    def update_from_output(self, step: SchedulerOutput, output: ModelRunnerOutput) -> list[Sequence]:
         """Land a finished step: register the blocks it filled, land prompt logprobs and pooled
-        states, append each sampled token (after the draft tokens `accepted` before it, per sampled
+        states, append each sampled token (after the draft tokens accepted before it, per sampled
         row), check stops, end and free finished sequences (prefill-only ones after their last
         chunk). Returns the step's sequences that were still live."""
-        if prefill is not None:
-            self._land_prefill(step, prefill)
         touched = []
         for item in step.all:
             seq = item.seq
             if seq.is_finished:  # aborted, or stopped a step earlier than the scheduler knew
                 continue
+            self._land_prefill(item, output)
             if seq.epoch == item.epoch:  # (not preempted since: the blocks are the ones computed)
                 computed = item.num_computed_before + item.num_known_tokens
                 self.register_full_blocks(seq, computed)
                 if seq.prefill_only and computed == seq.num_tokens:
                     if seq.pooling is not None:
-                        seq.embedding = embedding(seq.pooling, seq.pooled_sum, len(seq.prompt_token_ids))
+                        seq.embedding = seq.pooled_embedding()
                     self.finish(seq, "length")  # max_tokens 0: nothing to generate
             touched.append(seq)
-        if tokens is not None:
-            for row, (item, token, logprob) in enumerate(zip(step.sampled, tokens, logprobs or [None] * len(tokens))):
-                if item.seq.is_finished:
-                    continue
-                if item.num_spec_tokens:
-                    drafts = accepted[row] if accepted is not None else ()
-                    draft_logprobs = accepted_logprobs[row] if accepted_logprobs is not None else [None] * len(drafts)
-                    self._land_speculative(item, drafts, draft_logprobs, token, logprob)
-                else:
-                    self._append_token(item.seq, token, logprob)
+        logprobs = output.logprobs or [None] * len(output.sampled_token_ids)
+        for row, (item, token, logprob) in enumerate(zip(step.sampled, output.sampled_token_ids, logprobs)):
+            if item.seq.is_finished:
+                continue
+            if item.num_spec_tokens:
+                drafts = output.accepted_token_ids[row] if output.accepted_token_ids is not None else []
+                draft_logprobs = (
+                    output.accepted_logprobs[row] if output.accepted_logprobs is not None else [None] * len(drafts)
+                )
+                self._land_speculative(item, drafts, draft_logprobs, token, logprob)
+            else:
+                self._append_token(item.seq, token, logprob)
         return touched
 
     def _land_speculative(
@@ -452,22 +445,17 @@ class Scheduler:
         del seq.block_table[keep:]
 
     @staticmethod
-    def _land_prefill(step: SchedulerOutput, results: PrefillResults) -> None:
-        """Hand each chunk its scored and pooled rows, walking the chunks in `PrefillWork.of`'s order."""
-        row = pooled = 0
-        for item in step.all:
-            seq, scored = item.seq, item.prompt_logprob_positions
-            if scored:
-                # Scores stay valid across a preemption since launch (the step ran on the blocks it had).
-                if not seq.is_finished:
-                    targets = seq.prompt_token_ids[scored.start + 1 : scored.stop + 1]
-                    seq.add_prompt_logprobs(scored.start, results.logprobs_of(row, targets, seq.params.prompt_logprobs))
-                row += len(scored)
-            if item.pooled_positions:
-                # Pooled sums do not: a preempted sequence sums its recomputed chunks anew.
-                if not seq.is_finished and seq.epoch == item.epoch:
-                    seq.add_pooled(results.pooled[pooled])
-                pooled += 1
+    def _land_prefill(item: ScheduledSeq, output: ModelRunnerOutput) -> None:
+        """Hand a live sequence its chunk's prompt scores and pooled rows."""
+        seq = item.seq
+        # Scores stay valid across a preemption since launch (the step ran on the blocks it had).
+        scores = output.prompt_logprobs.get(seq.seq_id)
+        if scores is not None:
+            seq.add_prompt_logprobs(item.prompt_logprobs_from, scores.entries())
+        # Pooled sums do not: a preempted sequence sums its recomputed chunks anew.
+        pooled = output.pooled.get(seq.seq_id)
+        if pooled is not None and seq.epoch == item.epoch:
+            seq.add_pooled(pooled)
 
     def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None) -> None:
         seq.resolve(token, logprob)

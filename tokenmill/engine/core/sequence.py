@@ -125,6 +125,16 @@ class Sequence:
     def add_pooled(self, rows_sum: torch.Tensor) -> None:
         self.pooled_sum = rows_sum if self.pooled_sum is None else self.pooled_sum + rows_sum
 
+    def pooled_embedding(self) -> list[float]:
+        """The embedding from the fp32 sum of the prompt's pooled rows (its last row alone for "last")."""
+        assert self.pooling is not None and self.pooled_sum is not None, "no pooled rows"
+        vector = self.pooled_sum
+        if self.pooling.pooling == "mean":
+            vector = vector / len(self.prompt_token_ids)
+        if self.pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, p=2.0, dim=-1)
+        return vector.tolist()
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -2,10 +2,10 @@
 
 `prepare` runs on the scheduling thread and builds host tensors only; `run` runs on the model
 thread (the same thread without overlap scheduling). They meet in a `StepInput`, the only thing the
-model thread reads. With overlap
-scheduling the next step is prepared while the previous one runs, so its decode inputs are not
-known yet: they are placeholders (see `sequence.placeholder`) that `run` replaces with the
-previous step's sampled tokens, on the device, without a round trip through Python.
+model thread reads, and `run` answers with a `ModelRunnerOutput`, the only thing the scheduler
+lands. With overlap scheduling the next step is prepared while the previous one runs, so its
+decode inputs are not known yet: they are placeholders (see `sequence.placeholder`) that `run`
+replaces with the previous step's sampled tokens, on the device, without a round trip through Python.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import numpy as np
 import torch
 
 from tokenmill.engine.core.scheduler import ScheduledSeq, SchedulerOutput
-from tokenmill.engine.sample.sampler import Sampler, SamplerOutput, SamplingInput
+from tokenmill.engine.runner_output import ModelRunnerOutput, PromptScores
+from tokenmill.engine.sample.sampler import Sampler, SamplingInput
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs, GraphInputs
 from tokenmill.engine.worker.kv_cache import KVCache
-from tokenmill.engine.worker.prefill_outputs import PrefillResults, PrefillWork
+from tokenmill.engine.worker.prefill_outputs import PrefillWork
 from tokenmill.engine.worker.tensors import to_device
 from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.lora.batch import LoRABatch, LoRASlots
@@ -219,14 +220,6 @@ def _chunk(item: ScheduledSeq) -> Chunk:
     return Chunk(tokens, c, seq.block_table, (1 + item.num_spec_tokens) if item.samples else 0)
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    """What the model thread hands back for one step."""
-
-    sampled: SamplerOutput | None  # None when no row samples
-    prefill: PrefillResults | None = None
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -338,7 +331,7 @@ class ModelRunner:
         self._last_tokens = self._last_token_list = None
 
     @torch.inference_mode()
-    def run(self, step: StepInput) -> StepOutput:
+    def run(self, step: StepInput) -> ModelRunnerOutput:
         """Zero the step's new blocks, run the model, sample, and score or pool prompt rows."""
         if self._failed:
             raise StepSkipped("an earlier step failed")
@@ -348,37 +341,50 @@ class ModelRunner:
             self._failed = True
             raise
 
-    def _run(self, step: StepInput) -> StepOutput:
+    def _run(self, step: StepInput) -> ModelRunnerOutput:
         self.sampler.release(step.released_seq_ids)
         if self.before_forward is not None:
             self.before_forward(step.rows)
         input_ids = self._resolve_placeholders(step)
         self.kv_cache.zero_blocks(step.fresh_blocks)
-        prefill = None
+        prompt_logprobs: dict[int, PromptScores] = {}
+        pooled: dict[int, torch.Tensor] = {}
+        logits: torch.Tensor | None = None
         if step.graph is not None:
+            assert self.graphs is not None  # (a graph step is only prepared with graphs)
             logits = self.graphs.run(step.graph, input_ids)
             if len(step.sample_rows) != step.graph.num_seqs:
                 logits = logits[step.sample_rows.to(self.device)]
         else:
+            assert step.meta is not None  # (an eager step always has its metadata)
             positions = step.positions.to(self.device, non_blocking=True)
             # (on the host already: no copy of the metadata, ~20 us a step)
             meta = step.meta if self.device.type == "cpu" else to_device(step.meta, self.device, non_blocking=True)
             if self.tp_group is not None:
                 self.tp_group.broadcast((step.fresh_blocks, input_ids, positions, meta))
             hidden = self._forward(step, input_ids, positions, meta)
-            if step.sampling is None:
-                logits = None
-            else:  # (sample rows ascend: as many as the hidden rows are all of them, in order; ~35 us a cold index)
+            if step.sampling is not None:
+                # (sample rows ascend: as many as the hidden rows are all of them, in order; ~35 us a cold index)
                 rows = hidden if len(step.sample_rows) == hidden.shape[0] else hidden[step.sample_rows.to(self.device)]
-                logits = self.model.compute_logits(rows)
+                logits = self._compute_logits(rows)
             if step.prefill is not None:
-                prefill = step.prefill.compute(hidden, self.model.compute_logits, self.sampler.vocab_size)
-        if step.sampling is None:
+                prompt_logprobs, pooled = step.prefill.compute(hidden, self._compute_logits, self.sampler.vocab_size)
+        if step.sampling is None or logits is None:
             self._last_tokens = self._last_token_list = None
-            return StepOutput(None, prefill)
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled)
         result = self.sampler(logits, step.sampling, self._last_token_list)
         self._last_tokens, self._last_token_list = result.token_tensor, result.tokens
-        return StepOutput(result, prefill)
+        return ModelRunnerOutput(
+            result.tokens,
+            result.logprobs,
+            result.accepted,
+            result.accepted_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            pooled=pooled,
+        )
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)  # type: ignore[operator]  # (every family's head)
 
     def _forward(
         self, step: StepInput, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
