@@ -32,7 +32,7 @@ def chain(tokens: list[int]) -> list[int]:
 def make_seq(prompt: list[int]) -> Sequence:
     seq_id = next(_ids)
     return Sequence(
-        seq_id, f"req-{seq_id}", 0, tuple(prompt), SamplingParams(max_tokens=4), None, RequestMetrics(arrival_time=0.0)
+        seq_id, f"req-{seq_id}", 0, tuple(prompt), SamplingParams(max_tokens=4), RequestMetrics(arrival_time=0.0)
     )
 
 

@@ -62,7 +62,7 @@ def test_overlap_keeps_a_step_in_flight(tiny_model_dir):
 
 
 def engine_prompt(engine, request_id: str) -> list[int]:
-    return engine.requests[request_id].prompt_token_ids
+    return engine.output_processor.request(request_id).prompt_token_ids
 
 
 def test_overlap_greedy_staggered_chunked_equals_hf(tiny_model_dir):

@@ -39,7 +39,7 @@ SEED0 = 1000
 def make_seq(
     seq_id: int, params: SamplingParams, prompt: tuple[int, ...] = (1, 2, 3), outputs: tuple[int, ...] = ()
 ) -> Sequence:
-    seq = Sequence(seq_id, f"req-{seq_id}", 0, prompt, params, None, RequestMetrics(arrival_time=0.0))
+    seq = Sequence(seq_id, f"req-{seq_id}", 0, prompt, params, RequestMetrics(arrival_time=0.0))
     for token in outputs:
         seq.output_token_ids.append(token)
         seq.token_ids.append(token)

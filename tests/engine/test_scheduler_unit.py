@@ -1,4 +1,4 @@
-"""Scheduler policy without a model: sequences with no detokenizer, a real BlockAllocator, and
+"""Scheduler policy without a model: sequences, a real BlockAllocator, and
 made-up sampled tokens landed through `update_from_output` as the engine does."""
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ def make_seq(prompt_len: int, max_tokens: int = 100, first_token: int = 10, **pa
         0,
         prompt,
         SamplingParams(max_tokens=max_tokens, **params),
-        None,
         RequestMetrics(arrival_time=0.0),
     )
 

@@ -99,7 +99,7 @@ def test_ngram_edge_cases():
 
 
 def make_seq(seq_id: int, params: SamplingParams, outputs: tuple[int, ...] = ()) -> Sequence:
-    seq = Sequence(seq_id, f"req-{seq_id}", 0, (1, 2), params, None, RequestMetrics(arrival_time=0.0))
+    seq = Sequence(seq_id, f"req-{seq_id}", 0, (1, 2), params, RequestMetrics(arrival_time=0.0))
     seq.output_token_ids.extend(outputs)
     seq.token_ids.extend(outputs)
     return seq
@@ -229,7 +229,7 @@ def spec_scheduler(
 def decoding_seq(scheduler, prompt_len: int = 6, **params) -> Sequence:
     """A sequence admitted, prefilled and given its first token (7) by one step."""
     seq = Sequence(
-        99, "r", 0, tuple(range(10, 10 + prompt_len)), SamplingParams(**params), None, RequestMetrics(arrival_time=0.0)
+        99, "r", 0, tuple(range(10, 10 + prompt_len)), SamplingParams(**params), RequestMetrics(arrival_time=0.0)
     )
     scheduler.add(seq)
     scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput([7]))

@@ -275,7 +275,7 @@ def test_a_slow_compile_does_not_stall_other_requests(tiny_model_dir) -> None:
         started = time.perf_counter()
         engine.add(request)
         add_seconds = time.perf_counter() - started
-        slow = engine.requests["slow"]
+        slow = engine.output_processor.request("slow")
         free_tokens = []
         while not slow.grammar.done():
             outs = engine.step()

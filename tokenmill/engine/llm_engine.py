@@ -20,9 +20,10 @@ from tokenmill.engine.core.block_manager import BlockAllocator
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.core.sequence import Sequence
-from tokenmill.engine.detokenizer import IncrementalDetokenizer, TokenText
+from tokenmill.engine.detokenizer import TokenText
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
-from tokenmill.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.precision import resolve_kv_cache_dtype, resolve_precision
 from tokenmill.engine.result_cache import ResultCache
@@ -166,7 +167,10 @@ class LLMEngine:
         self._build_cache()
         self.input_processor = InputProcessor(self.tokenizer, self.spec.vocab_size, self.max_model_len)
         self.eos_token_ids = set(self.spec.eos_token_ids)
-        self.requests: dict[str, Request] = {}
+        self.result_cache = ResultCache(config.result_cache_size)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.result_cache, self.scheduler.finish, self.spec.eos_token_ids
+        )
         # Structured outputs: grammars compile on their own threads; requests wait here meanwhile.
         self.grammars = (
             GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
@@ -174,8 +178,6 @@ class LLMEngine:
             else None
         )
         self._awaiting_grammar: list[Request] = []
-        self.result_cache = ResultCache(config.result_cache_size)
-        self._cached_outputs: list[RequestOutput] = []  # result-cache hits, handed out by the next step()
         self._seq_ids = count()
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.num_steps = 0
@@ -335,34 +337,15 @@ class LLMEngine:
         )
 
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        if request.request_id in self.output_processor:
             raise InvalidRequest(f"request id {request.request_id!r} is already running", code="duplicate_request_id")
         constraint = request.params.structured_outputs if isinstance(request.params, SamplingParams) else None
         if constraint is not None and self.grammars is None:  # refused before anything is registered
             raise InvalidRequest("structured outputs need the model's tokenizer", param="structured_outputs")
-        prompt = tuple(request.prompt_token_ids)  # shared by the choices, never changed
-        if isinstance(request.params, PoolingParams):
-            # An embedding: one prefill-only sequence (its sampling params are never used).
-            seqs = [
-                Sequence(
-                    next(self._seq_ids),
-                    request.request_id,
-                    0,
-                    prompt,
-                    SamplingParams(),
-                    None,
-                    request.metrics,
-                    pooling=request.params,
-                    lora=request.lora,
-                )
-            ]
-        else:
-            if self._answer_from_result_cache(request):
-                return
-            seqs = [self._sequence(request, i, prompt) for i in range(request.params.n)]
-        for seq in seqs:
-            request.seqs.append(seq)
-        self.requests[request.request_id] = request
+        if self.output_processor.answer_from_cache(request):
+            return
+        request.seqs = self._sequences(request)
+        self.output_processor.add(request)
         if constraint is None:
             for seq in request.seqs:
                 self.scheduler.add(seq)
@@ -370,34 +353,28 @@ class LLMEngine:
             request.grammar = self.grammars.compile(constraint)
             self._awaiting_grammar.append(request)
 
-    def _answer_from_result_cache(self, request: Request) -> bool:
-        key = self.result_cache.key(
-            request.prompt_token_ids, request.params, request.lora.id if request.lora is not None else None
-        )
-        if key is None:
-            return False
-        cached = self.result_cache.get(key)
-        if cached is not None:
-            self._cached_outputs.append(self._cached_output(request, cached))
-            return True
-        request.result_cache_key = key
-        return False
-
-    def _sequence(self, request: Request, index: int, prompt: tuple[int, ...]) -> Sequence:
+    def _sequences(self, request: Request) -> list[Sequence]:
+        """One sequence per choice; an embedding is one prefill-only sequence (its sampling params
+        are never used). The choices share the prompt, which never changes."""
+        prompt = tuple(request.prompt_token_ids)
         params = request.params
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                prompt,
-                params.stop,
-                params.include_stop_str_in_output,
-                skip_special_tokens=params.skip_special_tokens,
-                silent_token_ids=() if params.ignore_eos else self.eos_token_ids,
-            )
-        return Sequence(
-            next(self._seq_ids), request.request_id, index, prompt, params, detok, request.metrics, lora=request.lora
-        )
+        if isinstance(params, PoolingParams):
+            return [
+                Sequence(
+                    next(self._seq_ids),
+                    request.request_id,
+                    0,
+                    prompt,
+                    SamplingParams(),
+                    request.metrics,
+                    pooling=params,
+                    lora=request.lora,
+                )
+            ]
+        return [
+            Sequence(next(self._seq_ids), request.request_id, i, prompt, params, request.metrics, lora=request.lora)
+            for i in range(params.n)
+        ]
 
     def add_request(
         self,
@@ -417,13 +394,13 @@ class LLMEngine:
 
     def _end_request(self, request_id: str, reason: str, error: str | None) -> RequestOutput | None:
         """Finish every unfinished choice of a request now and free its blocks."""
-        request = self.requests.get(request_id)
+        request = self.output_processor.request(request_id)
         if request is None:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason, error=error)
-        return self._output(request)
+        return self.output_processor.output(request_id)
 
     def close(self) -> None:
         """Stop the model thread, the grammar compilers and the tensor-parallel workers."""
@@ -437,22 +414,7 @@ class LLMEngine:
             self.tp_group.close()
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests or self._cached_outputs or self._inflight)
-
-    @staticmethod
-    def _cached_output(request: Request, outputs: list[CompletionOutput]) -> RequestOutput:
-        now = time.time()
-        m = request.metrics
-        m.first_scheduled_time = m.first_token_time = m.finished_time = now
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            outputs,
-            True,
-            m,
-            num_cached_tokens=len(request.prompt_token_ids),
-        )
+        return self.output_processor.has_unfinished() or bool(self._inflight)
 
     # -- the step ----------------------------------------------------------------------------
     #
@@ -463,7 +425,7 @@ class LLMEngine:
     # output building all happen while the model works.
 
     def step(self) -> list[RequestOutput]:
-        cached, self._cached_outputs = self._cached_outputs, []
+        cached = self.output_processor.take_cached()
         outputs = self._admit_compiled()
         launched = self._launch()
         if launched is not None:
@@ -546,7 +508,7 @@ class LLMEngine:
             result, seconds = step.future.result()
         except Exception as exc:
             return self._recover(step, exc)
-        touched = self.scheduler.update_from_output(step.scheduled, result)
+        updates = self.scheduler.update_from_output(step.scheduled, result)
         self.num_steps += 1
         batch = step.scheduled
         self._notify(
@@ -557,8 +519,7 @@ class LLMEngine:
                 seconds,
             )
         )
-        requests = {seq.request_id: self.requests[seq.request_id] for seq in touched if seq.request_id in self.requests}
-        return [out for r in requests.values() if (out := self._output(r)) is not None]
+        return self.output_processor.process(updates)
 
     def _recover(self, failed: LaunchedStep, exc: Exception) -> list[RequestOutput]:
         """A step failed: take it and every later launched step back (the model thread skips those),
@@ -582,16 +543,6 @@ class LLMEngine:
                 f"internal error in the model step: {exc}",
             )
         return [o for rid in sorted(ids) if (o := self.fail(rid, message)) is not None]
-
-    def _output(self, request: Request) -> RequestOutput | None:
-        """The request's output of this step (None: nothing to hand out); a finished request is
-        forgotten, and stored in the result cache when it may be."""
-        out = request.output()
-        if request.finished:
-            self.requests.pop(request.request_id, None)
-            if request.result_cache_key is not None and request.error is None:
-                self.result_cache.put(request.result_cache_key, request.final_choices())
-        return out
 
     def _notify(self, stats: StepStats) -> None:
         for listener in self.step_listeners:

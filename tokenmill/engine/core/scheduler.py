@@ -9,15 +9,16 @@ later (its generated tokens are kept and prefilled with the prompt).
 
 A scheduled step advances its sequences at once (`schedule`): their computed-token counts move
 past the step's tokens and each sampling sequence gets a placeholder for its next token, so the
-next step can be planned while this one runs. `update_from_output` is where the sampled tokens
-land: placeholders resolved, stop conditions checked, finished sequences freed. `take_back`
-undoes a step that failed.
+next step can be planned while this one runs. `update_from_output` is where the step's
+`ModelRunnerOutput` lands: placeholders resolved, token stops checked (stop token ids, EOS, a
+complete grammar, max_tokens, the context length), finished sequences freed; stop strings are
+the output processor's, which reads the text. `take_back` undoes a step that failed.
 
 Speculative decoding: a sequence about to decode one token may also run up to K draft tokens
 after it (from the n-gram `draft_lookup` at scheduling, or filled in by the draft model right
 after: `SchedulerOutput.with_drafts`), a small chunk with cached context that the budget and the
 block allocation count in full. `update_from_output` lands the drafts the sampler accepted, then
-its own token, one at a time through the stop checks; the K/V of rejected drafts are forgotten
+its own token, one at a time through the token stops; the K/V of rejected drafts are forgotten
 (the computed count stops before them, blocks past the sequence's end are freed, and only blocks
 of accepted tokens are ever hashed into the prefix cache).
 """
@@ -122,6 +123,18 @@ class SchedulerOutput:
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes or self.speculative)
+
+
+@dataclass
+class SeqUpdate:
+    """A live sequence of a landed step and the output tokens the step gave it (for the output
+    processor, which adds their text)."""
+
+    seq: Sequence
+    first_output: int  # the output index of the step's first new token
+    # The tokens whose text follows, in order (all the step landed but a token the grammar rejected).
+    new_token_ids: list[int] = field(default_factory=list)
+    stopped_on_token: bool = False  # ended by a stop token id or EOS: no stop string in its text changes that
 
 
 @dataclass
@@ -383,12 +396,12 @@ class Scheduler:
 
     # -- a step's results ----------------------------------------------------------------------
 
-    def update_from_output(self, step: SchedulerOutput, output: ModelRunnerOutput) -> list[Sequence]:
+    def update_from_output(self, step: SchedulerOutput, output: ModelRunnerOutput) -> list[SeqUpdate]:
         """Land a finished step: register the blocks it filled, land prompt logprobs and pooled
         states, append each sampled token (after the draft tokens accepted before it, per sampled
-        row), check stops, end and free finished sequences (prefill-only ones after their last
-        chunk). Returns the step's sequences that were still live."""
-        touched = []
+        row), check the token stops, end and free finished sequences (prefill-only ones after their
+        last chunk). Returns the step's sequences that were still live, with their new tokens."""
+        updates: dict[int, SeqUpdate] = {}
         for item in step.all:
             seq = item.seq
             if seq.is_finished:  # aborted, or stopped a step earlier than the scheduler knew
@@ -401,31 +414,33 @@ class Scheduler:
                     if seq.pooling is not None:
                         seq.embedding = seq.pooled_embedding()
                     self.finish(seq, "length")  # max_tokens 0: nothing to generate
-            touched.append(seq)
+            updates[seq.seq_id] = SeqUpdate(seq, seq.num_resolved_outputs)
         logprobs = output.logprobs or [None] * len(output.sampled_token_ids)
         for row, (item, token, logprob) in enumerate(zip(step.sampled, output.sampled_token_ids, logprobs)):
             if item.seq.is_finished:
                 continue
+            update = updates[item.seq.seq_id]
             if item.num_spec_tokens:
                 drafts = output.accepted_token_ids[row] if output.accepted_token_ids is not None else []
                 draft_logprobs = (
                     output.accepted_logprobs[row] if output.accepted_logprobs is not None else [None] * len(drafts)
                 )
-                self._land_speculative(item, drafts, draft_logprobs, token, logprob)
+                self._land_speculative(item, update, drafts, draft_logprobs, token, logprob)
             else:
-                self._append_token(item.seq, token, logprob)
-        return touched
+                self._land_token(update, token, logprob)
+        return list(updates.values())
 
     def _land_speculative(
         self,
         item: ScheduledSeq,
+        update: SeqUpdate,
         drafts: Seq[int],
         draft_logprobs: Seq[Logprob | None],
         token: int,
         logprob: Logprob | None,
     ) -> None:
-        """The accepted drafts, then the sampled token, each through the stop checks (nothing is
-        emitted past a stop); then the verified drafts' K/V count as computed and the blocks past
+        """The accepted drafts, then the sampled token, each through the token stops (nothing is
+        appended past a stop); then the verified drafts' K/V count as computed and the blocks past
         the sequence's end, which held only rejected drafts, are freed."""
         seq = item.seq
         self.spec_stats.add(item.num_spec_tokens, len(drafts))
@@ -433,7 +448,7 @@ class Scheduler:
         seq.metrics.spec_num_draft_tokens += item.num_spec_tokens
         seq.metrics.spec_num_accepted_tokens += len(drafts)
         for new_token, new_logprob in zip((*drafts, token), (*draft_logprobs, logprob)):
-            self._append_token(seq, new_token, new_logprob)
+            self._land_token(update, new_token, new_logprob)
             if seq.is_finished:
                 return
         assert seq.epoch == item.epoch, "a speculative step was overtaken by a later one"
@@ -457,20 +472,22 @@ class Scheduler:
         if pooled is not None and seq.epoch == item.epoch:
             seq.add_pooled(pooled)
 
-    def _append_token(self, seq: Sequence, token: int, logprob: Logprob | None) -> None:
+    def _land_token(self, update: SeqUpdate, token: int, logprob: Logprob | None) -> None:
+        """Append a sampled token and end the sequence if the token stops it."""
+        seq = update.seq
         seq.resolve(token, logprob)
         params = seq.params
         if seq.grammar is not None and not seq.grammar.accept_token(token):
             # The step's mask allowed only tokens the grammar accepts: this is a bug, not the request's.
             self.finish(seq, "error", error=f"structured output: the grammar rejected sampled token {token}")
             return
-        stop_string = seq.detokenizer.add_token(token) if seq.detokenizer else None
+        update.new_token_ids.append(token)
         if token in params.stop_token_ids:
             self.finish(seq, "stop", token)
+            update.stopped_on_token = True
         elif not params.ignore_eos and token in self.eos_token_ids:
             self.finish(seq, "stop")
-        elif stop_string is not None:
-            self.finish(seq, "stop", stop_string)
+            update.stopped_on_token = True
         elif seq.grammar is not None and seq.grammar.is_terminated():
             self.finish(seq, "stop")  # the grammar is complete (its stop token taken, even with ignore_eos)
         elif seq.num_resolved_outputs >= params.max_tokens or seq.num_resolved_tokens >= self.max_model_len:
@@ -479,8 +496,12 @@ class Scheduler:
     def finish(
         self, seq: Sequence, reason: str, stop_reason: str | int | None = None, error: str | None = None
     ) -> None:
-        """End a sequence (stopped, aborted or failed) and free its blocks at once."""
+        """End a sequence (stopped, aborted or failed) and free its blocks at once; a sequence that
+        has ended already (a stop string in the text of the step that ended it) only changes why."""
+        ended = seq.is_finished
         seq.finish(reason, stop_reason, error)
+        if ended:
+            return
         seq.drop_pending()  # tokens a later step is sampling for it are not wanted
         if seq in self.running:
             self.running.remove(seq)

@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.outputs import Logprob, RankedLogprob, RequestMetrics
+from tokenmill.engine.outputs import Logprob, PromptLogprob, RequestMetrics
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 
@@ -42,7 +41,6 @@ class Sequence:
     index: int  # choice index within the request
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
@@ -61,14 +59,12 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None
     logprobs: list[Logprob] | None = None
-    reported_tokens: int = 0  # output tokens (and their logprobs) already in a RequestOutput
     # Structured outputs: the xgrammar matcher at the state after the resolved output tokens (set when
     # the grammar is compiled, before the sequence is scheduled; advanced only by the scheduler).
     grammar: Any = None
     # Scoring (params.prompt_logprobs, computed by choice 0 only): one entry per prompt token landed
-    # so far, None for the first; and whether a RequestOutput carried them.
-    prompt_logprobs: list[dict[int, RankedLogprob] | None] | None = None
-    reported_prompt_logprobs: bool = False
+    # so far, None for the first.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
     # An embedding request (prefill only): the fp32 sum of the pooled rows of the current epoch's
     # chunks, and the finished vector.
     pooling: PoolingParams | None = None
@@ -112,7 +108,7 @@ class Sequence:
         end = min(first + count, len(self.prompt_token_ids) - 1)  # the last position predicts an output
         return (start, end) if start < end else (0, 0)
 
-    def add_prompt_logprobs(self, first_position: int, entries: Seq[dict[int, RankedLogprob]]) -> None:
+    def add_prompt_logprobs(self, first_position: int, entries: Seq[PromptLogprob]) -> None:
         """Land the entries scored by positions `first_position`, ...: entry i scores prompt token
         first_position + i + 1. Entries landed before (a step that ran before a preemption) are kept."""
         assert self.prompt_logprobs is not None
@@ -184,6 +180,15 @@ class Sequence:
             del self.output_token_ids[-drop:]
             del self.token_ids[-drop:]
             self.num_pending -= drop
+
+    def keep_outputs(self, count: int) -> None:
+        """Forget the output tokens after the first `count` (an ended sequence whose text stopped
+        before the last tokens a speculative step gave it)."""
+        assert self.is_finished and not self.num_pending
+        del self.output_token_ids[count:]
+        del self.token_ids[len(self.prompt_token_ids) + count :]
+        if self.logprobs is not None:
+            del self.logprobs[count:]
 
     def finish(self, reason: str, stop_reason: str | int | None = None, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
