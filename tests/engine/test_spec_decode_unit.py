@@ -14,6 +14,7 @@ from tokenmill.engine.runner_output import ModelRunnerOutput
 from tokenmill.engine.sample.sampler import Sampler, SamplingInput
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.spec_decode.ngram import ngram_lookup
+from tokenmill.engine.structured_output.params import StructuredOutputsParams
 
 pytestmark = pytest.mark.unit
 
@@ -281,8 +282,7 @@ def test_scheduler_stops_inside_accepted_drafts():
 
 def test_scheduler_drafts_neither_grammar_nor_prefill():
     s = spec_scheduler((20, 21))
-    grammar_seq = decoding_seq(s, prompt_len=6)
-    grammar_seq.grammar = object()  # structured output: never speculates
+    grammar_seq = decoding_seq(s, prompt_len=6, structured_outputs=StructuredOutputsParams(regex="a+"))
     out = s.schedule()
     assert not out.speculative and [i.seq for i in out.decodes] == [grammar_seq]
 

@@ -276,8 +276,9 @@ def test_a_slow_compile_does_not_stall_other_requests(tiny_model_dir) -> None:
         engine.add(request)
         add_seconds = time.perf_counter() - started
         slow = engine.output_processor.request("slow")
+        compiling = engine.structured_outputs.compiling("slow")
         free_tokens = []
-        while not slow.grammar.done():
+        while not compiling.done():
             outs = engine.step()
             free_tokens += [len(o.outputs[0].token_ids) for o in outs if o.request_id == "free"]
             assert not slow.seqs[0].output_token_ids  # not scheduled while compiling
@@ -296,14 +297,14 @@ def test_a_slow_compile_does_not_stall_other_requests(tiny_model_dir) -> None:
 def test_a_failed_compile_fails_only_its_request(tiny_model_dir, monkeypatch) -> None:
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="64MiB"), progress=False)
     try:
-        compile_grammar = engine.grammars._compile
+        compile_grammar = engine.structured_outputs.compiler._compile
 
         def failing(spec):
             if spec.regex == "b+":
                 raise RuntimeError("out of memory while compiling")
             return compile_grammar(spec)
 
-        monkeypatch.setattr(engine.grammars, "_compile", failing)
+        monkeypatch.setattr(engine.structured_outputs.compiler, "_compile", failing)
         engine.add_request("ok", "Hi", SamplingParams(**SAMPLED, structured_outputs=constrained(regex="a{3}")))
         engine.add_request("bad", "Hi", SamplingParams(**SAMPLED, structured_outputs=constrained(regex="b+")))
         finished = {}
@@ -319,10 +320,10 @@ def test_a_failed_compile_fails_only_its_request(tiny_model_dir, monkeypatch) ->
 def test_json_strings_never_take_raw_control_characters(llm) -> None:
     """JSON strings must escape U+0000-U+001F; xgrammar 0.2.9 lets them into length-bounded strings
     (a sampled "\x15" once made a reply unparseable), so the engine tightens its string rule."""
-    compiled = llm.engine.grammars.compile(constrained(json=PERSON)).result()
+    compiled = llm.engine.structured_outputs.compiler.compile(constrained(json=PERSON)).result()
 
     def accepts(text: str) -> bool:
-        return llm.engine.grammars.matcher(compiled).accept_string(text)
+        return llm.engine.structured_outputs.compiler.matcher(compiled).accept_string(text)
 
     assert accepts('{"name": "ab\u00e9') and accepts('{"name": "a b')
     for control in ("\x00", "\x15", "\t", "\x1f"):
@@ -330,7 +331,7 @@ def test_json_strings_never_take_raw_control_characters(llm) -> None:
 
 
 def test_grammars_compile_once_per_spec(llm) -> None:
-    compiler = llm.engine.grammars
+    compiler = llm.engine.structured_outputs.compiler
     spec_a, spec_b = constrained(json=dict(PERSON)), constrained(json=json.loads(json.dumps(PERSON)))
     assert compiler.compile(spec_a) is compiler.compile(spec_b)  # same schema, one compile (key order too)
     assert compiler.compile(constrained(regex="a")) is not compiler.compile(constrained(regex="b"))

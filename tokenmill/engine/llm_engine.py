@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import count
 from typing import TYPE_CHECKING, Any
@@ -39,7 +39,7 @@ from tokenmill.engine.setup import (
 from tokenmill.engine.spec_decode import check_speculative_config
 from tokenmill.engine.spec_decode.draft import DraftProposer, check_draft_model, load_draft_model
 from tokenmill.engine.spec_decode.ngram import NgramProposer
-from tokenmill.engine.structured_output.grammar import GrammarCompiler
+from tokenmill.engine.structured_output.manager import StructuredOutputManager
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
 from tokenmill.engine.worker.kv_cache import KVCache
 from tokenmill.engine.worker.model_runner import ModelRunner, StepInput
@@ -164,6 +164,10 @@ class LLMEngine:
         self._draft: tuple[torch.nn.Module, Any] | None = None  # (model, spec) with --speculative-method draft
         if config.speculative_method == "draft":
             self._draft = self._load_draft()
+        # Structured outputs: grammars compile on their own threads; requests wait there meanwhile.
+        self.structured_outputs: StructuredOutputManager[Request] = StructuredOutputManager(
+            self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids
+        )
         self._build_cache()
         self.input_processor = InputProcessor(self.tokenizer, self.spec.vocab_size, self.max_model_len)
         self.eos_token_ids = set(self.spec.eos_token_ids)
@@ -171,13 +175,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(
             self.tokenizer, self.result_cache, self.scheduler.finish, self.spec.eos_token_ids
         )
-        # Structured outputs: grammars compile on their own threads; requests wait here meanwhile.
-        self.grammars = (
-            GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids)
-            if self.tokenizer is not None
-            else None
-        )
-        self._awaiting_grammar: list[Request] = []
         self._seq_ids = count()
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.num_steps = 0
@@ -249,6 +246,7 @@ class LLMEngine:
             config.num_speculative_tokens if config.speculative_method else 0,
             NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max) if ngram else None,
             lora.max_loras if lora else None,
+            self.structured_outputs,
         )
         self.drafter = None
         if self._draft is not None:
@@ -340,8 +338,7 @@ class LLMEngine:
         if request.request_id in self.output_processor:
             raise InvalidRequest(f"request id {request.request_id!r} is already running", code="duplicate_request_id")
         constraint = request.params.structured_outputs if isinstance(request.params, SamplingParams) else None
-        if constraint is not None and self.grammars is None:  # refused before anything is registered
-            raise InvalidRequest("structured outputs need the model's tokenizer", param="structured_outputs")
+        self.structured_outputs.check(constraint)
         if self.output_processor.answer_from_cache(request):
             return
         request.seqs = self._sequences(request)
@@ -350,8 +347,7 @@ class LLMEngine:
             for seq in request.seqs:
                 self.scheduler.add(seq)
         else:  # scheduled once its grammar is compiled (see _admit_compiled); others run meanwhile
-            request.grammar = self.grammars.compile(constraint)
-            self._awaiting_grammar.append(request)
+            self.structured_outputs.add(request, constraint)
 
     def _sequences(self, request: Request) -> list[Sequence]:
         """One sequence per choice; an embedding is one prefill-only sequence (its sampling params
@@ -405,11 +401,11 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the model thread, the grammar compilers and the tensor-parallel workers."""
         for step in self._inflight:  # a step waiting for its grammar mask must not wait forever
-            _cancel_mask(step.step_input, "the engine is closing")
+            step.step_input.cancel_grammar_mask("the engine is closing")
         if self._model_thread is not None:
             self._model_thread.shutdown(wait=True)
-        if getattr(self, "grammars", None) is not None:
-            self.grammars.close()
+        if getattr(self, "structured_outputs", None) is not None:
+            self.structured_outputs.close()
         if self.tp_group is not None:
             self.tp_group.close()
 
@@ -430,8 +426,8 @@ class LLMEngine:
         launched = self._launch()
         if launched is not None:
             self._inflight.append(launched)
-        elif not self._inflight and self._awaiting_grammar:  # nothing to run but compiles: wait a little
-            wait([r.grammar for r in self._awaiting_grammar], timeout=_GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
+        elif not self._inflight:  # nothing to run but maybe compiles: wait a little for one
+            self.structured_outputs.wait_for_compile(_GRAMMAR_POLL_S)
         keep = 1 if self._model_thread is not None and launched is not None else 0
         while len(self._inflight) > keep:
             outputs.extend(self._complete(self._inflight.popleft()))
@@ -440,25 +436,13 @@ class LLMEngine:
         return cached + outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Hand requests whose grammar is ready to the scheduler (one matcher per choice); fail those
-        whose grammar did not compile. Returns the failed requests' outputs."""
-        failed, waiting = [], []
-        for request in self._awaiting_grammar:
-            future = request.grammar
-            if request.finished:  # aborted while compiling
-                continue
-            if not future.done():
-                waiting.append(request)
-            elif future.exception() is not None:
-                message = f"structured output: the grammar could not be compiled: {future.exception()}"
-                if (out := self.fail(request.request_id, message)) is not None:
-                    failed.append(out)
-            else:
-                for seq in request.seqs:
-                    seq.grammar = self.grammars.matcher(future.result())
-                    self.scheduler.add(seq)
-        self._awaiting_grammar = waiting
-        return failed
+        """Hand requests whose grammar is ready to the scheduler; fail those whose grammar did not
+        compile. Returns the failed requests' outputs."""
+        ready, failed = self.structured_outputs.take_ready()
+        for request in ready:
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+        return [out for request, message in failed if (out := self.fail(request.request_id, message)) is not None]
 
     def _launch(self) -> LaunchedStep | None:
         scheduled = self.scheduler.schedule()
@@ -483,15 +467,11 @@ class LLMEngine:
             logger.exception("the draft model failed: this step runs without speculation")
             return scheduled.without_drafts()
 
-    @staticmethod
-    def _fill_grammar_mask(step: LaunchedStep) -> None:
-        """Fill the step's allowed-token bitmask from its rows' matchers (the model thread waits for it
-        before sampling). Only once every step before it has landed: the matchers are then current."""
-        mask = step.step_input.sampling.grammar if step.step_input.sampling is not None else None
-        if mask is None or mask.filled:
-            return
-        sampled = step.scheduled.sampled
-        mask.fill([None if sampled[item].seq.is_finished else sampled[item].seq.grammar for item in mask.items])
+    def _fill_grammar_mask(self, step: LaunchedStep) -> None:
+        """The step's allowed-token bitmask, which the model thread waits for before sampling."""
+        mask = step.step_input.grammar_mask
+        if mask is not None and not mask.filled:
+            self.structured_outputs.fill_mask(mask, [item.seq for item in step.scheduled.sampled])
 
     def _submit(self, step: StepInput) -> Future:
         if self._model_thread is not None:
@@ -532,7 +512,7 @@ class LLMEngine:
         for step in reversed([failed, *later]):
             self.allocator.fresh.extend(step.step_input.fresh_blocks)  # not zeroed yet
             self.scheduler.take_back(step.scheduled)
-            _cancel_mask(step.step_input, "the step was taken back")
+            step.step_input.cancel_grammar_mask("the step was taken back")
         self.runner.recover()
         if isinstance(exc, RequestFailed):
             ids, message = exc.request_ids, str(exc)
@@ -556,7 +536,7 @@ class LLMEngine:
         rc = self.result_cache.stats()
         spec = self.scheduler.spec_stats
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting) + sum(len(r.seqs) for r in self._awaiting_grammar),
+            num_waiting=len(self.scheduler.waiting) + self.structured_outputs.num_waiting_seqs,
             num_running=len(self.scheduler.running),
             kv_cache_usage=a.usage,
             num_blocks_total=a.num_blocks,
@@ -581,8 +561,3 @@ class LLMEngine:
 def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
     """The distinct adapters of `seqs`, sorted (a copy first: the engine thread may change them)."""
     return tuple(sorted({seq.lora.name for seq in list(seqs) if seq.lora is not None}))
-
-
-def _cancel_mask(step: StepInput, reason: str) -> None:
-    if step.sampling is not None and step.sampling.grammar is not None:
-        step.sampling.grammar.cancel(reason)

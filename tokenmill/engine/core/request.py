@@ -3,7 +3,6 @@ carry follows its `RequestOutputKind`; the output processor builds them)."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,7 +26,6 @@ class Request:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     seqs: list[Sequence] = field(default_factory=list)
     result_cache_key: CacheKey | None = None  # set when a finished result may be stored
-    grammar: Future | None = None  # structured outputs: the compiled grammar (the request waits for it)
     lora: LoRAAdapter | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property

@@ -30,11 +30,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tokenmill.engine.core.block_manager import BlockAllocator, block_hash
 from tokenmill.engine.core.sequence import Sequence, SequenceStatus, placeholder
 from tokenmill.engine.outputs import Logprob
 from tokenmill.engine.runner_output import ModelRunnerOutput
+from tokenmill.engine.structured_output.manager import StructuredOutputManager
 
 
 @dataclass(frozen=True)
@@ -171,10 +173,12 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         draft_lookup: DraftLookup | None = None,
         max_loras: int | None = None,
+        structured_output: StructuredOutputManager[Any] | None = None,
     ) -> None:
         """`num_speculative_tokens`: most drafts per decoding sequence (0: no speculation); they come
         from `draft_lookup` when given, else a draft model fills them in after scheduling.
-        `max_loras`: the most distinct LoRA adapters the running batch may hold (None: no LoRA)."""
+        `max_loras`: the most distinct LoRA adapters the running batch may hold (None: no LoRA).
+        `structured_output`: what a constrained sequence's tokens land through."""
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -191,6 +195,7 @@ class Scheduler:
         self.draft_lookup = draft_lookup
         self.spec_stats = SpecDecodeStats()
         self.max_loras = max_loras
+        self.structured_output = structured_output
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -277,7 +282,7 @@ class Scheduler:
         within max_tokens and the context length."""
         if (
             not self.num_speculative_tokens
-            or seq.grammar is not None
+            or seq.constrained
             or seq.num_pending
             or seq.prefill_only
             or seq.num_tokens - seq.num_computed_tokens != 1
@@ -477,7 +482,8 @@ class Scheduler:
         seq = update.seq
         seq.resolve(token, logprob)
         params = seq.params
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
+        grammar = self.structured_output if seq.constrained else None
+        if grammar is not None and not grammar.accept(seq, token):
             # The step's mask allowed only tokens the grammar accepts: this is a bug, not the request's.
             self.finish(seq, "error", error=f"structured output: the grammar rejected sampled token {token}")
             return
@@ -488,7 +494,7 @@ class Scheduler:
         elif not params.ignore_eos and token in self.eos_token_ids:
             self.finish(seq, "stop")
             update.stopped_on_token = True
-        elif seq.grammar is not None and seq.grammar.is_terminated():
+        elif grammar is not None and grammar.is_complete(seq):
             self.finish(seq, "stop")  # the grammar is complete (its stop token taken, even with ignore_eos)
         elif seq.num_resolved_outputs >= params.max_tokens or seq.num_resolved_tokens >= self.max_model_len:
             self.finish(seq, "length")

@@ -59,8 +59,8 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None
     logprobs: list[Logprob] | None = None
-    # Structured outputs: the xgrammar matcher at the state after the resolved output tokens (set when
-    # the grammar is compiled, before the sequence is scheduled; advanced only by the scheduler).
+    # Structured outputs: the xgrammar matcher at the state after the resolved output tokens
+    # (`StructuredOutputManager`'s, set when the grammar is compiled, before the sequence is scheduled).
     grammar: Any = None
     # Scoring (params.prompt_logprobs, computed by choice 0 only): one entry per prompt token landed
     # so far, None for the first.
@@ -84,6 +84,11 @@ class Sequence:
         """Where its prefix-cache hash chain starts: KV blocks computed with an adapter are only
         shared by requests of the same adapter."""
         return None if self.lora is None else self.lora.prefix_key
+
+    @property
+    def constrained(self) -> bool:
+        """Its output must match a grammar (structured outputs)."""
+        return self.params.structured_outputs is not None
 
     @property
     def prefill_only(self) -> bool:

@@ -138,7 +138,7 @@ class SamplingInput:
 
 
 def _grammar_mask(seqs: Seq[Sequence], items: Seq[int], vocab_size: int) -> GrammarMask | None:
-    rows = tuple(i for i, s in enumerate(seqs) if s.grammar is not None)
+    rows = tuple(i for i, s in enumerate(seqs) if s.constrained)
     return GrammarMask(rows, len(seqs), vocab_size, tuple(items[i] for i in rows)) if rows else None
 
 

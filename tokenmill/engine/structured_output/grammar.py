@@ -5,8 +5,8 @@ allowed-token bitmask.
   pool: xgrammar releases the GIL while it compiles, so a schema that takes seconds never stalls
   the engine loop. The engine keeps a request out of the scheduler until its grammar is ready.
 * Each constrained sequence owns an `xgrammar.GrammarMatcher`, advanced only where the scheduler
-  lands sampled tokens (`Scheduler._append_token`): its state always matches the sequence's known
-  output tokens (preemption keeps them; taken-back steps never reached it).
+  lands sampled tokens (through `StructuredOutputManager.accept`): its state always matches the
+  sequence's known output tokens (preemption keeps them; taken-back steps never reached it).
 * A step's `GrammarMask` is the bitmask of all its constrained rows, filled in one batched call by
   the scheduling thread as soon as every earlier token of those rows is known: at launch without
   overlap scheduling, or after the previous step lands with it. The model thread runs the forward

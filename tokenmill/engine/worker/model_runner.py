@@ -20,6 +20,7 @@ import torch
 from tokenmill.engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.engine.runner_output import ModelRunnerOutput, PromptScores
 from tokenmill.engine.sample.sampler import Sampler, SamplingInput
+from tokenmill.engine.structured_output.grammar import GrammarMask
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs, GraphInputs
 from tokenmill.engine.worker.kv_cache import KVCache
 from tokenmill.engine.worker.prefill_outputs import PrefillWork
@@ -94,6 +95,16 @@ class StepInput:
     released_seq_ids: tuple[int, ...] = ()  # sequences ended since the last step (the sampler drops their RNGs)
     prefill: PrefillWork | None = None  # prompt rows to score or pool (never on a CUDA-graph step)
     lora: LoRABatch | None = None  # per-row LoRA slots, when a row runs with an adapter (never on a graph step)
+
+    @property
+    def grammar_mask(self) -> GrammarMask | None:
+        """The allowed tokens of its constrained rows (filled by the scheduling thread)."""
+        return self.sampling.grammar if self.sampling is not None else None
+
+    def cancel_grammar_mask(self, reason: str) -> None:
+        """Release a model thread waiting for this step's grammar mask, which will never be filled."""
+        if self.grammar_mask is not None:
+            self.grammar_mask.cancel(reason)
 
 
 @dataclass(frozen=True)
