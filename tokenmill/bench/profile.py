@@ -152,7 +152,7 @@ def _add(engine: Any, prompts: list[list[int]], max_tokens: int) -> None:
 
 def _drain(engine: Any) -> None:
     """End every request now (aborted: the rest of a long workload is not profiled)."""
-    for request_id in list(engine.requests):
+    for request_id in engine.output_processor.request_ids:
         engine.abort(request_id)
     while engine.has_unfinished():
         engine.step()

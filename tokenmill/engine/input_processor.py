@@ -48,6 +48,11 @@ class PromptInput:
     processing_start: float | None = field(default=None, compare=False)
     processing_end: float | None = field(default=None, compare=False)
 
+    @property
+    def processed(self) -> bool:
+        """Checked by `InputProcessor.process` (a rendered chat is not, until it is)."""
+        return self.processing_end is not None
+
 
 # ---------------------------------------------------------------------------------------------- chat
 
@@ -262,7 +267,7 @@ class InputProcessor:
             # Rendered but not yet processed (render_chat_input): its ids are checked like any others.
             result = (
                 prompt
-                if prompt.processing_end is not None
+                if prompt.processed
                 else dataclasses.replace(prompt, prompt_token_ids=self._checked_ids(prompt.prompt_token_ids, param))
             )
         elif isinstance(prompt, str):
@@ -289,7 +294,7 @@ class InputProcessor:
                 f"({len(ids) + params.max_tokens} in all): shorten the prompt or lower max_tokens",
                 param=param,
             )
-        if result.processing_end is not None:  # processed before: as it was
+        if result.processed:  # processed before: as it was
             return result
         # A rendered chat keeps the start of its rendering.
         return dataclasses.replace(

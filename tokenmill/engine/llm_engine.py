@@ -1,54 +1,35 @@
-"""The synchronous engine: requests in, one scheduler + model step at a time, outputs out."""
+"""The synchronous engine: requests in, one scheduler + model step at a time, outputs out.
+
+`build_engine` (engine/builder.py) makes the parts; `LLMEngine` runs them: it queues requests,
+launches and completes steps (with overlap scheduling, one ahead on the model thread), takes a
+failed step back, and reports stats.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from tokenmill.engine import faults
+from tokenmill.engine.builder import build_engine
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.core.block_manager import BlockAllocator
 from tokenmill.engine.core.request import Request
-from tokenmill.engine.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.core.scheduler import SchedulerOutput
 from tokenmill.engine.core.sequence import Sequence
 from tokenmill.engine.detokenizer import TokenText
-from tokenmill.engine.input_processor import InputProcessor, PromptInput
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.input_processor import PromptInput
 from tokenmill.engine.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
-from tokenmill.engine.precision import resolve_kv_cache_dtype, resolve_precision
-from tokenmill.engine.result_cache import ResultCache
-from tokenmill.engine.sample.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.setup import (
-    check_tensor_parallel,
-    load_prepared_model,
-    load_tokenizer,
-    num_kv_blocks,
-    resolve_device,
-)
-from tokenmill.engine.spec_decode import check_speculative_config
-from tokenmill.engine.spec_decode.draft import DraftProposer, check_draft_model, load_draft_model
-from tokenmill.engine.spec_decode.ngram import NgramProposer
-from tokenmill.engine.structured_output.manager import StructuredOutputManager
-from tokenmill.engine.worker.cuda_graphs import DecodeGraphs
-from tokenmill.engine.worker.kv_cache import KVCache
-from tokenmill.engine.worker.model_runner import ModelRunner, StepInput
-from tokenmill.engine.worker.tensor_parallel import TensorParallelGroup, rank_device
+from tokenmill.engine.worker.model_runner import StepInput
 from tokenmill.errors import InvalidRequest, RequestFailed
-from tokenmill.lora.batch import LoRASlots
-from tokenmill.lora.layers import LoRAModel
-from tokenmill.lora.registry import LoRARegistry, parse_lora_module
-from tokenmill.models.model_loader.hub import resolve_model
 
 if TYPE_CHECKING:
     from tokenmill.lora.types import LoRAAdapter
@@ -63,21 +44,6 @@ class LaunchedStep:
     scheduled: SchedulerOutput  # what the scheduling thread planned (live sequences: this thread only)
     step_input: StepInput  # what the model thread runs
     future: Future  # -> (ModelRunnerOutput, model-thread seconds)
-
-
-def _init_model_thread(num_threads: int, device: torch.device) -> None:
-    torch.set_num_threads(num_threads)  # intra-op threads are set per calling thread
-    if device.type == "cuda":
-        # So is the current CUDA device. An index-less "cuda" means the creating thread's current device
-        # (resolved by the caller): set_device rejects a device without an index.
-        torch.cuda.set_device(device.index)
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """A CUDA device with its index: an index-less "cuda" is this thread's current device."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _timed(fn: Callable[[StepInput], Any], step: StepInput) -> tuple[Any, float]:
@@ -118,196 +84,40 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        parts = build_engine(config, progress)
+        self.parts = parts
+        # Facts about the model and its cache (read by front ends, benchmarks and tests).
         self.config = config
-        self._inflight: deque[LaunchedStep] = deque()
-        self._model_thread: ThreadPoolExecutor | None = None
-        self.device = resolve_device(config.device)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.model_dir = resolve_model(config.model)
-        self.precision = resolve_precision(config.dtype, self.device, self.model_dir)
-        self.dtype = self.precision.compute
-        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.precision.weights)
-        self.model_name = config.served_model_name or self.model_dir.name
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
-        self.tp_group: TensorParallelGroup | None = None
-        check_speculative_config(config)
-        config.check_lora()
-        lora_modules = [parse_lora_module(text) for text in config.lora_modules or ()]
-        check_tensor_parallel(config, self.model_dir, self.device)
-        if config.tensor_parallel_size > 1:
-            self.device = rank_device(self.device, 0)
-            self.tp_group = TensorParallelGroup(config, self.device)  # workers load their shards meanwhile
-        try:
-            self.model, self.spec = load_prepared_model(
-                config, self.model_dir, self.precision, self.device, progress=progress
-            )
-            # LoRA: the model's target layers wrapped, with --max-loras slots each (before the KV budget is taken).
-            self.lora_model = (
-                LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
-                if config.lora_enabled
-                else None
-            )
-        except BaseException:
-            self.close()
-            raise
-        self.loras = (
-            None
-            if self.lora_model is None
-            else LoRARegistry(
-                self.lora_model.targets, self.lora_model.hf_to_local, config.max_lora_rank, self.dtype, self.model_name
-            )
-        )
+        self.device = parts.device
+        self.model_dir = parts.model_dir
+        self.model_name = parts.model_name
+        self.model = parts.model
+        self.spec = parts.spec
+        self.precision = parts.precision
+        self.dtype = parts.precision.compute
+        self.kv_dtype = parts.kv_dtype
         self.block_size = config.block_size
-        self.max_model_len = min(config.max_model_len or self.spec.max_position, self.spec.max_position)
-        self._draft: tuple[torch.nn.Module, Any] | None = None  # (model, spec) with --speculative-method draft
-        if config.speculative_method == "draft":
-            self._draft = self._load_draft()
-        # Structured outputs: grammars compile on their own threads; requests wait there meanwhile.
-        self.structured_outputs: StructuredOutputManager[Request] = StructuredOutputManager(
-            self.tokenizer, self.spec.vocab_size, self.spec.eos_token_ids
-        )
-        self._build_cache()
-        self.input_processor = InputProcessor(self.tokenizer, self.spec.vocab_size, self.max_model_len)
-        self.eos_token_ids = set(self.spec.eos_token_ids)
-        self.result_cache = ResultCache(config.result_cache_size)
-        self.output_processor = OutputProcessor(
-            self.tokenizer, self.result_cache, self.scheduler.finish, self.spec.eos_token_ids
-        )
+        self.max_model_len = parts.max_model_len
+        self.eos_token_ids = set(parts.spec.eos_token_ids)
+        self.tokenizer = parts.tokenizer
+        self.token_text = TokenText(parts.tokenizer) if parts.tokenizer is not None else None
+        self.loras = parts.loras
+        self.lora_model = parts.lora_model
+        self.kv_cache = parts.kv_cache
+        # What a step runs through.
+        self.input_processor = parts.input_processor
+        self.structured_outputs = parts.structured_outputs
+        self.scheduler = parts.scheduler
+        self.allocator = parts.allocator
+        self.drafter = parts.drafter
+        self.runner = parts.runner
+        self.output_processor = parts.output_processor
+        self.result_cache = parts.output_processor.result_cache
+        self._model_thread = parts.model_thread
+        self._inflight: deque[LaunchedStep] = deque()
         self._seq_ids = count()
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self.num_steps = 0
-        overlap = config.overlap_scheduling
-        if config.speculative_method is not None:
-            if overlap:
-                logger.warning(
-                    "--overlap-scheduling is off with speculative decoding: drafts are proposed from "
-                    "each step's tokens, so a step cannot be planned before the previous one lands"
-                )
-            overlap = False
-        elif overlap is None:  # auto: a GPU runs the model while the CPU prepares; a CPU has no core to spare
-            overlap = self.device.type == "cuda"
-        if overlap:
-            # The model runs on its own thread, one step ahead of the completions.
-            self._model_thread = ThreadPoolExecutor(
-                1,
-                "tokenmill-model",
-                initializer=_init_model_thread,
-                initargs=(torch.get_num_threads(), _indexed(self.device)),
-            )
-        faults.install(self)  # test-only hook, off unless TOKENMILL_FAULT_INJECTION=1
-        try:
-            for module in lora_modules:
-                self.loras.load(module.name, module.path, module.base_model_name)
-        except BaseException:
-            self.close()
-            raise
-
-    def _load_draft(self) -> tuple[torch.nn.Module, Any]:
-        draft_dir = resolve_model(self.config.speculative_model)
-        try:
-            draft_spec = check_draft_model(draft_dir, self.spec, self.tokenizer)
-            model = load_draft_model(self.config, draft_dir, self.precision, self.device)
-        except BaseException:
-            self.close()
-            raise
-        if draft_spec.max_position < self.max_model_len:
-            logger.warning(
-                "the draft model's context is %d tokens: max_model_len lowered from %d",
-                draft_spec.max_position,
-                self.max_model_len,
-            )
-            self.max_model_len = draft_spec.max_position
-        return model, draft_spec
-
-    def _build_cache(self) -> None:
-        spec, bs, config = self.spec, self.block_size, self.config
-        draft_bytes = DraftProposer.bytes_per_block(self._draft[1], bs, self.dtype) if self._draft else 0
-        num_blocks, per_block = num_kv_blocks(config, spec, self.kv_dtype, self.device, self.max_model_len, draft_bytes)
-        usable_tokens = (num_blocks - 1) * bs  # block 0 is the allocator's zero block
-        if usable_tokens < self.max_model_len:
-            logger.warning("KV cache holds %d tokens: max_model_len lowered from %d", usable_tokens, self.max_model_len)
-            self.max_model_len = usable_tokens
-        if self.tp_group is not None:
-            self.tp_group.broadcast(num_blocks)  # every rank's cache has the same block ids
-        self.allocator = BlockAllocator(num_blocks, bs, self.config.enable_prefix_caching)
-        self.kv_cache = KVCache(
-            spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim, self.kv_dtype, self.device
-        )
-        ngram = config.speculative_method == "ngram"
-        lora = self.lora_model
-        self.scheduler = Scheduler(
-            self.allocator,
-            config.max_num_seqs,
-            max(config.max_num_batched_tokens, 1),
-            self.max_model_len,
-            spec.eos_token_ids,
-            config.num_speculative_tokens if config.speculative_method else 0,
-            NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max) if ngram else None,
-            lora.max_loras if lora else None,
-            self.structured_outputs,
-        )
-        self.drafter = None
-        if self._draft is not None:
-            self.drafter = DraftProposer(*self._draft, num_blocks, bs, self.dtype, self.device)
-        self.sampler = Sampler(spec.vocab_size, self.config.seed, self.device)
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_cache,
-            bs,
-            self.sampler,
-            self.device,
-            self.tp_group,
-            self._decode_graphs(),
-            lora,
-            LoRASlots(lora.max_loras) if lora else None,
-        )
-        logger.info(
-            "KV cache: %d blocks x %d tokens, %s (%.1f MiB%s)",
-            num_blocks,
-            bs,
-            str(self.kv_dtype).removeprefix("torch."),
-            num_blocks * per_block / 2**20,
-            ", the draft model's included" if self._draft else "",
-        )
-        if config.speculative_method:
-            source = (
-                f"n-grams of {config.ngram_prompt_lookup_min}-{config.ngram_prompt_lookup_max} tokens looked "
-                "up in the prompt and output"
-                if ngram
-                else f"draft model {config.speculative_model}"
-            )
-            logger.info(
-                "speculative decoding: up to %d draft tokens per sequence and step from %s",
-                config.num_speculative_tokens,
-                source,
-            )
-
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        if not self.config.cuda_graphs:
-            return None
-        if self.device.type != "cuda":
-            logger.warning("--cuda-graphs needs a CUDA device: decode steps run eagerly on %s", self.device)
-            return None
-        if self.tp_group is not None:
-            logger.warning("--cuda-graphs is not used with tensor parallelism: decode steps run eagerly")
-            return None
-        if not getattr(self.model, "supports_cuda_graphs", True):
-            reason = getattr(self.model, "cuda_graphs_blocker", None) or (
-                f"this model's MoE experts run as a per-expert loop here (int8, or no grouped_mm for {self.dtype} "
-                "on this GPU), which capture forbids"
-            )
-            logger.warning("--cuda-graphs: %s: decode steps run eagerly", reason)
-            return None
-        return DecodeGraphs(
-            self.model,
-            self.kv_cache,
-            self.block_size,
-            self.config.max_num_seqs,
-            -(-self.max_model_len // self.block_size),
-            self.device,
-        )
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -320,9 +130,13 @@ class LLMEngine:
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         lora: LoRAAdapter | None = None,
     ) -> Request:
-        """Validate and tokenize (thread-safe, touches no engine state); `add` queues it. `lora`: the
-        adapter to run it with (or the one a processed PromptInput carries)."""
-        checked = self.input_processor.process(prompt, params, lora=lora)
+        """Validate and tokenize (thread-safe, touches no engine state); `add` queues it. A PromptInput
+        that `input_processor.process` made (with these params) is taken as it is. `lora`: the adapter
+        to run it with (or the one a processed PromptInput carries)."""
+        if isinstance(prompt, PromptInput) and prompt.processed:
+            checked = prompt if lora is None else dataclasses.replace(prompt, lora=lora)
+        else:
+            checked = self.input_processor.process(prompt, params, lora=lora)
         if checked.lora is not None and self.loras is None:
             raise InvalidRequest("this engine serves no LoRA adapters (start it with --enable-lora)", param="model")
         metrics = RequestMetrics(
@@ -402,12 +216,7 @@ class LLMEngine:
         """Stop the model thread, the grammar compilers and the tensor-parallel workers."""
         for step in self._inflight:  # a step waiting for its grammar mask must not wait forever
             step.step_input.cancel_grammar_mask("the engine is closing")
-        if self._model_thread is not None:
-            self._model_thread.shutdown(wait=True)
-        if getattr(self, "structured_outputs", None) is not None:
-            self.structured_outputs.close()
-        if self.tp_group is not None:
-            self.tp_group.close()
+        self.parts.close()
 
     def has_unfinished(self) -> bool:
         return self.output_processor.has_unfinished() or bool(self._inflight)

@@ -68,6 +68,10 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
     def request(self, request_id: str) -> Request | None:
         tracked = self._requests.get(request_id)
         return tracked.request if tracked is not None else None

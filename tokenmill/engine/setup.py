@@ -1,5 +1,5 @@
-"""Engine setup: device and dtype, the model (loaded and prepared alike on every tensor-parallel
-rank), the tokenizer, and how many KV cache blocks the memory budget holds."""
+"""Engine setup: the device, the model (loaded and prepared alike on every tensor-parallel rank)
+and the tokenizer."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from transformers import AutoTokenizer
 
-from tokenmill.engine.config import EngineConfig, parse_memory
+from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.precision import Precision
-from tokenmill.engine.worker.kv_cache import bytes_per_block
 from tokenmill.models.layers.fused_layer import fuse_decoder_layers
 from tokenmill.models.layers.parallel import TPInfo, check_shardable
 from tokenmill.models.model_loader.linear_setup import process_weights_after_loading
@@ -22,8 +20,6 @@ from tokenmill.models.model_loader.registry import NATIVE
 from tokenmill.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
-
-_CPU_DEFAULT_KV_CAP = 4 << 30  # like vLLM's CPU default KV space: plenty for a CPU's batch sizes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -123,33 +119,3 @@ def load_tokenizer(model_dir: Path) -> Any:
             "backend; tokenmill needs one (a tokenizer.json)"
         )
     return tokenizer
-
-
-def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    if config.kv_cache_memory:
-        return parse_memory(config.kv_cache_memory)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * config.kv_cache_memory_fraction)
-    return min(int(psutil.virtual_memory().available * config.kv_cache_memory_fraction), _CPU_DEFAULT_KV_CAP)
-
-
-def num_kv_blocks(
-    config: EngineConfig,
-    spec: ModelSpec,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_model_len: int,
-    extra_bytes_per_block: int = 0,
-) -> tuple[int, int]:
-    """(blocks the budget holds, bytes per block); never more blocks than every sequence slot at full
-    length could use (x2 for the prefix cache). `extra_bytes_per_block`: another cache indexed by
-    the same blocks (a draft model's)."""
-    bs = config.block_size
-    per_block = bytes_per_block(bs, spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype) + extra_bytes_per_block
-    num_blocks = min(
-        kv_budget_bytes(config, device) // per_block, 2 * config.max_num_seqs * -(-max_model_len // bs) + 1
-    )
-    if num_blocks < 2:
-        raise ValueError(f"--kv-cache-memory is too small for a single {bs}-token block ({per_block} bytes)")
-    return num_blocks, per_block

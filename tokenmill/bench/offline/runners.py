@@ -184,7 +184,7 @@ def tokenmill_run(
         compile_s = None
         if structured is not None:
             start = time.perf_counter()
-            llm.engine.grammars.compile(StructuredOutputsParams.from_dict(structured)).result()
+            llm.engine.structured_outputs.compiler.compile(StructuredOutputsParams.from_dict(structured)).result()
             compile_s = time.perf_counter() - start
         warmup(llm, warm if warm is not None else workload, structured=structured, sampling=sampling)
         if lora_paths is not None:  # every adapter loaded and run once, untimed

@@ -1,4 +1,5 @@
-"""The paged K/V tensors of every layer, and what a block of them costs.
+"""The paged K/V tensors of every layer, what a block of them costs, and how many blocks the
+memory budget holds.
 
 Block 0 is never handed out by the allocator (`engine/core/block_manager.py`): it stays zero and is
 where padded attention positions point, so the rest of the cache can be left uninitialised (no
@@ -9,9 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import psutil
 import torch
 
+from tokenmill.engine.config import EngineConfig, parse_memory
 from tokenmill.models.layers.kv_quant import row_width
+from tokenmill.models.spec import ModelSpec
+
+_CPU_DEFAULT_KV_CAP = 4 << 30  # like vLLM's CPU default KV space: plenty for a CPU's batch sizes
 
 
 class KVCache:
@@ -68,3 +74,33 @@ def consecutive_runs(values: Sequence[int]) -> list[tuple[int, int]]:
 
 def bytes_per_block(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * row_width(head_dim, dtype) * dtype.itemsize
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_memory:
+        return parse_memory(config.kv_cache_memory)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.kv_cache_memory_fraction)
+    return min(int(psutil.virtual_memory().available * config.kv_cache_memory_fraction), _CPU_DEFAULT_KV_CAP)
+
+
+def num_kv_blocks(
+    config: EngineConfig,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    extra_bytes_per_block: int = 0,
+) -> tuple[int, int]:
+    """(blocks the budget holds, bytes per block); never more blocks than every sequence slot at full
+    length could use (x2 for the prefix cache). `extra_bytes_per_block`: another cache indexed by
+    the same blocks (a draft model's)."""
+    bs = config.block_size
+    per_block = bytes_per_block(bs, spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype) + extra_bytes_per_block
+    num_blocks = min(
+        kv_budget_bytes(config, device) // per_block, 2 * config.max_num_seqs * -(-max_model_len // bs) + 1
+    )
+    if num_blocks < 2:
+        raise ValueError(f"--kv-cache-memory is too small for a single {bs}-token block ({per_block} bytes)")
+    return num_blocks, per_block
