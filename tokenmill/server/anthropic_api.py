@@ -19,8 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from tokenmill.server.errors import APIError
-from tokenmill.server.generation import Generation
-from tokenmill.server.openai_api import Job, final_outputs, plan_chat, raise_on_failure, usage_of
+from tokenmill.server.generation import Generation, raise_on_failure
+from tokenmill.server.openai_api import Job, final_outputs, plan_chat, usage_of
 from tokenmill.server.output import OutputPiece, OutputReader, ParsedOutput
 from tokenmill.server.protocol import parse_request
 from tokenmill.server.protocol.anthropic import AnthropicResponse, AnthropicUsage, MessagesRequest

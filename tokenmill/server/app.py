@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
+from tokenmill.engine.protocol import EngineClient
 from tokenmill.server import lora_api, openapi, tokenizer_api
 from tokenmill.server.anthropic_api import prepare_messages
 from tokenmill.server.embeddings import prepare_embedding
@@ -271,7 +272,7 @@ def _require_json(request: Request) -> None:
         raise APIError(415, f"Content-Type must be application/json, got {media_type}.", code="unsupported_media_type")
 
 
-def build_app(engine: Any, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; `app.state.server` is the shared ServerState (also used by gRPC)."""
     metrics = metrics or ServerMetrics(engine, endpoints=GENERATION_ENDPOINTS)
     engine.add_step_listener(metrics.on_step)

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from tokenmill.engine.input_processor import PromptInput
-from tokenmill.engine.outputs import RequestOutputKind
+from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.errors import APIError, from_invalid_request
@@ -145,10 +145,17 @@ class Generation:
                 logger.exception("closing engine stream of %s failed", self.record.request_id)
 
 
-def failure_of(out: Any) -> str | None:
+def failure_of(out: RequestOutput) -> str | None:
     """The engine's error message if this output reports a failed request, else None."""
     if out.error or any(o.finish_reason == "error" for o in out.outputs):
         return out.error or "generation failed inside the engine"
     if out.finished and any(o.finish_reason == "abort" for o in out.outputs):
         return "the engine aborted this request"
     return None
+
+
+def raise_on_failure(out: RequestOutput) -> None:
+    """A failed request's output as the API's 500 (HTTP and gRPC alike)."""
+    message = failure_of(out)
+    if message is not None:
+        raise APIError(500, f"Generation failed: {message}", code="engine_error")

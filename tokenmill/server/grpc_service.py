@@ -20,7 +20,7 @@ from tokenmill.engine.outputs import RequestOutputKind
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.errors import APIError, bad_request, from_invalid_request
-from tokenmill.server.generation import Generation, failure_of
+from tokenmill.server.generation import Generation, raise_on_failure
 from tokenmill.server.proto import tokenmill_pb2 as pb
 from tokenmill.server.state import GRPC_GENERATE, GRPC_GENERATE_STREAM, RequestRecord, ServerState, status_of
 
@@ -53,7 +53,7 @@ class GenerationService:
             gen = await self._start(raw, context, record, stream=False)
             final: Any = None
             async for _, out in gen.outputs():
-                _raise_on_failure(out)
+                raise_on_failure(out)
                 final = out
             choice = final.outputs[0]
             self.state.finish(record, "ok")
@@ -80,7 +80,7 @@ class GenerationService:
         try:
             gen = await self._start(raw, context, record, stream=True)
             async for _, out in gen.outputs():
-                _raise_on_failure(out)
+                raise_on_failure(out)
                 choice = out.outputs[0]
                 if not (choice.text_delta or choice.token_ids_delta or choice.finish_reason):
                     continue
@@ -193,12 +193,6 @@ def _sampling_params(request: pb.GenerateRequest) -> SamplingParams:
         if request.HasField(name):
             values[name] = getattr(request, name)
     return SamplingParams.from_dict(values)
-
-
-def _raise_on_failure(out: Any) -> None:
-    message = failure_of(out)
-    if message is not None:
-        raise APIError(500, f"Generation failed: {message}", code="engine_error")
 
 
 def _usage(out: Any) -> pb.Usage:

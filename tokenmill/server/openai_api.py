@@ -25,7 +25,7 @@ from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.errors import APIError, from_invalid_request
-from tokenmill.server.generation import Generation, failure_of
+from tokenmill.server.generation import Generation, raise_on_failure
 from tokenmill.server.output import OutputReader, output_readers
 from tokenmill.server.protocol import (
     AssistantMessage,
@@ -133,12 +133,6 @@ async def final_outputs(gen: Generation, prompt_logprobs: dict[int, Any] | None 
         if prompt_logprobs is not None and out.prompt_logprobs is not None:
             prompt_logprobs[i] = out.prompt_logprobs
     return finals
-
-
-def raise_on_failure(out: Any) -> None:
-    message = failure_of(out)
-    if message is not None:
-        raise APIError(500, f"Generation failed: {message}", code="engine_error")
 
 
 def _top_of(entry: dict[int, RankedLogprob], token: int, num_top: int) -> list[tuple[int, RankedLogprob]]:

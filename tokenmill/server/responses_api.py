@@ -55,8 +55,8 @@ from openai.types.responses.tool_choice_function import ToolChoiceFunction
 from pydantic import BaseModel
 
 from tokenmill.server.errors import APIError, bad_request
-from tokenmill.server.generation import Generation
-from tokenmill.server.openai_api import Job, final_outputs, plan_chat, raise_on_failure, usage_of
+from tokenmill.server.generation import Generation, raise_on_failure
+from tokenmill.server.openai_api import Job, final_outputs, plan_chat, usage_of
 from tokenmill.server.output import OutputPiece, OutputReader, ParsedOutput
 from tokenmill.server.protocol import ChatMessage, FunctionCall, MessageToolCall, parse_request
 from tokenmill.server.protocol.base import renamed

@@ -7,11 +7,12 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import prometheus_client
 import uvicorn
 
+from tokenmill.engine.protocol import EngineClient
 from tokenmill.server.app import build_app
 from tokenmill.server.connections import limited_http_protocol
 from tokenmill.server.settings import ServerSettings
@@ -76,7 +77,7 @@ class Lifecycle:
                 self.http.should_exit = True
 
 
-async def serve(engine: Any, settings: ServerSettings) -> int:
+async def serve(engine: EngineClient, settings: ServerSettings) -> int:
     """Serve until SIGTERM/SIGINT (after draining) or engine death; returns the process exit code."""
     # `_created` series double the exposition and no dashboard reads them (process-wide switch,
     # which is why it is flipped here, in the server process, and not in ServerMetrics).

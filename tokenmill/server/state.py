@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.engine.protocol import EngineClient
 from tokenmill.server.errors import APIError
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.response_store import ResponseStore
@@ -63,7 +64,7 @@ def status_of(err: APIError) -> str:
 
 
 class ServerState:
-    def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
