@@ -14,8 +14,10 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from typing import Any
 
 from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.core.request import Request
 from tokenmill.engine.detokenizer import TokenText
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine, StepStats
@@ -39,7 +41,7 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
-        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Request | str] = queue.SimpleQueue()  # a request to add, or an id to abort
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
@@ -61,7 +63,7 @@ class AsyncEngine:
     # -- facts about the model ----------------------------------------------------------------
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     @property
@@ -127,7 +129,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", code="duplicate_request_id")
         self._streams[request_id] = (loop, stream)
-        self._send("add", request)
+        self._send(request)
         finished = False
         try:
             while True:
@@ -141,10 +143,10 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._send("abort", request_id)
+                self._send(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+        self._send(request_id)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -154,8 +156,9 @@ class AsyncEngine:
 
     # -- the engine thread --------------------------------------------------------------------
 
-    def _send(self, kind: str, payload: object) -> None:
-        self._inbox.put((kind, payload))
+    def _send(self, item: Request | str) -> None:
+        """To the engine thread: a request to add, or the id of one to abort."""
+        self._inbox.put(item)
         self._wakeup.set()
 
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
@@ -179,16 +182,16 @@ class AsyncEngine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                try:
-                    self.engine.add(payload)  # type: ignore[arg-type]
-                except InvalidRequest as exc:
-                    self._deliver(exc, payload.request_id)  # type: ignore[union-attr]
-            elif kind == "abort":
-                self.engine.abort(payload)  # type: ignore[arg-type]
+            if isinstance(item, str):
+                self.engine.abort(item)
+                continue
+            try:
+                self.engine.add(item)
+            except InvalidRequest as exc:
+                self._deliver(exc, item.request_id)
 
     def _run(self, config: EngineConfig, progress: bool, built: Future[LLMEngine]) -> None:
         try:

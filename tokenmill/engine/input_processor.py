@@ -146,7 +146,9 @@ def _template_tool_call(call: Any) -> Any:
     """OpenAI sends a call's arguments as JSON text; chat templates expect the object (Qwen, Llama 3
     and Hermes render `arguments | tojson`), as vLLM passes them. Text that is no JSON object stays text."""
     function = call.get("function") if isinstance(call, Mapping) else None
-    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(function, Mapping):
+        return call
+    arguments = function.get("arguments")
     if not isinstance(arguments, str):
         return call
     try:

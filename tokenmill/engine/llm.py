@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import cast
 
 from tqdm.auto import tqdm
 
@@ -47,28 +48,31 @@ class LLM:
     ) -> list[list[float]]:
         """The pooled final hidden state of each prompt (last-token, L2-normalised by default)."""
         outputs = self._run(prompts, pooling_params or PoolingParams(), use_tqdm, "Embedding", lora_request)
-        return [o.embedding for o in outputs]
+        return [_embedding(o) for o in outputs]
 
     def _run(
         self,
-        prompts: str | Seq[str] | Seq[list[int]],
+        prompts: str | Seq[str] | Seq[int] | Seq[list[int]],
         params: SamplingParams | PoolingParams | Seq[SamplingParams | PoolingParams],
         use_tqdm: bool,
         desc: str,
         lora_request: LoRAChoice = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt (text or token ids)
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
+        prompt_list = _prompt_list(prompts)
+        params_list = (
+            list(params)
+            if isinstance(params, (list, tuple))
+            else [cast("SamplingParams | PoolingParams", params)] * len(prompt_list)
+        )
+        if len(params_list) != len(prompt_list):
             raise ValueError("give one set of params, or one per prompt")
-        adapters = self._adapters(lora_request, len(prompts))
+        adapters = self._adapters(lora_request, len(prompt_list))
         # Validate everything before anything runs, so a bad prompt cannot leave others half done.
         requests = [
             self.engine.make_request(
                 f"offline-{id(self)}-{i}", p, sp, output_kind=RequestOutputKind.FINAL_ONLY, lora=adapter
             )
-            for i, (p, sp, adapter) in enumerate(zip(prompts, params_list, adapters))
+            for i, (p, sp, adapter) in enumerate(zip(prompt_list, params_list, adapters))
         ]
         for request in requests:
             self.engine.add(request)
@@ -82,9 +86,28 @@ class LLM:
         return [done[r.request_id] for r in requests]
 
     def _adapters(self, lora_request: LoRAChoice, count: int) -> list[LoRAAdapter | None]:
-        requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+        requests: list[LoRARequest | None] = (
+            list(lora_request)
+            if isinstance(lora_request, (list, tuple))
+            else [cast("LoRARequest | None", lora_request)] * count
+        )
         if len(requests) != count:
             raise ValueError("give one lora_request, or one per prompt")
-        if any(r is not None for r in requests) and self.engine.loras is None:
-            raise ValueError("lora_request needs an LLM built with enable_lora=True")
-        return [None if r is None else self.engine.loras.get_or_load(r) for r in requests]
+        loras = self.engine.loras
+        if loras is None:
+            if any(r is not None for r in requests):
+                raise ValueError("lora_request needs an LLM built with enable_lora=True")
+            return [None] * count
+        return [None if r is None else loras.get_or_load(r) for r in requests]
+
+
+def _prompt_list(prompts: str | Seq[str] | Seq[int] | Seq[list[int]]) -> list[str | Seq[int]]:
+    """One prompt (text, or token ids) or several."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast("str | Seq[int]", prompts)]
+    return list(cast("Seq[str | list[int]]", prompts))
+
+
+def _embedding(out: RequestOutput) -> list[float]:
+    assert out.embedding is not None, "an embedding request's final output carries its vector"
+    return out.embedding

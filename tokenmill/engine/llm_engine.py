@@ -13,6 +13,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import count
@@ -28,6 +29,7 @@ from tokenmill.engine.input_processor import PromptInput
 from tokenmill.engine.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.spec_decode.draft import DraftProposer
 from tokenmill.engine.worker.model_runner import StepInput
 from tokenmill.errors import InvalidRequest, RequestFailed
 
@@ -124,7 +126,7 @@ class LLMEngine:
     def make_request(
         self,
         request_id: str,
-        prompt: str | list[int] | PromptInput,
+        prompt: str | Seq[int] | PromptInput,
         params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
@@ -259,7 +261,7 @@ class LLMEngine:
             return None
         fresh = self.allocator.take_fresh()
         if self.drafter is not None:
-            scheduled = self._propose(scheduled, fresh)
+            scheduled = self._propose(self.drafter, scheduled, fresh)
         step_input = self.runner.prepare(scheduled, fresh, self.scheduler.take_released())
         launched = LaunchedStep(scheduled, step_input, Future())
         if not self._inflight:  # no step before it is running: its rows' earlier tokens are all known
@@ -267,11 +269,12 @@ class LLMEngine:
         launched.future = self._submit(step_input)
         return launched
 
-    def _propose(self, scheduled: SchedulerOutput, fresh: list[int]) -> SchedulerOutput:
+    @staticmethod
+    def _propose(drafter: DraftProposer, scheduled: SchedulerOutput, fresh: list[int]) -> SchedulerOutput:
         """The step with the draft model's tokens; without drafts if the draft model failed (the
         requests go on without speculation for this step; it cannot make a token wrong)."""
         try:
-            return self.drafter.propose(scheduled, fresh)
+            return drafter.propose(scheduled, fresh)
         except Exception:
             logger.exception("the draft model failed: this step runs without speculation")
             return scheduled.without_drafts()

@@ -232,7 +232,7 @@ class Scheduler:
         limit = seq.num_tokens - 1
         if seq.pooling is not None and seq.pooling.pooling == "mean":
             limit = 0
-        if not seq.prompt_logprobs_done:
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_done:
             limit = min(limit, len(seq.prompt_logprobs) - 1)
         max_blocks = limit // self.block_size
         parent = seq.prefix_root

@@ -85,14 +85,17 @@ class SamplingInput:
     ) -> SamplingInput:
         """The rows `seqs`, each sampling its output token number `num_outputs[i]` (and, with
         `drafts`, one more row after each of its draft tokens `drafts[i]`)."""
-        spans = draft_tokens = None
+        spans: list[tuple[int, int]] | None = None
+        draft_tokens: list[int] | None = None
         params = [s.params for s in seqs]
         penalised = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty for p in params)
         # Per row: the output tokens before the one it samples (read only for penalties).
         histories = [tuple(s.output_token_ids[:n]) if penalised else () for s, n in zip(seqs, num_outputs)]
         items = list(range(len(seqs)))  # the sampled sequence of each row
         if drafts is not None and any(drafts):
-            spans, draft_tokens, rows, row_histories, items = [], [], [], [], []
+            spans, draft_tokens, items = [], [], []
+            rows: list[Sequence] = []
+            row_histories: list[tuple[int, ...]] = []
             for item, (seq, history, seq_drafts) in enumerate(zip(seqs, histories, drafts, strict=True)):
                 spans.append((len(rows), len(seq_drafts) + 1))
                 for i in range(len(seq_drafts) + 1):
@@ -192,10 +195,10 @@ class Sampler:
                 logits = logits.clone()  # logprobs are of the raw distribution
             apply_mask(logits, batch.grammar, self.vocab_size)
         if batch.logit_bias:
-            rows, tokens, bias = zip(*batch.logit_bias)
+            bias_rows, bias_tokens, biases = zip(*batch.logit_bias)
             logits = logits.index_put(
-                (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)),
-                torch.tensor(bias, device=logits.device, dtype=logits.dtype),
+                (torch.tensor(bias_rows, device=logits.device), torch.tensor(bias_tokens, device=logits.device)),
+                torch.tensor(biases, device=logits.device, dtype=logits.dtype),
                 accumulate=True,
             )
         if batch.penalties is not None:
@@ -232,6 +235,7 @@ class Sampler:
 
     def _verify(self, raw: torch.Tensor, logits: torch.Tensor, batch: SamplingInput) -> SamplerOutput:
         """Rejection sampling of a speculative step's rows (see the module docstring)."""
+        assert batch.spans is not None and batch.draft_tokens is not None  # (a speculative step's rows)
         dev = logits.device
         drafts = torch.tensor(batch.draft_tokens, device=dev)
         has_draft = drafts >= 0
@@ -265,6 +269,7 @@ class Sampler:
         """A U[0, 1) draw for each sampled row with a draft (from the row's own RNG when it is
         seeded; rows without a draft draw nothing, so their RNG streams are as without speculation);
         1 elsewhere."""
+        assert batch.draft_tokens is not None  # (a speculative step's rows)
         rows = [i for i, (d, g) in enumerate(zip(batch.draft_tokens, batch.greedy)) if d >= 0 and not g]
         draws = self._row_uniforms(batch, rows, torch.float32)
         return torch.tensor([draws.get(i, 1.0) for i in range(len(batch))], device=device)
@@ -299,8 +304,9 @@ class Sampler:
             values = torch.rand(len(unseeded), dtype=dtype, device=self.device, generator=self.generator)
             draws.update(zip(unseeded, values.tolist()))
         for i in rows:
-            if batch.seeds[i] is not None:
-                generator = self._generator(batch.seq_ids[i], batch.seeds[i])
+            seed = batch.seeds[i]
+            if seed is not None:
+                generator = self._generator(batch.seq_ids[i], seed)
                 draws[i] = torch.rand(1, dtype=dtype, device=self.device, generator=generator).item()
         return draws
 

@@ -139,7 +139,7 @@ class DraftProposer:
         )
         if not len(forward.sample_rows):
             return []
-        logits = self.model.compute_logits(hidden[forward.sample_rows.to(dev)])
+        logits = self.model.compute_logits(hidden[forward.sample_rows.to(dev)])  # type: ignore[operator]
         return logits[:, : self.spec.vocab_size].argmax(dim=-1).tolist()
 
 

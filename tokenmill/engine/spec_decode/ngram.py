@@ -17,7 +17,7 @@ from weakref import WeakKeyDictionary
 import numpy as np
 
 
-def ngram_lookup(token_ids: Sequence[int], min_n: int, max_n: int, max_tokens: int) -> tuple[int, ...]:
+def ngram_lookup(token_ids: Sequence[int] | np.ndarray, min_n: int, max_n: int, max_tokens: int) -> tuple[int, ...]:
     """Up to `max_tokens` tokens that followed an earlier occurrence of the longest suffix n-gram
     (min_n <= n <= max_n) of `token_ids` (see the module docstring); () when none occurs earlier."""
     length = len(token_ids)

@@ -155,12 +155,15 @@ class StructuredOutputsParams:
                     xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **self._json_format())
                 )
             if kind == "regex":
+                assert self.regex is not None
                 return xgr.Grammar.from_regex(self.regex)
             if kind == "choice":
+                assert self.choice is not None
                 # An EBNF alternation of string literals (JSON string escapes are EBNF's too).
                 return xgr.Grammar.from_ebnf(
                     "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
                 )
+            assert self.grammar is not None
             return xgr.Grammar.from_ebnf(self.grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
             what = {

@@ -281,40 +281,35 @@ class ModelRunner:
         lora = None
         if self.lora_slots is not None:
             lora = self.lora_slots.plan([(item.seq.lora, item.num_new_tokens) for item in batch.all])
-        common = dict(
-            rows=tuple(RowRef(item.seq.seq_id, item.seq.request_id) for item in batch.all),
-            fresh_blocks=tuple(fresh_blocks),
-            sampling=sampling,
-            released_seq_ids=tuple(released_seq_ids),
-            prefill=prefill,
-            lora=lora,
-        )
+        meta: AttentionMetadata | None
         # (graphs keep no hidden states and were captured without adapters)
         graph = None if prefill is not None or lora is not None else self._prepare_graph(batch)
         if graph is not None:
-            rows = [j for j, item in enumerate(batch.decodes) if item.samples]
-            return StepInput(
-                input_ids=graph.input_ids,
-                positions=graph.positions,
-                meta=None,
-                sample_rows=torch.tensor(rows, dtype=torch.long),
-                has_placeholders=bool((graph.input_ids < 0).any()),
-                graph=graph,
-                **common,
+            input_ids, positions, meta = graph.input_ids, graph.positions, None
+            sample_rows = torch.tensor([j for j, item in enumerate(batch.decodes) if item.samples], dtype=torch.long)
+            has_placeholders = bool((graph.input_ids < 0).any())
+        else:
+            forward = build_forward(
+                [_chunk(item) for item in batch.chunks],
+                [_chunk(item) for item in batch.decodes],
+                self.block_size,
+                self.fused_attention,
             )
-        forward = build_forward(
-            [_chunk(item) for item in batch.chunks],
-            [_chunk(item) for item in batch.decodes],
-            self.block_size,
-            self.fused_attention,
-        )
+            input_ids, positions, meta = forward.input_ids, forward.positions, forward.meta
+            sample_rows, has_placeholders = forward.sample_rows, forward.has_placeholders
         return StepInput(
-            input_ids=forward.input_ids,
-            positions=forward.positions,
-            meta=forward.meta,
-            sample_rows=forward.sample_rows,
-            has_placeholders=forward.has_placeholders,
-            **common,
+            rows=tuple(RowRef(item.seq.seq_id, item.seq.request_id) for item in batch.all),
+            fresh_blocks=tuple(fresh_blocks),
+            input_ids=input_ids,
+            positions=positions,
+            meta=meta,
+            sample_rows=sample_rows,
+            sampling=sampling,
+            has_placeholders=has_placeholders,
+            graph=graph,
+            released_seq_ids=tuple(released_seq_ids),
+            prefill=prefill,
+            lora=lora,
         )
 
     def _prepare_graph(self, batch: SchedulerOutput) -> GraphInputs | None:
@@ -395,18 +390,19 @@ class ModelRunner:
         )
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)  # type: ignore[operator]  # (every family's head)
+        return self.model.compute_logits(hidden)  # type: ignore[operator]  # (every model family's head)
 
     def _forward(
         self, step: StepInput, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if step.lora is None:
+        lora = self.lora
+        if step.lora is None or lora is None:  # (a step plans LoRA rows only when LoRA is on)
             return self.model(input_ids, positions, self.kv_cache.layers, meta)
-        self.lora.begin(step.lora, self.device)
+        lora.begin(step.lora, self.device)
         try:
             return self.model(input_ids, positions, self.kv_cache.layers, meta)
         finally:
-            self.lora.end()
+            lora.end()
 
     def _resolve_placeholders(self, step: StepInput) -> torch.Tensor:
         input_ids = step.input_ids.to(self.device, non_blocking=True)
