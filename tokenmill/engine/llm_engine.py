@@ -85,6 +85,8 @@ class EngineStats:
 
 
 class LLMEngine:
+    """Runs the parts `build_engine` makes for a config; one thread calls it (the engine thread)."""
+
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         parts = build_engine(config, progress)
         self.parts = parts
@@ -191,7 +193,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | PromptInput,
+        prompt: str | Seq[int] | PromptInput,
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
@@ -226,10 +228,11 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------------
     #
     # A step is launched (scheduled, prepared, advanced as if its tokens were known, handed to the
-    # model) and later completed (sampled tokens appended, stop checks, outputs). Without overlap
-    # scheduling one step() does both. With it, step() launches step N+1 while step N still runs on
-    # the model thread, then completes step N: scheduling, input preparation, detokenization and
-    # output building all happen while the model works.
+    # model) and later completed (its ModelRunnerOutput landed by the scheduler, then text, stop
+    # strings and outputs by the output processor). Without overlap scheduling one step() does
+    # both. With it, step() launches step N+1 while step N still runs on the model thread, then
+    # completes step N: scheduling, input preparation, detokenization and output building all
+    # happen while the model works.
 
     def step(self) -> list[RequestOutput]:
         cached = self.output_processor.take_cached()
