@@ -173,12 +173,12 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         draft_lookup: DraftLookup | None = None,
         max_loras: int | None = None,
-        structured_output: StructuredOutputManager[Any] | None = None,
+        structured_outputs: StructuredOutputManager[Any] | None = None,
     ) -> None:
         """`num_speculative_tokens`: most drafts per decoding sequence (0: no speculation); they come
         from `draft_lookup` when given, else a draft model fills them in after scheduling.
         `max_loras`: the most distinct LoRA adapters the running batch may hold (None: no LoRA).
-        `structured_output`: what a constrained sequence's tokens land through."""
+        `structured_outputs`: what a constrained sequence's tokens land through."""
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -195,7 +195,7 @@ class Scheduler:
         self.draft_lookup = draft_lookup
         self.spec_stats = SpecDecodeStats()
         self.max_loras = max_loras
-        self.structured_output = structured_output
+        self.structured_outputs = structured_outputs
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -482,7 +482,7 @@ class Scheduler:
         seq = update.seq
         seq.resolve(token, logprob)
         params = seq.params
-        grammar = self.structured_output if seq.constrained else None
+        grammar = self.structured_outputs if seq.constrained else None
         if grammar is not None and not grammar.accept(seq, token):
             # The step's mask allowed only tokens the grammar accepts: this is a bug, not the request's.
             self.finish(seq, "error", error=f"structured output: the grammar rejected sampled token {token}")
