@@ -61,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_export(args: argparse.Namespace) -> int:
     import torch
 
-    from tokenmill.engine.llm_engine import resolve_device
+    from tokenmill.engine.setup import resolve_device
     from tokenmill.models.model_loader.hub import resolve_model
 
     model_dir = resolve_model(args.model)
