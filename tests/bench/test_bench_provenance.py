@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from tokenmill.bench import provenance
-from tokenmill.bench.offline import environment
+from tokenmill.bench.report import environment
 from tokenmill.kernels.cpu_caps import CpuCaps
 
 
