@@ -263,3 +263,26 @@ def test_bad_request_does_not_disturb_running_ones(llm, tiny_model_dir):
             if out.finished:
                 result = out.outputs[0].token_ids
     assert result == hf_greedy(tiny_model_dir, prompt, 16)
+
+
+def test_priority_scheduling_runs_lower_priorities_first(tiny_model_dir):
+    """--scheduling-policy priority (vLLM's): with one sequence at a time, requests run in priority
+    order, ties in arrival order; the default policy refuses a priority it would ignore."""
+    from tokenmill.errors import InvalidRequest
+
+    llm = LLM(
+        str(tiny_model_dir), progress=False, kv_cache_memory="16MiB", max_num_seqs=1, scheduling_policy="priority"
+    )
+    prompts = mixed_prompts(4, 4, 12, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate(prompts, params, priority=[3, 0, 3, -2])
+    started = sorted(range(4), key=lambda i: outs[i].metrics.first_scheduled_time)
+    assert started == [3, 1, 0, 2]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in outs] == alone  # the order changes when, not what
+    with pytest.raises(ValueError, match="one priority per prompt"):
+        llm.generate(prompts, params, priority=[1])
+    fcfs = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="16MiB")
+    with pytest.raises(InvalidRequest, match="--scheduling-policy priority"):
+        fcfs.generate(prompts[:1], params, priority=[1])
+    assert fcfs.generate(prompts[:1], params, priority=[0])[0].outputs[0].token_ids == alone[0]

@@ -28,12 +28,15 @@ def make_scheduler(
     budget: int = 64,
     max_model_len: int = 1024,
     prefix_caching: bool = False,
+    policy: str = "fcfs",
 ) -> Scheduler:
     allocator = BlockAllocator(num_blocks + 1, block_size, prefix_caching)  # (+1: the zero block)
-    return Scheduler(allocator, max_num_seqs, budget, max_model_len, eos_token_ids=[EOS])
+    return Scheduler(allocator, max_num_seqs, budget, max_model_len, eos_token_ids=[EOS], policy=policy)
 
 
-def make_seq(prompt_len: int, max_tokens: int = 100, first_token: int = 10, **params) -> Sequence:
+def make_seq(
+    prompt_len: int, max_tokens: int = 100, first_token: int = 10, priority: int = 0, arrival: float = 0.0, **params
+) -> Sequence:
     seq_id = next(_ids)
     prompt = tuple(range(first_token, first_token + prompt_len))
     return Sequence(
@@ -42,7 +45,8 @@ def make_seq(prompt_len: int, max_tokens: int = 100, first_token: int = 10, **pa
         0,
         prompt,
         SamplingParams(max_tokens=max_tokens, **params),
-        RequestMetrics(arrival_time=0.0),
+        RequestMetrics(arrival_time=arrival),
+        priority=priority,
     )
 
 
@@ -154,6 +158,47 @@ def test_a_sequence_that_cannot_grow_preempts_itself_when_it_is_the_newest():
     step(s)
     out = s.schedule()
     assert not out and s.num_preemptions == 1 and s.waiting[0] is seq and s.allocator.num_free == 2
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    s = make_scheduler(max_num_seqs=1, budget=1000, policy="priority")
+    late_urgent = make_seq(4, max_tokens=1, priority=-1, arrival=3.0)
+    early_batch = make_seq(4, max_tokens=1, priority=5, arrival=1.0)
+    early_normal, late_normal = make_seq(4, max_tokens=1, arrival=1.0), make_seq(4, max_tokens=1, arrival=2.0)
+    for seq in (early_batch, late_normal, early_normal, late_urgent):
+        s.add(seq)
+    assert list(s.waiting) == [late_urgent, early_normal, late_normal, early_batch]
+    order = [next(iter(step(s))) for _ in range(4)]  # one admitted a step; max_tokens=1 ends it there
+    assert order == [seq.seq_id for seq in (late_urgent, early_normal, late_normal, early_batch)]
+
+
+def test_priority_policy_preempts_the_lowest_priority_running_sequence():
+    s = make_scheduler(num_blocks=8, block_size=4, budget=64, policy="priority")
+    important, background = make_seq(12, priority=0, arrival=2.0), make_seq(15, priority=9, arrival=1.0)
+    s.add(background)  # older, but of lower priority: the one to go when blocks run out
+    s.add(important)
+    step(s)
+    step(s)
+    assert s.allocator.num_free == 0
+    out = s.schedule()  # background needs a 5th block: it is the lowest priority, so it goes itself
+    assert [i.seq for i in out.all] == [important]
+    assert background.status is SequenceStatus.WAITING and s.num_preemptions == 1
+
+
+def test_fcfs_preempts_the_newest_even_when_priorities_differ():
+    s = make_scheduler(num_blocks=8, block_size=4, budget=64)
+    older, newer = make_seq(15, priority=9), make_seq(12, priority=0)  # priorities: ignored under fcfs
+    s.add(older)
+    s.add(newer)
+    step(s)
+    step(s)
+    s.schedule()
+    assert newer.status is SequenceStatus.WAITING and older.status is SequenceStatus.RUNNING
+
+
+def test_unknown_scheduling_policy_is_refused():
+    with pytest.raises(ValueError, match="fcfs, priority"):
+        make_scheduler(policy="lifo")
 
 
 def test_watermark_keeps_blocks_free_for_running_sequences_only_when_some_run():

@@ -367,6 +367,7 @@ def test_bad_inputs_get_openai_errors_while_a_stream_runs(server: ServerProcess)
             ({"prompt": "x", "n": 0}, 400, None),
             ({"prompt": "x", "guided_regex": "(("}, 400, None),
             ({"prompt": "x", "model": "no-such-model"}, 404, "model_not_found"),
+            ({"prompt": "x", "priority": 1}, 400, None),  # the server's policy is fcfs
             ({"prompt": ""}, 400, None),
             ({"prompt": [10**7]}, 400, None),
             ({"prompt": "a" * (1 << 20)}, 413, "request_too_large"),

@@ -202,6 +202,7 @@ def _assemble(config: EngineConfig, loaded: _LoadedModel, kv_dtype: torch.dtype)
         NgramProposer(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max) if ngram else None,
         lora.max_loras if lora else None,
         structured_outputs,
+        config.scheduling_policy,
     )
     drafter = DraftProposer(*loaded.draft, num_blocks, bs, dtype, device) if loaded.draft is not None else None
     runner = ModelRunner(

@@ -62,6 +62,12 @@ class EngineConfig:
         "token budget per step (prefill chunks + decodes); larger steps run the GEMMs at a better rate "
         "and make decodes wait longer behind a prefill (2048: vLLM's default on CPU for its server)",
     )
+    scheduling_policy: str = option(
+        "fcfs",
+        "which waiting request is admitted first: fcfs (arrival order) or priority (a request's `priority`, "
+        "lower first, then arrival; the running request preempted for KV blocks is the last by that order)",
+        choices=["fcfs", "priority"],
+    )
     max_model_len: int | None = option(None, "context length limit (default: the model's)", type=int)
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     result_cache_size: int = option(

@@ -40,11 +40,13 @@ class PromptInput:
     """A validated prompt, ready to queue: its token ids and, when it was given as text, the text.
     `processing_start`/`processing_end` (time.time()) bracket the work that made it: chat rendering,
     tokenization and validation (request traces show them as the request's tokenize stage).
-    `lora`: the LoRA adapter the request runs with (None: the base model)."""
+    `lora`: the LoRA adapter the request runs with (None: the base model). `priority`: its place
+    under --scheduling-policy priority (lower first; vLLM's request priority)."""
 
     prompt_token_ids: list[int]
     prompt: str | None = None
     lora: LoRAAdapter | None = None
+    priority: int = 0
     processing_start: float | None = field(default=None, compare=False)
     processing_end: float | None = field(default=None, compare=False)
 
@@ -246,12 +248,15 @@ class InputProcessor:
         param: str = "prompt",
         escape_special: bool = False,
         lora: LoRAAdapter | None = None,
+        priority: int = 0,
     ) -> PromptInput:
         """Tokenize (text) or check (token ids) a prompt and check it fits with `params` (an
         embedding's PoolingParams: the prompt alone must fit); `lora` goes with it (the adapter the
-        front end resolved from the request's model name)."""
+        front end resolved from the request's model name), and `priority` (the request's)."""
         result = self._process(prompt, params, param, escape_special)
-        return result if lora is None else dataclasses.replace(result, lora=lora)
+        if lora is not None:
+            result = dataclasses.replace(result, lora=lora)
+        return dataclasses.replace(result, priority=priority) if priority else result
 
     def _process(
         self,

@@ -33,11 +33,13 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
         lora_request: LoRAChoice = None,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in prompt order.
         `lora_request` (vLLM's): the LoRA adapter of every prompt, or one per prompt (None: the base
-        model); needs `enable_lora=True`, loads the adapter on first use."""
-        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm, "Generating", lora_request)
+        model); needs `enable_lora=True`, loads the adapter on first use. `priority` (vLLM's): one per
+        prompt, lower first; needs `scheduling_policy="priority"`."""
+        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm, "Generating", lora_request, priority)
 
     def embed(
         self,
@@ -57,6 +59,7 @@ class LLM:
         use_tqdm: bool,
         desc: str,
         lora_request: LoRAChoice = None,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         prompt_list = _prompt_list(prompts)
         params_list = (
@@ -67,12 +70,20 @@ class LLM:
         if len(params_list) != len(prompt_list):
             raise ValueError("give one set of params, or one per prompt")
         adapters = self._adapters(lora_request, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError("give one priority per prompt")
         # Validate everything before anything runs, so a bad prompt cannot leave others half done.
         requests = [
             self.engine.make_request(
-                f"offline-{id(self)}-{i}", p, sp, output_kind=RequestOutputKind.FINAL_ONLY, lora=adapter
+                f"offline-{id(self)}-{i}",
+                p,
+                sp,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+                lora=adapter,
+                priority=rank,
             )
-            for i, (p, sp, adapter) in enumerate(zip(prompt_list, params_list, adapters))
+            for i, (p, sp, adapter, rank) in enumerate(zip(prompt_list, params_list, adapters, priorities))
         ]
         for request in requests:
             self.engine.add(request)

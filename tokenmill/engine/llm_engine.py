@@ -133,23 +133,38 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         lora: LoRAAdapter | None = None,
+        priority: int | None = None,
     ) -> Request:
         """Validate and tokenize (thread-safe, touches no engine state); `add` queues it. A PromptInput
         that `input_processor.process` made (with these params) is taken as it is. `lora`: the adapter
-        to run it with (or the one a processed PromptInput carries)."""
+        to run it with (or the one a processed PromptInput carries); `priority` likewise (vLLM's: lower
+        first, with --scheduling-policy priority)."""
         if isinstance(prompt, PromptInput) and prompt.processed:
             checked = prompt if lora is None else dataclasses.replace(prompt, lora=lora)
         else:
             checked = self.input_processor.process(prompt, params, lora=lora)
         if checked.lora is not None and self.loras is None:
             raise InvalidRequest("this engine serves no LoRA adapters (start it with --enable-lora)", param="model")
+        priority = checked.priority if priority is None else priority
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequest(
+                f"priority {priority} needs priority scheduling (start the engine with --scheduling-policy priority)",
+                param="priority",
+            )
         metrics = RequestMetrics(
             arrival_time=arrival_time or time.time(),
             tokenize_start_time=checked.processing_start,
             tokenize_end_time=checked.processing_end,
         )
         return Request(
-            request_id, checked.prompt, checked.prompt_token_ids, params, metrics, output_kind, lora=checked.lora
+            request_id,
+            checked.prompt,
+            checked.prompt_token_ids,
+            params,
+            metrics,
+            output_kind,
+            lora=checked.lora,
+            priority=priority,
         )
 
     def add(self, request: Request) -> None:
@@ -183,10 +198,20 @@ class LLMEngine:
                     request.metrics,
                     pooling=params,
                     lora=request.lora,
+                    priority=request.priority,
                 )
             ]
         return [
-            Sequence(next(self._seq_ids), request.request_id, i, prompt, params, request.metrics, lora=request.lora)
+            Sequence(
+                next(self._seq_ids),
+                request.request_id,
+                i,
+                prompt,
+                params,
+                request.metrics,
+                lora=request.lora,
+                priority=request.priority,
+            )
             for i in range(params.n)
         ]
 
@@ -197,8 +222,13 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        priority: int = 0,
     ) -> None:
-        self.add(self.make_request(request_id, prompt, params or SamplingParams(), arrival_time, output_kind))
+        self.add(
+            self.make_request(
+                request_id, prompt, params or SamplingParams(), arrival_time, output_kind, priority=priority
+            )
+        )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         return self._end_request(request_id, "abort", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -319,7 +320,7 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     escape = state.settings.escape_special_tokens_in_prompts
 
     def process() -> list[PromptInput]:
-        return [processor.process(p, params, escape_special=escape, lora=adapter) for p in batch]
+        return [processor.process(p, params, escape_special=escape, lora=adapter, priority=req.priority) for p in batch]
 
     # Tokenizing a batch of long prompts (and parsing a big JSON schema) takes a while: keep it off the event loop.
     prompts = await _checked(asyncio.to_thread(process), req)
@@ -514,7 +515,8 @@ async def plan_chat(state: ServerState, record: RequestRecord, req: ChatCompleti
         )
     if tools is not None and tools.keeps_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
-    prompt = await _checked(asyncio.to_thread(processor.process, rendered, params, param="messages", lora=adapter), req)
+    process = functools.partial(processor.process, param="messages", lora=adapter, priority=req.priority)
+    prompt = await _checked(asyncio.to_thread(process, rendered, params), req)
     if state.settings.log_prompts:
         record.prompt_text = repr(req.template_messages())
     return ChatPlan(prompt, params, output_readers(tools, reasoning), state.model_name(adapter), logprobs)

@@ -27,6 +27,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     result_cache_key: CacheKey | None = None  # set when a finished result may be stored
     lora: LoRAAdapter | None = None  # the LoRA adapter it runs with (None: the base model)
+    priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,9 @@ Every step has a token budget. Running sequences go first (one token each when d
 next chunk when their prompt is still being prefilled), then waiting ones are admitted in arrival
 order while budget, sequence slots and KV blocks last. When a running sequence needs a block and
 none is free, the newest running sequence is preempted: its blocks are freed and it is recomputed
-later (its generated tokens are kept and prefilled with the prompt).
+later (its generated tokens are kept and prefilled with the prompt). Under the priority policy
+(vLLM's `--scheduling-policy priority`) waiting sequences are admitted by (priority, arrival), lower
+first, and the running sequence preempted is the last by that order.
 
 A scheduled step advances its sequences at once (`schedule`): their computed-token counts move
 past the step's tokens and each sampling sequence gets a placeholder for its next token, so the
@@ -158,6 +160,9 @@ class SpecDecodeStats:
             self.accepted_per_position[position] += 1
 
 
+# vLLM's --scheduling-policy values.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 # Draft tokens for a sequence, at most the given number (n-gram lookup).
 DraftLookup = Callable[[Sequence, int], tuple[int, ...]]
 
@@ -174,11 +179,16 @@ class Scheduler:
         draft_lookup: DraftLookup | None = None,
         max_loras: int | None = None,
         structured_outputs: StructuredOutputManager[Any] | None = None,
+        policy: str = "fcfs",
     ) -> None:
         """`num_speculative_tokens`: most drafts per decoding sequence (0: no speculation); they come
         from `draft_lookup` when given, else a draft model fills them in after scheduling.
         `max_loras`: the most distinct LoRA adapters the running batch may hold (None: no LoRA).
-        `structured_outputs`: what a constrained sequence's tokens land through."""
+        `structured_outputs`: what a constrained sequence's tokens land through. `policy`: "fcfs"
+        (arrival order) or "priority" (each sequence's `priority_key`)."""
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, not {policy!r}")
+        self.by_priority = policy == "priority"
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_num_seqs = max_num_seqs
@@ -198,7 +208,16 @@ class Scheduler:
         self.structured_outputs = structured_outputs
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._insert_waiting(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        """`seq` in its place by priority_key (the waiting queue is kept in that order)."""
+        key = seq.priority_key
+        index = next((i for i, other in enumerate(self.waiting) if other.priority_key > key), len(self.waiting))
+        self.waiting.insert(index, seq)
 
     # -- block bookkeeping -------------------------------------------------------------------
 
@@ -273,7 +292,10 @@ class Scheduler:
         if seq.prefill_only:
             seq.finishing = False  # its in-flight last chunk no longer ends it: the recomputation will
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._insert_waiting(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _drafts(self, seq: Sequence, budget: int) -> tuple[int, tuple[int, ...]]:
@@ -318,9 +340,7 @@ class Scheduler:
             if num_drafts and not self._grow(seq, seq.num_computed_tokens + n + num_drafts):
                 num_drafts, drafts = 0, ()  # no blocks to spare for drafts: a plain decode (or a preemption)
             while not self._grow(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]
-                if victim.seq_id in scheduled:  # never preempt what this step already runs
-                    victim = seq
+                victim = self._victim(i, scheduled)
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -357,6 +377,15 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return self._advance(chunks)
+
+    def _victim(self, index: int, scheduled: set[int]) -> Sequence:
+        """Whom to preempt so that running[index] can grow: the newest running sequence (under the
+        priority policy, the last by priority_key of those from `index` on, running[index] included),
+        never one this step already runs (then running[index] itself)."""
+        if self.by_priority:
+            return max(self.running[index:], key=lambda s: s.priority_key)
+        victim = self.running[-1]
+        return self.running[index] if victim.seq_id in scheduled else victim
 
     def _lora_fits(self, seq: Sequence, running_adapters: set[int]) -> bool:
         """Whether `seq` may join a running batch that uses `running_adapters` (vLLM's rule: at most

@@ -71,6 +71,12 @@ class Sequence:
     pooled_sum: torch.Tensor | None = None
     embedding: list[float] | None = None
     lora: LoRAAdapter | None = None  # the adapter its tokens run with (None: the base model)
+    priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
+
+    @property
+    def priority_key(self) -> tuple[int, float, int]:
+        """Its place under priority scheduling: priority, then arrival, then creation order."""
+        return self.priority, self.metrics.arrival_time, self.seq_id
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

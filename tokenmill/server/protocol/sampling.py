@@ -58,6 +58,7 @@ class SamplingRequest(NullMeansDefault):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
     # vLLM's scoring extra: the prompt tokens' logprobs with this many top alternatives each (not with stream).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Accepted, no effect here.
