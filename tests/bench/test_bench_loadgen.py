@@ -424,11 +424,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def test_serve_sweeps_every_concurrency_and_rate(fake: tuple[str, FakeState], tmp_path: Path) -> None:
+    """`bench serve` with several --max-concurrency / --request-rate values: one run per
+    combination, each bounded as asked, reported side by side and in the JSON's points."""
+    url, state = fake
+    out = tmp_path / "sweep.json"
+    argv = ["bench", "serve", "--url", url, "--num-prompts", "4", "--input-len", "8", "--output-len", "4"]
+    args = _parser().parse_args(
+        [*argv, "--max-concurrency", "1", "2", "--request-rate", "inf", "50", "--json", str(out)]
+    )
+    assert args.func(args) == 0
+    points = json.loads(out.read_text())["points"]
+    assert [(p["max_concurrency"], p["request_rate"]) for p in points] == [
+        (1, math.inf),
+        (1, 50),
+        (2, math.inf),
+        (2, 50),
+    ]
+    assert all(p["report"]["completed"] == 4 for p in points)
+    assert len(state.bodies) == 16 and state.max_in_flight <= 2
+
+
 def test_bench_commands_parse() -> None:
     args = _parser().parse_args(
         ["bench", "serve", "--request-rate", "inf", "--max-concurrency", "4", "--num-prompts", "3", "--json", "x.json"]
     )
-    assert math.isinf(args.request_rate) and args.max_concurrency == 4 and args.num_prompts == 3
+    assert args.request_rate == [math.inf] and args.max_concurrency == [4] and args.num_prompts == 3
     assert args.func is commands._cmd_serve and args.synthetic_output_len == 128
     args = _parser().parse_args(["bench", "compare", "--request-rate", "2.5", "--range-ratio", "0.2"])
     assert args.request_rate == 2.5 and args.range_ratio == 0.2 and args.func is commands._cmd_compare

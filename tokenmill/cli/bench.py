@@ -33,9 +33,15 @@ ENGINE_BENCHMARKS = {
 
 
 def add_workload_args(
-    parser: argparse.ArgumentParser, num_prompts: int = 100, input_len: int = 256, output_len: int = 128
+    parser: argparse.ArgumentParser,
+    num_prompts: int = 100,
+    input_len: int = 256,
+    output_len: int = 128,
+    sweep: bool = False,
 ) -> None:
-    """Flags describing the request trace and how it is offered; shared by `serve` and `compare`."""
+    """Flags describing the request trace and how it is offered; shared by `serve` and `compare`.
+    `sweep`: --request-rate and --max-concurrency take several values (one run per combination)."""
+    several = "; several values sweep them, one run per combination" if sweep else ""
     group = parser.add_argument_group("workload")
     group.add_argument(
         "--tokenizer",
@@ -56,15 +62,17 @@ def add_workload_args(
         type=request_rate,
         metavar="RATE",
         default=math.inf,
+        nargs="+" if sweep else None,
         help="mean arrival rate in requests/s of the Poisson (open-loop) arrival process; "
-        "'inf' sends every request at once (default: inf)",
+        f"'inf' sends every request at once (default: inf){several}",
     )
     group.add_argument(
         "--max-concurrency",
         type=positive_int,
         metavar="N",
         default=None,
-        help="most requests in flight at once; later arrivals wait for a slot (default: unbounded)",
+        nargs="+" if sweep else None,
+        help=f"most requests in flight at once; later arrivals wait for a slot (default: unbounded){several}",
     )
     group.add_argument(
         "--input-len",
@@ -155,7 +163,7 @@ def _register_serve(bench_subparsers: Any) -> None:
         help="model name sent in each request (default: the first id from GET /v1/models); "
         "a local directory is also used as the tokenizer",
     )
-    add_workload_args(parser)
+    add_workload_args(parser, sweep=True)
     parser.add_argument("--json", metavar="PATH", default=None, help="write the report as JSON to PATH")
     parser.add_argument(
         "--plot",
