@@ -50,8 +50,7 @@ class AsyncEngine:
         # that only that thread ever opens OpenMP regions: each thread that does gets its own team of
         # OpenMP workers, and with more of them than cores libgomp stops spinning between regions
         # (each region then wakes its workers from sleep). Built on the caller's thread, the model's
-        # GEMMs and kernels ran 1.5-2.2x slower on the engine thread (2-core Xeon); a 64-stream load
-        # lost ~25% of its throughput.
+        # GEMMs and kernels run slower on the engine thread: `python bench/openmp_teams.py`.
         built: Future[LLMEngine] = Future()
         self._thread = threading.Thread(
             target=self._run, args=(config, progress, built), name="tokenmill-engine", daemon=True
@@ -164,7 +163,8 @@ class AsyncEngine:
     def _deliver_step(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs, one wake-up of each waiting event loop for all of them: a wake-up per
         output (a write to the loop's pipe, then the loop thread taking the GIL back and forth with
-        this one) cost a 64-stream load ~30% of its throughput."""
+        this one) costs a many-stream load much of its throughput (`tokenmill bench serve
+        --max-concurrency 64`)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             target = self._streams.get(out.request_id)

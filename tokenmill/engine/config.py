@@ -10,8 +10,8 @@ from tokenmill.options import add_options, from_args, option
 
 # The offline API's defaults (LLM, the offline benchmarks) where they differ from the server's
 # (EngineConfig's below), as vLLM's LLM class on CPU: all requests are known up front, so larger steps
-# (GEMMs at a better rate) keep no client waiting. (SmolLM2, 64 requests of 16-512 + 32-256 tokens,
-# Intel Xeon with AMX, bf16: 569 tok/s with a 2048-token budget, 588 with 4096.)
+# (GEMMs at a better rate) keep no client waiting (`tokenmill bench offline --max-num-batched-tokens
+# 2048` against the default measures the difference).
 OFFLINE_DEFAULTS = {"max_num_batched_tokens": 4096, "max_num_seqs": 256}
 
 
@@ -79,7 +79,7 @@ class EngineConfig:
     packed_linear: bool = option(
         True,
         "CPU only: pack the linear layers' weights once at load: fp32 on tokenmill's panel GEMM kernel "
-        "(1.05-1.8x oneDNN's packed fp32, which is itself up to 1.4x MKL's default path on AMD CPUs), bf16 on oneDNN "
+        "(faster than oneDNN's packed fp32 and MKL's default path: `tokenmill bench kernels`), bf16 on oneDNN "
         "where the CPU has native bf16 (AMX / AVX512-BF16), else on the same panel GEMM (widened to fp32 as it "
         "streams); with --quantization, the layers it keeps in float (the lm_head, held in bf16 on the panel GEMM "
         "where the CPU has no native bf16). Ignored with --compile and on GPU (--onednn-linear: old name)",
@@ -105,7 +105,7 @@ class EngineConfig:
         None,
         "run the model on its own thread, one step ahead: step N+1 is scheduled and prepared, and step "
         "N's tokens detokenized and streamed, while the model runs step N (default: on with CUDA; off on CPU, "
-        "where the model's threads already use every core and sharing them measured 0.7x)",
+        "where the model's threads already use every core: `tokenmill bench features --only overlap`)",
         action=argparse.BooleanOptionalAction,
     )
     speculative_method: str | None = option(

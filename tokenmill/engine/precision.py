@@ -84,9 +84,9 @@ def resolve_precision(name: str, device: torch.device, model_dir: Path | None = 
     """`--dtype NAME` on `device`. bf16 on a CPU without native bf16 keeps bf16 weights (rounded to
     bf16, held in half the bytes on the panel GEMM) and KV cache, but computes in fp32: that CPU
     computes bf16 by widening to fp32 anyway, so rounding every activation back to bf16 between ops
-    would only lose accuracy and time (SmolLM2 on an AMD Zen3: batch-1 11.5 vs 21.0 ms/step, offline
-    243.5 vs 221.0 tok/s, top-1 agreement with fp32 99.7 vs 97.5%; OpenVINO does the same: fp32
-    inference precision on such CPUs)."""
+    would only lose accuracy and time (`tokenmill bench offline --dtype bfloat16` and `tokenmill bench
+    agreement --dtype bfloat16` measure both; OpenVINO does the same: fp32 inference precision on such
+    CPUs)."""
     dtype = resolve_dtype(name, device, model_dir)
     if device.type == "cpu" and dtype == torch.bfloat16 and not detect().native_bf16:
         logger.info(

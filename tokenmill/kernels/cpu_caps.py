@@ -1,7 +1,7 @@
 """What this CPU can do, for choosing kernels and precision at run time.
 
-This project's machines change CPU kind between runs (AMD EPYC with AVX2 only, Intel Xeon with
-AVX-512, AVX512-BF16 and AMX), so nothing is decided at install time: every choice reads `detect()`.
+One install runs on CPUs of different kinds (AVX2 only; AVX-512 with AVX512-BF16 and AMX), so
+nothing is decided at install time: every choice reads `detect()`.
 The flags come from /proc/cpuinfo (Linux); torch's own dispatch level (`get_cpu_capability`) caps
 the vector ISA, so an OS or torch build that disables AVX-512 is respected.
 """

@@ -14,7 +14,8 @@ S * R, in] holds the A matrices of all parts, `lora_b` [slots, S * R, out] the B
 transposed and block-diagonally (part i's rows read only its R rank columns), so on the GEMM
 paths a layer costs one shrink and one expand GEMM whatever its parts. (Per-part expands read S
 times fewer B weights but cost S - 1 more GEMMs and a concatenation; on SmolLM2's qkv and gate_up
-shapes they were slower for decode-size groups and at most ~15% faster for prefill-size ones.) A
+shapes they were slower for decode-size groups and barely faster for prefill-size ones:
+`tokenmill bench features --only LoRA`.) A
 whole-layer adapter of a fused layer (Phi-3's `qkv_proj` targets) uses the first R columns for
 every row. `blocks` [slots, S, 4] says where each slot's adapter really is (first rank column,
 rank, output features): on CPU in fp32 every step runs the `lora_delta` kernel, which reads only

@@ -5,15 +5,12 @@ share the cores. Its OpenMP workers spin a bounded while after each region (GOMP
 a few ms) and then sleep: long enough to bridge the gaps between a step's regions and between steps,
 short enough to leave an idle server's cores alone.
 
-History: servers used OMP_WAIT_POLICY=PASSIVE (workers sleep at once), chosen while a server process
-ran two OpenMP teams (the model was built on the main thread, stepped on the engine thread), when
-libgomp's spinning starved the event loop (10x slower steps on a busy 2-core machine) and, with more
-OpenMP threads than cores, libgomp throttled any spin to ~1,000 turns anyway (so no bounded spin won:
-bench/README.md). Since the engine is built and stepped on one thread (engine/async_engine.py), the
-spin pays: `python bench/peers/peers.py serve --concurrency 16 64 tokenmill` (2-core Xeon with AMX,
-bf16, runs interleaved) gave 16 / 64 streams 273.7 / 407.0 and 286.3 / 424.1 tok/s passive,
-344.3 / 488.3 and 345.0 / 520.4 with GOMP_SPINCOUNT=100000, 365.2 / 487.8 with libgomp's 300000.
-Offline work (`LLM`) keeps libgomp's default.
+The spin pays because the engine is built and stepped on one thread (engine/async_engine.py): one
+OpenMP team. With two teams (more OpenMP threads than cores) libgomp throttles any spin, so each
+region wakes its workers from sleep (`python bench/openmp_teams.py`). Against sleeping at once
+(OMP_WAIT_POLICY=PASSIVE) and libgomp's longer default spin, `python bench/peers/peers.py serve
+--concurrency 16 64 tokenmill` measures a streaming load's throughput (a server keeps the
+OMP_WAIT_POLICY or GOMP_SPINCOUNT it is started with). Offline work (`LLM`) keeps libgomp's default.
 """
 
 from __future__ import annotations

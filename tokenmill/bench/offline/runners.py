@@ -150,8 +150,8 @@ def _lora_requests(paths: Sequence[str | None]) -> list[Any]:
 
 def in_fresh_process(fn: Any, *args: Any) -> Any:
     """fn(*args) in a newly spawned interpreter. Heavy runs one after another in one process
-    handicap the later ones (measured: HF generate 68 s alone, 95 s after an engine run; the engine
-    14 s alone, 22 s after HF generate), so every compared run gets a process of its own."""
+    handicap the later ones (HF generate and the engine each run well slower after the other), so
+    every compared run gets a process of its own."""
     import concurrent.futures
     import multiprocessing
 

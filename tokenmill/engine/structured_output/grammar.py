@@ -49,7 +49,7 @@ class GrammarCompiler:
         self.max_entries = max_entries
         self._pool = ThreadPoolExecutor(threads, "tokenmill-grammar")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
-        self._compiler: Any = None  # built on first use, on a pool thread (reading the vocabulary takes ~0.5 s)
+        self._compiler: Any = None  # built on first use, on a pool thread (it reads the whole vocabulary)
         self._compiler_lock = threading.Lock()
 
     def compile(self, spec: StructuredOutputsParams) -> Future:

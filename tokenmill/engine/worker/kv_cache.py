@@ -55,8 +55,8 @@ class KVCache:
 
     def zero_blocks(self, blocks: Sequence[int]) -> None:
         """Zero newly allocated blocks: attention reads whole blocks, unused tails included."""
-        # (a slice per run of consecutive blocks: index_fill_ over dim 1 took 53 us for one block and
-        # 1.2 ms for 32 on the 2-core EPYC, zero_ on slices 18 us and 0.47 ms)
+        # (a slice per run of consecutive blocks: zero_ on slices is several times faster than
+        # index_fill_ over dim 1)
         for start, end in consecutive_runs(blocks):
             self.data[:, start:end].zero_()
 

@@ -130,8 +130,9 @@ class ForwardInput:
 
 
 def _host(values: Any, dtype: Any = np.int64) -> torch.Tensor:
-    """A host tensor of Python ints (or an array) through numpy: torch.tensor on a list costs ~6 us a
-    call on a 2-core VM, numpy and from_numpy ~2 us, and a decode step builds about ten."""
+    """A host tensor of Python ints (or an array) through numpy: torch.tensor on a list costs a few
+    times more a call than numpy and from_numpy, and a decode step builds about ten (host time:
+    `tokenmill bench profile`)."""
     return torch.from_numpy(np.asarray(values, dtype=dtype))
 
 
@@ -364,13 +365,13 @@ class ModelRunner:
         else:
             assert step.meta is not None  # (an eager step always has its metadata)
             positions = step.positions.to(self.device, non_blocking=True)
-            # (on the host already: no copy of the metadata, ~20 us a step)
+            # (on the host already: no copy of the metadata)
             meta = step.meta if self.device.type == "cpu" else to_device(step.meta, self.device, non_blocking=True)
             if self.tp_group is not None:
                 self.tp_group.broadcast((step.fresh_blocks, input_ids, positions, meta))
             hidden = self._forward(step, input_ids, positions, meta)
             if step.sampling is not None:
-                # (sample rows ascend: as many as the hidden rows are all of them, in order; ~35 us a cold index)
+                # (sample rows ascend: as many as the hidden rows are all of them, in order, and need no index)
                 rows = hidden if len(step.sample_rows) == hidden.shape[0] else hidden[step.sample_rows.to(self.device)]
                 logits = self._compute_logits(rows)
             if step.prefill is not None:

@@ -39,7 +39,7 @@ class DecodeGroup:
     start: int
     end: int
     # [(end - start) * max_blocks] block ids, row-major: each block table padded with the zero
-    # block 0 (whole-block gathers are ~5x faster than per-slot gathers).
+    # block 0 (whole-block gathers are much faster than per-slot gathers).
     blocks: torch.Tensor
     mask: torch.Tensor  # [end - start, 1, 1, max_blocks * block_size] bool, True = attend
 

@@ -1,8 +1,8 @@
 """Llama-shaped decoder layers as one C++ call on CPU fp32 and bf16 steps (`--fused-layers`).
 
 A batch-1 decode step of a small model is a few milliseconds of memory-bound GEMMs and, around them,
-~25 Python-level op dispatches, module calls and views per layer: on SmolLM2 (30 layers) taking it
-out brought a batch-1 step from ~23 to ~18.5 ms (bench/README.md). `tokenmill::llama_decoder_layer`
+~25 Python-level op dispatches, module calls and views per layer, a large share of the step (host
+time in `tokenmill bench profile`, with and without `--no-fused-layers`). `tokenmill::llama_decoder_layer`
 (kernels/csrc/cpu/decoder_layer.cpp) runs the same kernels in the same order from C++, so its output is
 bit-identical to the Python layer's; the layer takes it whenever the step's attention all runs on
 the paged kernel (decodes and chunks with cached context; first prefill chunks go through SDPA in
@@ -17,13 +17,13 @@ elementwise ops then also run fused) or int8 or 4-bit panels. Whether a projecti
 method's answer (linear.py: `fused_projection`).
 Anything wrapped later (LoRA) makes the layer stand aside. When every layer of the model is fused,
 the model's forward runs them as one C++ loop (FusedStack): one check per step instead of one per
-layer, and no Python between layers (~25 us a layer: Python's loop, module calls, the op's 32 boxed
-arguments). A step of up to 6 tokens (batch-1 and small-batch decode; up to 64 for a bf16 model whose
-projections are all on AMX tiles), fp32 or bf16, runs every layer in one parallel region, the
-threads sharing each GEMM's panels or AMX blocks, the RoPE and cache writes and the attention's
-items and meeting at a barrier after each (no fork/join, allocation or op checks per kernel:
-SmolLM2 int8 batch-1, ~5.8 -> ~4.8 ms of layers a step; bf16 on AMX, batch-1 ~14 -> ~12.5 ms a
-step); the same arithmetic, so the same bits (kernels/csrc/cpu/decoder_layer.cpp).
+layer, and no Python between layers (Python's loop, module calls, the op's 32 boxed arguments). A
+step of up to 6 tokens (batch-1 and small-batch decode; up to 64 for a bf16 model whose projections
+are all on AMX tiles), fp32 or bf16, runs every layer in one parallel region, the threads sharing
+each GEMM's panels or AMX blocks, the RoPE and cache writes and the attention's items and meeting at
+a barrier after each (no fork/join, allocation or op checks per kernel, which shortens a small
+step's layers: `tokenmill bench profile`); the same arithmetic, so the same bits
+(kernels/csrc/cpu/decoder_layer.cpp).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class HeldModules:
     def intact(self) -> bool:
         """Whether every module is still where it was (LoRA wraps projections after loading). The
         lookups and comparisons run in C (map over the dicts; a list compares its items by identity
-        first, and modules have no __eq__): ~3 us a step for SmolLM2's 180 modules, where Python's
-        loop took ~12 and nn.Module attribute lookups ~7 a layer."""
+        first, and modules have no __eq__): a few times cheaper than a Python loop over nn.Module
+        attribute lookups."""
         return list(map(getitem, self._dicts, self._names)) == self._expected
 
 
@@ -109,12 +109,11 @@ class FusedStack:
     (`torch.classes.tokenmill.DecoderStack`, holding each layer's weights), with one check per step
     instead of one per layer and no Python between layers (LlamaForCausalLM.forward takes it). The
     RoPE rows of the step's positions are gathered and the model's final norm applied in the same
-    call (~0.15 ms of cold Python ops a step of SmolLM2 after a step's weights went through the
-    caches)."""
+    call (cold Python ops are slow after a step's weights went through the caches)."""
 
     def __init__(self, layers: tuple[LlamaLayer, ...], final_norm: RMSNorm) -> None:
         self.layers = layers
-        # Every layer's held modules in one check per step (a call per layer was ~3 us a layer).
+        # Every layer's held modules in one check per step, not a call per layer.
         self._held = HeldModules(tuple(entry for layer in layers for entry in layer.fused.held.entries))
         tensors, ints, floats = [], [], []
         for layer in layers:

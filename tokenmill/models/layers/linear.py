@@ -69,8 +69,7 @@ class Linear(nn.Module):
         """fp32 logits [rows, out_features] of x [rows, in_features] (this layer as the vocabulary
         projection). A method whose kernel sums in fp32 returns those sums unrounded: bf16 logits (8
         significant bits: steps of 1/16 at |logit| 16-32) tie and swap near-equal tokens, the largest
-        part of a bf16 model's disagreement with fp32 (SmolLM2, teacher-forced top-1: 97.2% with bf16
-        logits, 98.4% with fp32 ones, bench/README.md)."""
+        part of a bf16 model's disagreement with fp32 (`tokenmill bench agreement --dtype bfloat16`)."""
         return self.quant_method.logits(self, x)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -120,8 +119,8 @@ class LinearMethod:
 
     def logits(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and layer.bias is None and _LM_HEAD_MODE != "linear":
-            # A skinny [rows, dim] x [dim, vocab] product runs 1.2-2x faster on CPU BLAS as the
-            # vocab-major [vocab, dim] x [dim, rows] (measured: fp32, 49k vocab, 8-128 rows), and the
+            # A skinny [rows, dim] x [dim, vocab] product runs faster on CPU BLAS as the vocab-major
+            # [vocab, dim] x [dim, rows] (`tokenmill bench kernels`, the vocabulary projection), and the
             # transposed result is a free view. The weight is read in place: no copy of it is kept.
             return torch.mm(layer.weight, x.t()).t().float()
         return self.apply(layer, x).float()

@@ -13,14 +13,10 @@ layout, and run in one of two ways:
 - `ExpertLinears`: one linear layer per expert, looped over the experts that received tokens; the
   form quantized experts take (`split_experts` makes it at load: views of the stacked weights, each
   given the quantization's method).
-`tokenmill bench moe-dispatch` times them (fp32, 1 thread, best of 7, on a shared 2-core EPYC; the
-lead's quiet-machine figures go to bench/README.md). Mixtral-like experts (H 1024, I 3584, 8, top-2)
-at 1 / 64 / 512 tokens: grouped_mm 21 / 511 / 969 ms, loop over MKL linears 22 / 504 / 1141 ms,
-over oneDNN-packed linears 37 / 302 / 855 ms, over int8 linears 4 / 84 / 480 ms. Qwen3-MoE-like
-(I 384, 64 experts, top-8): grouped_mm 9 / 220 / 413, MKL loop 14 / 258 / 772, oneDNN loop
-18 / 274 / 782, int8 loop 8 / 84 / 401. So fp32 experts stay on grouped_mm, also under
-`--onednn-linear` (packing won only for few, wide experts at batch 64; lost at batch 1 and with
-many narrow experts), and int8 experts run as the loop (2-6x faster: 4x fewer bytes).
+`tokenmill bench moe-dispatch` times them on Mixtral-like and Qwen3-MoE-like experts. fp32 experts
+stay on grouped_mm, also under `--packed-linear` (packing wins only for few, wide experts at large
+batches; it loses at batch 1 and with many narrow experts), and int8 experts run as the loop (4x
+fewer bytes than fp32).
 """
 
 from __future__ import annotations

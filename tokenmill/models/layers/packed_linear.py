@@ -1,15 +1,14 @@
 """Methods of float linear layers with their weights packed once at load, for CPU inference
 (`--packed-linear`; see linear.py for methods).
 
-PyTorch runs a CPU `nn.Linear` through MKL's sgemm, which on this project's AMD CPUs takes a slow
-code path (0.7-0.8x oneDNN's rate on decode-batch shapes, ~0.7x at one row).
+PyTorch runs a CPU `nn.Linear` through MKL's sgemm, which on AMD CPUs takes a slow code path
+(below oneDNN's rate on decode-batch shapes: `tokenmill bench kernels`).
 Two packings replace it, chosen by the weight's dtype:
 
 - fp32 (`PanelLinearMethod`): tokenmill's panel GEMM (kernels/csrc/cpu/panel_linear.cpp): the weight in
   panels of 16 (AVX2) or 32 (AVX-512) output columns, k-major, which one row streams at memory
-  speed and many rows multiply from registers. Against oneDNN's packed fp32 weights on SmolLM2's
-  layer shapes (`tokenmill bench kernels`, AMD Zen3): 1.4-1.8x at one row, 1.3-1.5x at 16, ~1.3x at
-  64, 1.05-1.3x at 128-256.
+  speed and many rows multiply from registers: faster than oneDNN's packed fp32 weights, most at
+  few rows (`tokenmill bench kernels` on the model's layer shapes).
 - bf16 on a CPU without native bf16 (AMX or AVX512-BF16) goes to the same panel GEMM, each weight
   widened to fp32 as it streams (half the bytes of fp32, fp32 arithmetic).
 - fp32 weights whose every value is a bf16 value (a model published in bf16, run in fp32: SmolLM2)
@@ -18,9 +17,9 @@ Two packings replace it, chosen by the weight's dtype:
 - bf16 on CPUs with native bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinearMethod`):
   oneDNN with the weight reordered into its blocked layout (AMX / AVX512-BF16). On AMX CPUs, steps
   of up to 64 rows (decode) read that same weight with tokenmill's AMX tiles instead
-  (kernels/csrc/cpu/amx_linear.cpp: up to 32 rows bit-identical to oneDNN's results at ~1.3x its speed;
+  (kernels/csrc/cpu/amx_linear.cpp: up to 32 rows bit-identical to oneDNN's results, faster;
   33-64 rows as chunks of 32, each row's bits those it has in any step, close to oneDNN's own
-  blocking of those rows, ~1.05-1.1x its speed).
+  blocking of those rows: `python bench/amx_linear_vs_onednn.py`).
 
 Either way the math stays in the weight's dtype with fp32 accumulation; only the blocking and the
 order of the sums differ, like any other BLAS. MoE expert weights are not linear layers and
@@ -37,13 +36,13 @@ from tokenmill.kernels.cpu_caps import detect
 from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod, stored
 
 # oneDNN's reorder takes a typical row count; 64 (a decode batch) was as fast as a matching hint for
-# 8 to 1024 rows, while a hint of 1 halved the speed of batches.
+# 8 to 1024 rows, while a hint of 1 slowed batches down.
 _BATCH_HINT = 64
 
 
 def padded_rows(rows: int) -> int:
     """Row counts rounded up to buckets. oneDNN builds (JIT-compiles) a primitive for every new input
-    shape (2-4 ms for one of SmolLM2's layer GEMMs); a step's token count takes hundreds of values,
+    shape (milliseconds for each layer GEMM's); a step's token count takes hundreds of values,
     and building a primitive per step per layer type cost more than the padding does (<= 1/8 extra
     rows at worst, under 1/16 past 512 rows: 78 buckets up to 4,096 rows, within oneDNN's primitive
     cache for a model's few weight shapes). Buckets of 128 past 256 rows had a serving step of 63
@@ -179,7 +178,7 @@ def packed_method_for(dtype: torch.dtype) -> LinearMethod | None:
     panel_dtypes = (torch.float32,) if detect().native_bf16 else (torch.float32, torch.bfloat16)
     if dtype in panel_dtypes and build.load() and detect().vector_isa != "generic":
         # (a generic build is scalar code; oneDNN picks vector code at run time. bf16 where the CPU
-        # has no native bf16: torch's bf16 GEMMs ran batch-1 decode at 27 ms/step there, fp32 at 20.)
+        # has no native bf16: torch's bf16 GEMMs are slower there than its fp32 ones.)
         return PANELS
     # oneDNN's bf16 reorder needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on AVX2-only CPUs it raises.
     onednn_dtypes = (

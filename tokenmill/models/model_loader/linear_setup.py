@@ -98,8 +98,8 @@ def _read_tied_embeddings(model: nn.Module, heads: dict[int, Linear]) -> str:
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """`nbytes` of (uint8) memory, advised for transparent huge pages where the OS offers them.
     A decode step streams every weight once: with 4 KiB pages that is a TLB miss, and a stop of the
-    hardware prefetcher, every 1,024 floats (one row of panel GEMMs over SmolLM2's layers: 1.09x
-    faster from 2 MiB pages, 13.1 vs 14.3 ms)."""
+    hardware prefetcher, every 1,024 floats (2 MiB pages make one row's pass over the layers' panel
+    GEMMs faster: `tokenmill bench kernels`, its table of the model's layer GEMMs)."""
     try:
         region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         region.madvise(mmap.MADV_HUGEPAGE)

@@ -4,16 +4,16 @@ Every layer keeps its weight as int8 with one scale per group of 32 input channe
 (per output channel when the width is not a multiple of 32); activations stay in the model dtype. On
 tokenmill's CPU kernels that includes the lm_head, the largest matrix a decode step streams (SmolLM2:
 57 MB in bf16, 30 MB in int8 with its scales), and an embedding tied to it reads its rows from the int8
-head (Int8Embedding: one copy). Its groups of 32 keep the head as close as bf16 did: teacher-forced
-top-1 agreement on SmolLM2 98.29% with fp32 either way (`tokenmill bench agreement`, bench/README.md);
-least-error scales (`group_scales`) took the whole model to 99.02%. Without the kernels (a GPU) the
+head (Int8Embedding: one copy). Its groups of 32 keep the head as close to fp32 as a bf16 head, and
+least-error scales (`group_scales`) bring the whole model closer still (teacher-forced top-1
+agreement: `tokenmill bench agreement`, bench/README.md). Without the kernels (a GPU) the
 head stays in the model dtype: there int8 weights are widened on every call, which would cost a
 vocabulary-sized matrix per step.
 
 Why not w8a8 (torch.ao dynamic quantization, the previous CPU path): its activations are quantized
 per tensor, over the whole batch, so one outlier token costs every row its precision (and a request's
-tokens depend on its batch): teacher-forced top-1 agreement with fp32 on SmolLM2 was 49%, against
-98% for this scheme (`tokenmill bench agreement`).
+tokens depend on its batch): its teacher-forced top-1 agreement with fp32 is far below this
+scheme's (`tokenmill bench agreement`).
 
 On CPU the product runs on tokenmill's panel GEMM (kernels/csrc/cpu/int8_linear.cpp: 1 byte per weight
 streamed, multiplied with the activations rounded to int16 per group (under 1/65534 of the group's
@@ -64,10 +64,9 @@ def group_scales(groups: torch.Tensor, candidates: int = SCALE_CANDIDATES) -> to
     round-to-nearest scale up, the one whose int8 values reproduce the group with the least squared
     error (ties: the smaller). A larger step than max|w| / 127 wins where the weights sit on a
     coarser grid than int8's: SmolLM2's checkpoint is dequantised from 4-bit GGUF blocks (16 levels
-    a block), whose levels a matching step reproduces nearly exactly; squared error of its layers'
-    int8 weights 3-5x bf16 rounding's, against 16-24x with the first candidate alone, and top-1
-    agreement with fp32 98.3% -> 99.0% (bench/README.md). On CPU one C++ pass
-    (kernels/csrc/cpu/quantize.cpp); elsewhere the same search in torch ops."""
+    a block), whose levels a matching step reproduces nearly exactly (agreement with fp32: `tokenmill
+    bench agreement`; the ceiling any int8 scheme reaches: `python bench/int8_agreement_ceiling.py`).
+    On CPU one C++ pass (kernels/csrc/cpu/quantize.cpp); elsewhere the same search in torch ops."""
     if cpu_kernels_available(groups.device):
         return ops.int8_group_scales(groups.contiguous(), candidates)
     scales = torch.empty(groups.shape[0], dtype=torch.bfloat16, device=groups.device)
@@ -181,7 +180,7 @@ class Int8Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
-        # (one C++ call: the ~10 torch ops it replaced were ~60 us of a batch-1 step)
+        # (one C++ call instead of ~10 torch ops, each with its dispatch cost, in a batch-1 step)
         return ops.packed_int8_rows(ids, head.qweight, head.scales, self.embedding_dim, self.dtype)
 
     def extra_repr(self) -> str:
