@@ -1,11 +1,10 @@
 // y = x W^T + b for a few rows of bf16 x (decode-sized steps) on AMX, reading the weight oneDNN
 // reordered for its own GEMMs (onednn_linear.cpp): one copy of the weight serves both.
 //
-// Why: oneDNN's bf16 GEMMs at decode sizes read the weights well below the memory's rate (SmolLM2's
-// 120 layer GEMMs, each layer its own weights, 2-core Xeon with AMX: 13.3-14.1 ms a pass at 1-16
-// rows, 15.2 GB/s), and each call costs ~18 us of its own. These tiles stream the same bytes at
-// 20-30 GB/s (7.1-10.8 ms); from ~64 rows up oneDNN's blocking wins (it reuses each weight tile
-// across more rows), so larger steps stay on it.
+// Why: oneDNN's bf16 GEMMs at decode sizes read the weights well below the memory's rate, and each
+// call has a fixed cost of its own. These tiles stream the same bytes faster; from ~64 rows up
+// oneDNN's blocking wins (it reuses each weight tile across more rows), so larger steps stay on it
+// (`python bench/amx_linear_vs_onednn.py`: a model's layer GEMMs, each layer its own weights).
 //
 // oneDNN lays a bf16 weight [N, K] out for AMX as blocks of 32 outputs, each k-pair-major: byte
 // offset ((n / 32) * Kp / 2 + k / 2) * 128 + (n % 32) * 4 + (k % 2) * 2, with K padded to Kp (a

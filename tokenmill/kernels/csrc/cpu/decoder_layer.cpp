@@ -4,9 +4,10 @@
 // activations with bf16 weights on oneDNN (CPUs with AMX / AVX512-BF16, `--dtype bfloat16`):
 //   h = rms_norm(x); q, k, v = split(h W_qkv^T + b); rope(q, k); cache <- k, v; a = attention(q)
 //   x = x + a W_o^T + b;  x = x + silu_mul(rms_norm(x) W_gate_up^T + b) W_down^T + b
-// The same kernels, in the same order, as the Python layer (tokenmill/models/llama.py) on this
-// path, so the result is bit-identical; what goes is the Python between them: ~25 op dispatches,
-// module calls and views per layer (a batch-1 step of SmolLM2, 30 layers: ~23 -> ~18.5 ms).
+// The same kernels, in the same order, as the Python layer (tokenmill/models/families/llama.py) on
+// this path, so the result is bit-identical; what goes is the Python between them: ~25 op
+// dispatches, module calls and views per layer, a large share of a batch-1 step (`tokenmill bench
+// profile`, its host time).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -155,8 +156,8 @@ void check_slots(const at::Tensor& cache, const int64_t* slot, int64_t tokens) {
 }
 
 // rows [tokens, kv_heads, head_dim] (fp32 or bf16, each token's heads side by side) into their slots
-// of a cache (write_head). index_copy_ (and the .to) did the same through TensorIterator at ~4 us a
-// call, twice per layer.
+// of a cache (write_head). index_copy_ (and the .to) did the same through TensorIterator, whose
+// per-call cost outweighs the copy at decode sizes, twice per layer.
 void write_cache(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& rows) {
   const int64_t tokens = rows.size(0), heads = rows.size(1), head_dim = rows.size(2);
   const bool fp32_rows = rows.scalar_type() == at::kFloat;
@@ -195,9 +196,9 @@ void add_into(T* d, const T* s, int64_t begin, int64_t end) {
   }
 }
 
-// dst += src over contiguous fp32 or bf16 rows (add_into) where TensorIterator's add took ~1-2 us a
-// call at batch-1, twice a layer. One thread below 128K elements (a decode batch: elementwise.cpp's
-// kLightMinWork says why).
+// dst += src over contiguous fp32 or bf16 rows (add_into) where TensorIterator's add costs more in
+// per-call overhead than in work at batch-1, twice a layer. One thread below 128K elements (a
+// decode batch: elementwise.cpp's kLightMinWork says why).
 void add_residual(at::Tensor& dst, const at::Tensor& src) {
   const auto dtype = dst.scalar_type();
   if ((dtype != at::kFloat && dtype != at::kBFloat16) || src.scalar_type() != dtype || !dst.is_contiguous() ||
@@ -257,9 +258,8 @@ at::Tensor decoder_layer(const at::Tensor& x, const LayerWeights& w, const at::T
 }
 
 // A sense-reversing spin barrier for the region's team. An omp barrier sleeps in the kernel under
-// OMP_WAIT_POLICY=PASSIVE, which `tokenmill serve` sets (its two OpenMP pools share the cores), and
-// took 0.45 us spinning (2-core EPYC; this one 0.23); a waiting thread here yields only after a few
-// thousand spins (threads past the free cores).
+// OMP_WAIT_POLICY=PASSIVE and, spinning, takes longer than this one; a waiting thread here yields
+// only after a few thousand spins (threads past the free cores).
 class SpinBarrier {
  public:
   void wait(int64_t team) {
@@ -353,20 +353,21 @@ void project_share(const Projection& p, const float* bias, const T* x, int64_t m
   }
 }
 
-// Every decoder layer of a model, held once (tokenmill.models.fused_layer.FusedStack): a step's
-// layers run as one C++ loop. Per layer, Python's loop, the op call's 32 boxed arguments and the
-// returned tensor cost ~25 us between layers (batch-1 SmolLM2: ~0.7 ms of a 9 ms int8 step).
+// Every decoder layer of a model, held once (tokenmill.models.layers.fused_layer.FusedStack): a
+// step's layers run as one C++ loop. Per layer, Python's loop, the op call's 32 boxed arguments and
+// the returned tensor cost host time between layers, a share of a batch-1 step worth removing
+// (`tokenmill bench profile`).
 //
 // A step of a few tokens (batch-1 and small-batch decode) runs every layer in one parallel region
 // (forward_in_one_region): each thread keeps its own copy of the hidden rows and does the row-sized
 // work itself (norms, SiLU*up, the residual adds, quantizing a GEMM's input), the threads share each
 // GEMM's panels, the RoPE and cache writes by token and head and the attention's items, and meet at
 // a barrier after each shared phase. The layer-by-layer path opens ~8 parallel regions a layer
-// (fork ~1.7 us, join ~2 us on the 2-core EPYC) and allocates ~8 tensors, and its GEMMs' checks and
-// views cost ~2 us each more. The same kernels' arithmetic on the same inputs: the bits are the
-// layer-by-layer path's (tests/test_fused_layers.py). fp32 or bf16 rows (a bf16 model: its oneDNN
-// weights on amx_linear's tiles, or int8 panels): batch-1 SmolLM2 at bf16 ~18 -> ~14 ms a step,
-// bf16 with int8 weights ~9 -> ~6.5 ms (2-core Xeon with AMX).
+// (each a fork and a join) and allocates ~8 tensors, and its GEMMs' checks and views cost more
+// still. The same kernels' arithmetic on the same inputs: the bits are the layer-by-layer path's
+// (tests/models/test_fused_layers.py). fp32 or bf16 rows (a bf16 model: its oneDNN weights on
+// amx_linear's tiles, or int8 panels); the one region shortens batch-1 steps of either
+// (`tokenmill bench profile --dtype bfloat16`, with and without `--quantization int8`).
 struct DecoderStack : torch::CustomClassHolder {
   static constexpr int64_t kProjectionTensors = 5;  // weight, scales, zeros, offsets, bias
   static constexpr int64_t kTensors = 2 + 4 * kProjectionTensors, kInts = 8, kFloats = 3;  // per layer
@@ -491,7 +492,7 @@ struct DecoderStack : torch::CustomClassHolder {
 
   // The layers in one parallel region for T = x's dtype (fp32 or bf16: the buffers between the ops
   // hold T, as the layer path's tensors do). (cos, sin: the RoPE tables, read at each token's
-  // position: gathering them first took two index_select calls, ~25 us a batch-1 step cold; a bf16
+  // position: gathering them first took two index_select calls, slow in a cold batch-1 step; a bf16
   // step rounds its tokens' rows to bf16 first, as the Python model's _rope_at does.)
   template <typename T>
   at::Tensor forward_in_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,

@@ -1,7 +1,8 @@
 // Fused elementwise ops of a decoder layer on CPU (fp32 or bf16): RMSNorm, SiLU(gate) * up, and
 // RoPE in place on q and k. In batch-1 decode each of them was 4-6 separate ATen ops per call (pow,
 // mean, add, rsqrt, mul, mul; mul, neg, cat, mul, add per tensor), ~25 dispatches per layer whose
-// Python and dispatcher cost was a quarter of the step; here each is one call and one pass over memory.
+// Python and dispatcher cost was a large share of the step (`tokenmill bench profile`); here each is
+// one call and one pass over memory.
 // The arithmetic follows transformers' op order (RMSNorm: mean of squares in fp32, times
 // rsqrt(mean + eps), times the weight), so fp32 results differ from the unfused ops only by the
 // summation order of the mean. bf16 computes in fp32 and rounds to bf16 where each of those bf16
@@ -25,9 +26,9 @@ constexpr int64_t kMinWorkPerThread = 1 << 15;
 
 // RMSNorm and RoPE are a few operations per element: below this many elements (a decode batch of
 // 64: 37K, 49K) one thread does them. A parallel region costs a wake-up of the other threads, and
-// under a server (OMP_WAIT_POLICY=PASSIVE, cores shared with the HTTP threads) the wake-ups were
-// much of a step: SmolLM2 bf16, 64 streams, Intel Xeon with AMX, 382 -> 437 tok/s with these two
-// and the residual adds (decoder_layer.cpp) on one thread; offline unchanged (516-538 tok/s).
+// under a server (cores shared with the HTTP threads) the wake-ups were much of a step: these two
+// and the residual adds (decoder_layer.cpp) on one thread raise a many-stream server's throughput
+// and leave offline throughput unchanged (`tokenmill bench serve`, `tokenmill bench offline`).
 constexpr int64_t kLightMinWork = 1 << 17;
 
 inline int64_t grain(int64_t work_per_item, int64_t min_work = kMinWorkPerThread) {

@@ -36,8 +36,8 @@ using Scale = at::BFloat16;
 // The int32 sums of pairs [j0, j1) of P int8 panels for R rows of x (int16 pairs, ldx per row).
 // Not inlined: its registers then hold only the sums, a weight pair and an input pair (12 + 3 of
 // AVX2's 16 at one row and six panels); inlined into int8_panel_tile, the compiler kept the fp32
-// side (accumulators, scales) live across this loop and spilled sums to the stack in it (up to
-// 30% slower from cache).
+// side (accumulators, scales) live across this loop and spilled sums to the stack in it (slower
+// from cache: `tokenmill bench kernels`).
 template <int R, int P, bool Prefetch>
 __attribute__((noinline)) void block_sums(const int16_t* xq, int64_t ldx, const int8_t* panel, int64_t panel_bytes,
                                           int64_t j0, int64_t j1, const int8_t* next, Int32Sums (&out)[P][R][2]) {
@@ -137,7 +137,8 @@ TOKENMILL_AMX_INT8 void configure_int8_tiles(int rows) {
 
 // Pair rows (64 bytes each) requested ahead of the one being rearranged or widened: a thread's
 // panels are one stream (the next panel follows this one), which the core's own prefetchers left
-// waiting on memory (16 rows: ~60% of the widening's time in the first use of each load).
+// waiting on memory (most of the widening's time went to the first use of each load:
+// `python bench/amx_int8_vs_panels.py`).
 constexpr int64_t kDequantAhead = 64;
 
 // One int8 panel's pairs ([pairs, 2 * kPanel] bytes) as quads, per group and half:
@@ -303,10 +304,9 @@ TOKENMILL_AVX512_BF16 void panel_as_bf16(const int8_t* panel, const Scale* scale
 
 // Rows of x up to this many take int8 panels six at a time, one row after another over each group of
 // panels (the group, 55-150 KB, stays in L2 for the next row): as for one row, six streams draw more
-// of the memory's bandwidth than one panel of a register tile of rows (120 layer GEMMs of SmolLM2,
-// 2 rows: 5.8 ms with 6 streams, 7.8 with 1; 4 rows: 7.7 vs 9.1; AVX2 on an AMD EPYC). With AVX-512
-// (a register tile of 12 rows) only one row does: on a 2-core Xeon, `python bench/amx_int8_vs_panels.py`,
-// 2-4 rows took 8.4-10.0 ms row by row and 5.5-5.8 as register tiles.
+// of the memory's bandwidth than one panel of a register tile of rows on AVX2. With AVX-512 (a
+// register tile of 12 rows) only one row does: 2-4 rows run faster as register tiles there
+// (`python bench/amx_int8_vs_panels.py`; on AVX2, `tokenmill bench kernels`, its int8 panels).
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kInt8RowByRow = 1;
 #else
@@ -329,9 +329,8 @@ inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, 
 
 // Steps of at least this many rows take the AMX tiles where they apply (fp32 x: amx_int8_panel_tile;
 // bf16 x: panel_as_bf16); fewer stay on the panels, which stream the weights at fewer instructions
-// per byte. SmolLM2's 120 layer GEMMs (`python bench/amx_int8_vs_panels.py`, 2-core Xeon), ms a
-// pass: fp32 x, 8 rows 8.5 on the panels, 9.9 on the int8 tiles; 16 rows 15.5-15.7 against
-// 13.5-15.1; bf16 x, 8 rows 10.1 on the bf16 tiles, 12 rows 10.3 against 11.3 on the panels.
+// per byte: the row counts from which the tiles win (`python bench/amx_int8_vs_panels.py`, a model's
+// layer GEMMs on either).
 constexpr int64_t kAmxInt8MinRows = 16;
 constexpr int64_t kAmxBf16MinRows = 12;
 
@@ -356,8 +355,8 @@ bool amx_bf16_applies(const at::Tensor& x, const ActivationBlocks& cut) {
 
 // From this many rows a bf16 step's int8 weights (of a layer without a bias) are widened to one bf16
 // [K, N] matrix and multiplied by oneDNN's bf16 GEMM (prefill chunks): its blocking reuses a weight
-// tile across more rows than the tiles above (SmolLM2's 120 layer GEMMs at 2,048 rows: 333 ms on
-// those tiles, ~170-200 on oneDNN's bf16 GEMM with the widening: `python bench/amx_int8_vs_panels.py`).
+// tile across more rows than the tiles above, which pays for the widening on prefill-sized steps
+// (`python bench/amx_int8_vs_panels.py`).
 constexpr int64_t kDenseMinRows = 1024;
 
 // out = x W^T (+ bias) for bf16 x [m, K] where amx_bf16_applies (see panel_as_bf16), bf16 or fp32
@@ -514,8 +513,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t m = xc.size(0), kp = cut.inputs();
   at::Tensor out = at::empty({m, n}, xc.options());
   if (m > 0 && n > 0) {
-    // x as int16 and its block scales: per-thread buffers kept across calls (two tensors per call
-    // were ~1 us of a batch-1 layer's ~150).
+    // x as int16 and its block scales: per-thread buffers kept across calls (not two tensors
+    // allocated per call).
     thread_local std::vector<int16_t> xq;
     thread_local std::vector<float> sx;
     xq.resize(static_cast<size_t>(m * kp));

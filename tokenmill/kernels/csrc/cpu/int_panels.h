@@ -19,7 +19,8 @@ namespace tokenmill {
 
 // int8 weights times 16-bit activations, summed exactly in int32 (pmaddwd multiplies two pairs of
 // int16 and adds them: 16 products per AVX2 instruction, against 8 per FMA after widening each weight
-// to fp32, scaling it and converting it, which left one row instruction-bound at ~20 GB/s of int8).
+// to fp32, scaling it and converting it, which left one row instruction-bound below the memory's
+// read rate).
 // x is quantized per row and block (a weight group of inputs, or an equal part of one over 512
 // inputs, so that 512 products of 32767 x 127 fit an int32) to +-32767 of the block's largest
 // magnitude: an error under 1/65534 of it per input, well below bf16's rounding of activations. Each

@@ -34,8 +34,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t rows = x.size(0), padded = onednn_padded_rows(rows);
   at::Tensor input = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows});
   // (boxed: the op's typed signature spells its string and list arguments in types that change
-  // between torch releases. Called from Python, this op and mkldnn's own took the same 18-19 us on
-  // a 64 x 64 weight, most of it oneDNN's: the boxing is not measurable.)
+  // between torch releases. Called from Python, this op and mkldnn's own take the same time on a
+  // small weight, most of it oneDNN's: the boxing is not measurable.)
   torch::jit::Stack stack{input, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), std::string("none"),
                           c10::List<std::optional<at::Scalar>>(), c10::IValue()};
   op.callBoxed(&stack);

@@ -17,9 +17,9 @@
 // optional softcap tanh, the causal/window mask as one range per row, max, exp, sum, then the
 // weighted V rows accumulated in registers over tiles of 8 keys, divided by the sum at the end.
 // Vectorised with ATen's Vectorized<float> for the instruction set this file is compiled for
-// (AVX2+FMA or AVX-512; see tokenmill/kernels/build.py). Against the per-key loop it replaced
-// (same machine, one run): 1.6x on cached K/V, 1.3x over a bf16 cache, 1.7x for prefill chunks;
-// fp32 decode over a cache larger than L3 stays memory-bound (~1.1x).
+// (AVX2+FMA or AVX-512; see tokenmill/kernels/build.py). Faster than a per-key loop on cached K/V,
+// over a bf16 cache and for prefill chunks; fp32 decode over a cache larger than L3 stays
+// memory-bound (`tokenmill bench kernels`, its attention table, against the read rate).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -47,9 +47,9 @@ constexpr int64_t kQueryTile = 8;
 // hardware prefetcher does not follow, so a row's cache lines are requested this many keys ahead,
 // a line for each line the tile reads (for_key_tiles). Requested in bursts, all of a tile's lines
 // before it (48-96 lines), the requests stalled the loads behind them and a core read K/V no faster
-// than with none (64 decodes of 16-512 keys, K/V not in cache, 2-core AMD EPYC Zen 2: 11.0-11.8
-// GB/s, one thread 6.1-6.6); spread, 12.1-12.9 and 6.5-7.1 (4 to 32 keys ahead alike). An int8
-// row's scale, past its head_dim bytes, is not requested (it may sit in the next line).
+// than with none; spread, they raise the read rate, 4 to 32 keys ahead alike (`python
+// bench/paged_attention_decode.py`). An int8 row's scale, past its head_dim bytes, is not requested
+// (it may sit in the next line).
 constexpr int64_t kPrefetchAhead = 16;
 
 struct Params {
@@ -64,9 +64,9 @@ struct Params {
 // decode) and one after another in its tile's item otherwise. Fixed boundaries: a row's
 // arithmetic never depends on the batch, the threads or the tiling. One decode over a long context
 // is then many items, shared by the threads, each reading whole slot rows of every kv head
-// (batch-1, 1,024 keys: 3 items of one kv head each -> 8 of all three). Per layer of SmolLM2 over
-// K/V not in cache, 1,024 keys: ~140 -> ~95 us (2,000-token context, int8 batch-1 decode: 16.7 ->
-// 12.7 ms/token); 64-key chunks were slower, 256-key ones no faster.
+// (batch-1, 1,024 keys: 8 items of all three kv heads rather than 3 of one each), which speeds up
+// long-context batch-1 decode; 64-key chunks were slower, 256-key ones no faster (`python
+// bench/paged_attention_decode.py --sequences 1`).
 constexpr int64_t kKeyChunk = 128;
 
 struct WorkItem {
@@ -266,11 +266,10 @@ inline void widen_row(const T* src, float* dst, int64_t dim) {
 }
 
 // The in-order pass below requests each K and V slot row kPrefetchAhead keys ahead: its first line
-// (AVX2; the hardware prefetchers fetch the rest: every line was slower on the AMD EPYC Zen 2, 64
-// cold decodes 1.50-1.69 against 1.45 ms), or its first 6 lines (AVX-512 builds: on a 2-core Intel
-// Xeon with AMX, 64 decodes, 30 layers' caches in turn: a bf16 cache's 384-byte slot rows 1.28 ->
-// 1.07-1.08 ms a call, with the caches in L3 1.44 -> 1.32-1.36 on one thread; an fp32 cache's
-// 768-byte rows 1.81 -> 1.74-1.81, where all 12 lines took 1.87).
+// (AVX2: the hardware prefetchers fetch the rest, and requesting every line was slower), or its
+// first 6 lines (AVX-512 builds: faster over bf16 caches' 384-byte slot rows, and no slower than
+// all 12 lines over fp32 caches' 768-byte rows). `python bench/paged_attention_decode.py` measures
+// both.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kRequestSlotRowLines = true;
 #else
@@ -285,13 +284,13 @@ inline void request_slot_row(const void* row, int64_t bytes) {
 
 // A decode item of several kv heads reads its K and V rows here, in memory order: one key's slot
 // row (all the item's heads), then the next key's. Tiles of 4 keys of one head at a time read three
-// heads' rows back and forth, which the hardware prefetchers did not follow: 64 decodes of 16-512
-// keys over K/V not in cache, 2-core AMD EPYC Zen 2, 2.03-2.05 ms a call (6.8-6.9 GB/s a thread);
-// read in order, 1.44-1.47 (9.0-9.2). This pass computes the raw dot products (each key's lane sums
-// reduced four rows at a time: hsum4 gives the bits of one at a time, as dot_tile) and copies the V
-// rows into `stage` [kv head][key][dim], from where the weighted sums run in tiles of keys, in
-// cache. The slot rows kPrefetchAhead keys later are requested (request_slot_row: their first line,
-// or first 6 on AVX-512), past the last key `next`'s.
+// heads' rows back and forth, which the hardware prefetchers did not follow: read in order, batched
+// decodes over K/V not in cache read it at a higher rate (`python bench/paged_attention_decode.py`).
+// This pass computes the raw dot products (each key's lane sums reduced four rows at a time: hsum4
+// gives the bits of one at a time, as dot_tile) and copies the V rows into `stage`
+// [kv head][key][dim], from where the weighted sums run in tiles of keys, in cache. The slot rows
+// kPrefetchAhead keys later are requested (request_slot_row: their first line, or first 6 on
+// AVX-512), past the last key `next`'s.
 template <typename C, int64_t kDim = 0>
 void dots_in_memory_order(const C* k_cache, const C* v_cache, const int64_t* offsets, int64_t keys, int64_t kv_heads,
                           int64_t head_rows, int64_t head_stride, int64_t runtime_dim, const float* q, float* scores,
@@ -325,8 +324,8 @@ void dots_in_memory_order(const C* k_cache, const C* v_cache, const int64_t* off
 }
 
 // The rows the tiles read from a cache of C: fp32 and bf16 rows in place (bf16 widened as it is
-// loaded, no pass through scratch: 64 decodes over a bf16 cache, contexts 16-512, 0.96-1.04 ->
-// 0.72-0.78 ms per layer), others as fp32 rows converted into scratch.
+// loaded, no pass through scratch, which is faster for batched decodes over a bf16 cache: `python
+// bench/paged_attention_decode.py`), others as fp32 rows converted into scratch.
 template <typename C>
 using RowOf = std::conditional_t<std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>, C, float>;
 
@@ -431,8 +430,7 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
     if (item.num_queries == 1 && item.num_kv_heads > 1 && dim % kVec == 0) {
       grow(scratch.stage, (keys * item.num_kv_heads * dim * sizeof(C) + 3) / 4);
       staged = reinterpret_cast<C*>(scratch.stage.data());
-      // (head_dim 64 and 128 at compile time: the loops over a row unrolled; 64 decodes over a bf16
-      // cache, Intel Xeon with AMX: 1.07 -> 1.03-1.05 ms a call, in L3 on one thread 1.34 -> 1.26)
+      // (head_dim 64 and 128 at compile time: the loops over a row unrolled, a little faster)
       auto in_order = [&](auto head_dim) {
         dots_in_memory_order<C, decltype(head_dim)::value>(k_cache, v_cache, offsets, keys, item.num_kv_heads,
                                                            head_rows, p.head_stride, dim, q_f, scores, staged, next,
@@ -693,9 +691,9 @@ std::shared_ptr<const AttentionWork> plan_paged_attention(const at::Tensor& q, c
   // Items of all kv heads (each K/V slot row read as one stretch: a block's rows are one run of
   // memory) when there are items enough for every thread: split chunks, one per thread already, or
   // 4 tiles per thread; else one kv head per item. Rows of one head alone (a third of each slot row
-  // on SmolLM2) came from DRAM at ~6 GB/s: one decode over caches not in cache, 2-core AMD EPYC Zen
-  // 2, alternated, us a call: 240 keys 54-60 -> 40-46, 500 keys 106-110 -> 73-84, 3 decodes of
-  // 300/60/150 keys 107-108 -> 78-92; 100 keys (one chunk: one head per item still) unchanged.
+  // on SmolLM2) come from DRAM at a fraction of the rate whole rows do, so small-batch decodes over
+  // long contexts run faster this way (`python bench/paged_attention_decode.py --sequences 1`); a
+  // context of one chunk keeps one head per item.
   const bool whole_rows = split ? units >= threads : tiles >= 4 * threads;
   const int64_t heads_per_item = whole_rows ? p.kv_heads : 1;
   std::vector<WorkItem>& items = work->items;

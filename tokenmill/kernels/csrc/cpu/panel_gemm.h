@@ -15,8 +15,8 @@
 //   each row group requests the next panel meanwhile (see panel_gemm).
 // Every fp32/bf16 output is one FMA chain over k in order, every int8 one the same blocks in the same
 // order: a row's result does not depend on the other rows of its step.
-// oneDNN's packed fp32 GEMMs ran decode-sized shapes here at ~2/3 of the memory bandwidth (1 row)
-// and of the FMA peak (64 rows); see `tokenmill bench kernels` for this kernel against them.
+// oneDNN's packed fp32 GEMMs run decode-sized shapes below the memory bandwidth (1 row) and the FMA
+// peak (64 rows); `tokenmill bench kernels` measures this kernel against them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -75,7 +75,7 @@ inline void store_tile(Vec (&acc)[R][2], const float* bias, float* out, int64_t 
 // Requests step `step` of a panel that streams `Bytes` a step (a k of fp32/bf16 panels, a pair of
 // inputs of int8 ones), a cache line at a time: see panel_gemm. Steps of under a line request their
 // line more than once: skipping every other step (a modulo and a branch per k) made the bf16 tiles
-// slower than no prefetch at all (16 rows: 36 ms against 31; 24 without the branch).
+// slower than no prefetch at all (`tokenmill bench kernels`, the model's layer GEMMs).
 template <int64_t Bytes>
 inline void prefetch_step(const void* panel, int64_t step) {
   const char* bytes = static_cast<const char*>(panel) + step * Bytes;
@@ -85,7 +85,7 @@ inline void prefetch_step(const void* panel, int64_t step) {
 // out[r, 0:cols] = x[r, :] . panel (+ bias) for R rows. Each output is one FMA chain over k in order,
 // whatever R is: a row's result does not depend on how many rows share its step (batch invariance),
 // and two chains per row already run one row at the memory's speed (two chains per row over
-// interleaved k steps measured 0.8x at one row: 23 vs 29 GB/s).
+// interleaved k steps were slower at one row: `tokenmill bench kernels`).
 // bf16 panels (bf16 weights on a CPU without native bf16, or fp32 weights that are all bf16 values)
 // are widened to fp32 in registers as they stream (load_as_float), exactly: half the bytes of fp32
 // per weight, the same arithmetic as on their fp32 values. Prefetch: request `next`, the panel after
@@ -120,17 +120,17 @@ inline void panel_tile(const float* x, int64_t ldx, const W* panel, int64_t k, c
 
 
 // Panels one row of x multiplies at once. One panel's two FMA chains were latency-bound, and more
-// streams read at once also draw more of the memory's bandwidth into one core: one row over
-// SmolLM2's 30 layers / its 49,152 x 576 head, bf16 panels 27.7 / 35.9 GB/s with one panel at a time,
-// 38.3 / 51.2 with 3, 39.0 / 66.1 with 6 (fp32: 38.2 / 47.4 -> 45.9 / 64.1; AMD Zen3, 2 threads).
-// Six panels' 12 accumulators, a broadcast and a weight vector fit AVX2's 16 registers.
+// streams read at once also draw more of the memory's bandwidth into one core (one row's read rate
+// over a model's layers and its head rises from one panel to three to six: `tokenmill bench
+// kernels`, its table of the model's layer GEMMs). Six panels' 12 accumulators, a broadcast and a
+// weight vector fit AVX2's 16 registers.
 constexpr int kOneRowPanels = 6;
 
 // A matrix of at least this many panels (a vocabulary projection) is shared among the threads in
 // pieces of kPanelsPerPiece, taken as each thread finishes its last, when x is one block of rows.
-// Halves of a 1 ms lm_head left one thread done ~70 us before the other (batch-1 SmolLM2, 2-core
-// EPYC: the cores do not draw equal shares of the memory's bandwidth); a piece is 4 groups of six
-// panels, ~7 us of int8 weights.
+// Fixed halves of the head left one thread idle while the other finished (the cores do not draw
+// equal shares of the memory's bandwidth); a piece is 4 groups of six panels, a small fraction of a
+// head's time.
 constexpr int64_t kPiecewisePanels = 512;
 constexpr int64_t kPanelsPerPiece = 24;
 

@@ -58,11 +58,8 @@ inline void one_row_panel_groups(const float* x, const W* wp, const float* bias,
 
 // Every row group of a panel requests the thread's next panel as it goes (a line per k), so that
 // the next panel's pass from DRAM overlaps this one's arithmetic: the core did not overlap them on
-// its own, a tile's time was its FMAs plus its panel's first read (SmolLM2's 120 layer GEMMs, each
-// layer its own weights: `tokenmill bench kernels`, last table; 2-core AMD EPYC Zen 2, alternated,
-// ms: fp32 8 rows 28.0-28.9 -> 21.5-21.7, 16 rows 37.0-37.9 -> 29.1-29.4, 64 rows 96.6-96.9 ->
-// 86.5-87.6; bf16 panels 8 rows 19.0-19.4 -> 15.7-16.0, 16 rows 27.1-27.3 -> 22.4-22.9; int8 ones
-// 8 rows 15.2-15.4 -> 13.8-13.9, 16 rows 26.7-27.3 -> 24.3-24.5; one row takes other paths).
+// its own, a tile's time was its FMAs plus its panel's first read (`tokenmill bench kernels`, its
+// table of the model's layer GEMMs, each layer its own weights; one row takes other paths).
 template <typename W>
 void panel_range(const float* xp, const W* wp, const float* bias_ptr, float* op, int64_t m, int64_t k, int64_t n,
                  int64_t begin, int64_t end, int64_t m0, int64_t rows) {
