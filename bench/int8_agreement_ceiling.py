@@ -6,7 +6,7 @@ model: the reference), the checkpoint's exact fp32 values (what a perfect int8 s
 best), and int8 in groups of 32 by round-to-nearest and by tokenmill's least-error scales
 (tokenmill.models.layers.quantization.int8, dequantized exactly). A plain fp32 model is the other reference. Each
 model is a plain torch forward here, not the engine: it isolates the weights from tokenmill's
-kernels. (~2 minutes on 2 cores.)
+kernels. (It runs for minutes on a small CPU.)
 
     python bench/int8_agreement_ceiling.py [--tokens 2048] [--chunk 256] [--json FILE]
 """

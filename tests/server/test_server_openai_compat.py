@@ -114,12 +114,12 @@ def test_known_fields_stay_strict(server: ServerProcess) -> None:
         ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, "temperature"),
         ("/v1/chat/completions", {"messages": MSG, "add_generation_prompt": "no"}, "add_generation_prompt"),
         ("/v1/chat/completions", {"messages": MSG, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
-        # issue 15.9: the field that is out of range is the one named
+        # the field that is out of range is the one named
         ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 100}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ("/v1/completions", {"prompt": "x", "logprobs": 100}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
-        # issue 15.9: "1_0" is not token 10 (Python's int() would say it is), nor are " 1", "+1" or "١"
+        # "1_0" is not token 10 (Python's int() would say it is), nor are " 1", "+1" or "١"
         ("/v1/completions", {"prompt": "x", "logit_bias": {"1_0": 5}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {" 1": 5}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"+1": 5}}, "logit_bias"),
@@ -132,7 +132,7 @@ def test_known_fields_stay_strict(server: ServerProcess) -> None:
 
 
 def test_bodies_must_be_json(server: ServerProcess) -> None:
-    """issue 15.9: a text/plain (or form) body is a 415, even when its bytes are JSON; no Content-Type,
+    """A text/plain (or form) body is a 415, even when its bytes are JSON; no Content-Type,
     or JSON with parameters, is fine."""
     body = {"prompt": "x", "max_tokens": 2}
     for content_type in ("text/plain", "application/x-www-form-urlencoded", "text/plain; charset=utf-8"):
@@ -286,7 +286,7 @@ def test_cached_tokens_reported_from_the_prefix_cache(server: ServerProcess) -> 
 
 
 def test_openapi_documents_the_real_schemas(server: ServerProcess) -> None:
-    """issue 15.8: request bodies read by hand are documented with their models, streams and errors
+    """Request bodies read by hand are documented with their models, streams and errors
     too, /metrics as text/plain, and no 422 (validation errors are 400s). schemathesis then tests
     the API from this spec (tests/stress/test_stress_schemathesis.py)."""
     spec = httpx.get(f"{server.base_url}/openapi.json").json()

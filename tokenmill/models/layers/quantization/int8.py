@@ -10,7 +10,7 @@ agreement: `tokenmill bench agreement`, bench/README.md). Without the kernels (a
 head stays in the model dtype: there int8 weights are widened on every call, which would cost a
 vocabulary-sized matrix per step.
 
-Why not w8a8 (torch.ao dynamic quantization, the previous CPU path): its activations are quantized
+Why not w8a8 (torch.ao dynamic quantization): its activations are quantized
 per tensor, over the whole batch, so one outlier token costs every row its precision (and a request's
 tokens depend on its batch): its teacher-forced top-1 agreement with fp32 is far below this
 scheme's (`tokenmill bench agreement`).
