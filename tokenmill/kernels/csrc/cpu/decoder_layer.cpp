@@ -96,7 +96,7 @@ struct StepInputs {
 };
 
 // One kv head's row of fp32 K/V as an int8 cache row: head_dim values and their fp32 scale (absmax /
-// 127, symmetric), as tokenmill/models/kv_quant.py to_cache computes it, operation for operation
+// 127, symmetric), as tokenmill/models/layers/kv_quant.py to_cache computes it, operation for operation
 // (fp32 division, round half to even), so the fused and the Python layers write the same bytes.
 void quantize_row(const float* row, int64_t head_dim, int8_t* dst) {
   float amax = 0.f;

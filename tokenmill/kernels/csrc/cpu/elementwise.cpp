@@ -103,7 +103,7 @@ void silu_mul_row(const T* gate_up, int64_t inter, T* out) {
   for (; d + kVec <= inter; d += kVec) {
     const Vec gv = load_as_float(g + d);
     // (bf16: ATen's faster exp, whose few ulps of fp32 never reach the bf16 rounding of its result,
-    // checked for every bf16 gate in tests/test_cpu_kernels.py; fp32 keeps the exp torch's silu uses)
+    // checked for every bf16 gate in tests/kernels/test_cpu_kernels.py; fp32 keeps the exp torch's silu uses)
     const Vec e = std::is_same_v<T, float> ? gv.neg().exp() : gv.neg().exp_u20();
     store_as(round_as(gv / (one + e), T{}) * load_as_float(u + d), out + d);
   }

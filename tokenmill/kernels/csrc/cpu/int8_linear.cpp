@@ -28,7 +28,7 @@ namespace tokenmill {
 namespace {
 
 // A weight group's scale: bf16, rounded up from its largest magnitude / 127 before the group is
-// rounded to int8 by it (models/quant.py), so the step it gives the group is at most 1/128 coarser
+// rounded to int8 by it (models/layers/quantization/int8.py), so the step it gives the group is at most 1/128 coarser
 // than an fp32 scale's, and no weight clips; 2 bytes per 32 weights instead of 4 (a decode step
 // streams 6% fewer bytes).
 using Scale = at::BFloat16;
@@ -564,7 +564,7 @@ void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
 
 // Rows `ids` of the int8 matrix [N, k] packed by pack_int8_weight (row v: column v % kPanel of
 // panel v / kPanel, by pairs of inputs), times their group scales, as `dtype` rows [..., k]: the
-// token embedding tied to an int8 lm_head (models/quant.py Int8Embedding). The product is rounded
+// token embedding tied to an int8 lm_head (models/layers/quantization/int8.py Int8Embedding). The product is rounded
 // once to dtype from fp32, as torch's int8.to(dtype) * scale.to(dtype) rounds it.
 at::Tensor packed_int8_rows(const at::Tensor& ids, const at::Tensor& packed, const at::Tensor& packed_scales,
                             int64_t k, at::ScalarType dtype) {

@@ -81,7 +81,7 @@ void packed_int4_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 int64_t onednn_padded_rows(int64_t rows);
 // The row count oneDNN's weight reorder is told to expect (mkldnn::_reorder_linear_weight's batch_size;
-// tokenmill/models/packed_linear.py passes the same: a test holds them equal).
+// tokenmill/models/layers/packed_linear.py passes the same: a test holds them equal).
 constexpr int64_t kOnednnBatchHint = 64;
 
 // amx_linear.cpp: bf16 x [1 to kAmxMaxRows rows, K] times a bf16 weight reordered by oneDNN, on AMX

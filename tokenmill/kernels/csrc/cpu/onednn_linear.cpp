@@ -1,7 +1,7 @@
 // y = x W^T + b on oneDNN, W reordered once into its blocked layout (torch's
 // mkldnn::_reorder_linear_weight): bf16 on CPUs with native bf16 (AMX or AVX512-BF16), where
 // oneDNN's AMX kernels run it, or fp32 where tokenmill's panel GEMM cannot be built. The
-// counterpart of tokenmill/models/packed_linear.py's OneDnnLinear, as a C++ call, so that a decoder
+// counterpart of tokenmill/models/layers/packed_linear.py's OneDnnLinearMethod, as a C++ call, so that a decoder
 // layer running in C++ (decoder_layer.cpp) can call it without going through Python.
 
 #include <ATen/ATen.h>

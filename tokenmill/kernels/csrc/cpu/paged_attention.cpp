@@ -4,7 +4,7 @@
 // query_lens[s] positions of its context_lens[s] keys; key position t lives at slot block_tables[s][t / block_size] *
 // block_size + t % block_size of k_cache/v_cache [slots, kv_heads, head_dim]. A query at position
 // p sees keys t <= p (causal) with p - t < window when window > 0. Decodes are q_len == 1. An int8
-// cache's rows are [head_dim int8 values, their fp32 scale] (head_dim + 4 bytes, models/kv_quant.py).
+// cache's rows are [head_dim int8 values, their fp32 scale] (head_dim + 4 bytes, models/layers/kv_quant.py).
 //
 // Work items are (sequence, kv heads, tile of queries[, chunk of 128 keys]): all kv heads of a
 // sequence when there are items enough for the threads (each K/V slot row is then read as

@@ -1,4 +1,4 @@
-// Group scales of weight-only int8 (tokenmill/models/quant.py's quantize_weight): for each group, the
+// Group scales of weight-only int8 (tokenmill/models/layers/quantization/int8.py's quantize_weight): for each group, the
 // bf16 scale s with the least squared error of round(w / s) * s (round half to even, clamped to
 // +-127), among `candidates` consecutive bf16 values from the least one not below max|w| / 127 up.
 // The first candidate is round-to-nearest by the group's largest magnitude; larger ones matter for

@@ -84,7 +84,7 @@ inline float round_as(float v, at::BFloat16) { return static_cast<float>(at::BFl
 
 // Rows of K/V the kernels cannot read in place (fp16, int8; fp32 and bf16 rows are read where they
 // are, see load_as_float) as fp32 in `scratch`. An int8 row is followed by its fp32 scale
-// (tokenmill/models/kv_quant.py).
+// (tokenmill/models/layers/kv_quant.py).
 template <typename T>
 inline const float* as_float(const T* src, float* scratch, int64_t n) {
   for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
