@@ -564,8 +564,8 @@ void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
 
 // Rows `ids` of the int8 matrix [N, k] packed by pack_int8_weight (row v: column v % kPanel of
 // panel v / kPanel, by pairs of inputs), times their group scales, as `dtype` rows [..., k]: the
-// token embedding tied to an int8 lm_head (models/layers/quantization/int8.py Int8Embedding). The product is rounded
-// once to dtype from fp32, as torch's int8.to(dtype) * scale.to(dtype) rounds it.
+// token embedding tied to an int8 lm_head (models/layers/quantization/int8.py Int8Embedding). The
+// product is rounded once to dtype from fp32, as torch's int8.to(dtype) * scale.to(dtype) rounds it.
 at::Tensor packed_int8_rows(const at::Tensor& ids, const at::Tensor& packed, const at::Tensor& packed_scales,
                             int64_t k, at::ScalarType dtype) {
   TORCH_CHECK(ids.scalar_type() == at::kLong, "packed_int8_rows: int64 ids");
