@@ -478,7 +478,7 @@ def test_int8_linear_rejects_bad_shapes():
             None,
             8,
         )
-    with pytest.raises(RuntimeError, match="bf16 scales"):  # (quantize_weight's scales are bf16)
+    with pytest.raises(RuntimeError, match="bf16 or fp16 scales"):  # (fp32 ones are not taken)
         torch.ops.tokenmill.packed_int8_linear(
             torch.zeros(1, 64), q, torch.ops.tokenmill.pack_linear_weight(torch.ones(8, 2)), None, 8
         )

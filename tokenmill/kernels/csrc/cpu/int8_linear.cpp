@@ -27,11 +27,11 @@
 namespace tokenmill {
 namespace {
 
-// A weight group's scale: bf16, rounded up from its largest magnitude / 127 before the group is
-// rounded to int8 by it (models/layers/quantization/int8.py), so the step it gives the group is at most 1/128 coarser
-// than an fp32 scale's, and no weight clips; 2 bytes per 32 weights instead of 4 (a decode step
-// streams 6% fewer bytes).
-using Scale = at::BFloat16;
+// A weight group's scale (the kernels below are templated on its type, `Scale`): bf16 for tokenmill's
+// own (--quantization int8: rounded up from its largest magnitude / 127 before the group is rounded to
+// int8 by it, models/layers/quantization/int8.py, so the step it gives the group is at most 1/128
+// coarser than an fp32 scale's, and no weight clips; 2 bytes per 32 weights instead of 4: a decode
+// step streams 6% fewer bytes), or fp16 for a checkpoint's own (GPTQ's, GGUF Q8_0's), taken as they are.
 
 // The int32 sums of pairs [j0, j1) of P int8 panels for R rows of x (int16 pairs, ldx per row).
 // Not inlined: its registers then hold only the sums, a weight pair and an input pair (12 + 3 of
@@ -72,7 +72,7 @@ __attribute__((noinline)) void block_sums(const int16_t* xq, int64_t ldx, const 
 // once (the int32 sums of one panel's two vectors alone were latency-bound, as in panel_tile); the
 // fp32 sums wait in memory between blocks (AVX2's 16 registers hold the int32 ones).
 // Prefetch: request the next panel and its scales (next, next_scales) while this one computes.
-template <int R, int P, bool Prefetch = false>
+template <int R, int P, bool Prefetch = false, typename Scale>
 inline void int8_panel_tile(const int16_t* xq, int64_t ldx, const float* sx, int64_t ldsx, const int8_t* panel,
                             const Scale* scales, const ActivationBlocks& cut, const float* bias, float* out,
                             int64_t ldo, int64_t cols, const int8_t* next = nullptr,
@@ -178,6 +178,7 @@ TOKENMILL_AMX_INT8 void split_int16(const int16_t* xq, int64_t count, int8_t* hi
 
 // out[r, 0:cols] = x[r, :] . W (+ bias) for `rows` rows (up to 16; the tiles hold `tile_rows`) over one
 // panel, from x's bytes (kp a row), its block scales (ldsx a row), the panel's quads and scales.
+template <typename Scale>
 TOKENMILL_AMX_INT8 void amx_int8_panel_tile(const int8_t* high, const uint8_t* low, int64_t kp, const float* sx,
                                             int64_t ldsx, int64_t rows, const int8_t* quads, const Scale* scales,
                                             int64_t groups, const float* bias, float* out, int64_t ldo,
@@ -233,6 +234,7 @@ struct alignas(64) CacheLine {
 
 // Rows [m0, m0 + rows) of x (split bytes [m + 16 rows, kp] each, the rows past m zero; block scales)
 // times int8 panels [begin, end), on the calling thread.
+template <typename Scale>
 void amx_int8_panel_range(const int8_t* high, const uint8_t* low, const float* sxp, const ActivationBlocks& cut,
                           const int8_t* qp, const Scale* sp, const float* bias_ptr, float* op, int64_t m, int64_t n,
                           int64_t begin, int64_t end, int64_t m0, int64_t rows) {
@@ -263,7 +265,7 @@ void amx_int8_panel_range(const int8_t* high, const uint8_t* low, const float* s
 // One int8 panel's (32 columns') weights times their group scales, bf16(q[c, 2j + t] * s[c, j / group_pairs]):
 // as amx_linear's block (KMajor false: block[j][c][t]), or into columns [0, cols) of a [K, N] matrix
 // (KMajor true: block[(2j + t) * ldo + c]).
-template <bool KMajor = false>
+template <bool KMajor = false, typename Scale>
 TOKENMILL_AVX512_BF16 void panel_as_bf16(const int8_t* panel, const Scale* scales, const ActivationBlocks& cut,
                                          at::BFloat16* block, int64_t ldo = 0, int64_t cols = kPanel) {
   alignas(64) int16_t even_index[32], odd_index[32];  // a pair row's first / second inputs, by column
@@ -315,7 +317,7 @@ constexpr int64_t kInt8RowByRow = 4;
 
 // Rows [0, rows) of x (int16 pairs and block scales) times int8 panels [p, end) in groups of P full
 // panels, then of fewer; p ends at the first panel left (none, or a last partial one).
-template <int P>
+template <int P, typename Scale>
 inline void int8_panel_groups(const int16_t* xq, const float* sx, int64_t rows, const int8_t* qp, const Scale* sp,
                               const ActivationBlocks& cut, const float* bias, float* out, int64_t n, int64_t& p,
                               int64_t end) {
@@ -361,7 +363,8 @@ constexpr int64_t kDenseMinRows = 1024;
 
 // out = x W^T (+ bias) for bf16 x [m, K] where amx_bf16_applies (see panel_as_bf16), bf16 or fp32
 // (`fp32_out`: logits, the tiles' fp32 sums as they are).
-at::Tensor bf16_tiles_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
+template <typename Scale>
+at::Tensor bf16_tiles_int8_linear(const at::Tensor& x, const at::Tensor& packed, const Scale* sp,
                                   const ActivationBlocks& cut, const float* bias_ptr, int64_t n, bool fp32_out) {
   const int64_t m = x.size(0), k = x.size(1), chunks = (m + 31) / 32;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -370,7 +373,6 @@ at::Tensor bf16_tiles_int8_linear(const at::Tensor& x, const at::Tensor& packed,
     at::Tensor weight = at::empty({k, n}, x.options());
     at::BFloat16* wp = weight.data_ptr<at::BFloat16>();
     const int8_t* qp = packed.data_ptr<int8_t>();
-    const Scale* sp = packed_scales.data_ptr<Scale>();
     at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p)
         panel_as_bf16<true>(qp + p * cut.panel_bytes(), sp + p * cut.panel_scales(), cut, wp + p * kPanel, n,
@@ -384,7 +386,6 @@ at::Tensor bf16_tiles_int8_linear(const at::Tensor& x, const at::Tensor& packed,
   at::Tensor out = at::empty({m, n}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
 #if defined(CPU_CAPABILITY_AVX512)
   const int8_t* qp = packed.data_ptr<int8_t>();
-  const Scale* sp = packed_scales.data_ptr<Scale>();
   const at::BFloat16* xd = xp.data_ptr<at::BFloat16>();
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<CacheLine> lines;
@@ -443,6 +444,7 @@ SplitInputs split_for_amx(const int16_t* xq, const ActivationBlocks& cut, int64_
 
 // Rows [m0, m0 + rows) of x (int16 pairs and block scales, m rows in all; `split` where the AMX tiles
 // apply) times int8 panels [begin, end).
+template <typename Scale>
 void int8_panel_range(const int16_t* xqp, const float* sxp, SplitInputs split, const ActivationBlocks& cut,
                       const int8_t* qp, const Scale* sp, const float* bias_ptr, float* op, int64_t m, int64_t n,
                       int64_t begin, int64_t end, int64_t m0, int64_t rows) {
@@ -487,6 +489,18 @@ at::Tensor pack_int8_weight(const at::Tensor& weight) {
 
 namespace {
 
+// Calls f with the data of an int8 layer's packed scales as its type: bf16 (tokenmill's) or fp16 (a
+// checkpoint's).
+template <typename F>
+auto with_scales(const at::Tensor& scales, F&& f) {
+  if (scales.scalar_type() == at::kHalf) return f(static_cast<const at::Half*>(scales.data_ptr<at::Half>()));
+  return f(static_cast<const at::BFloat16*>(scales.data_ptr<at::BFloat16>()));
+}
+
+bool int8_scale_type(const at::Tensor& scales) {
+  return scales.scalar_type() == at::kBFloat16 || scales.scalar_type() == at::kHalf;
+}
+
 // x W^T (+ bias) in x's dtype, or fp32 with `fp32_out` (nothing rounded after the sums).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& packed_scales,
                        const c10::optional<at::Tensor>& bias, int64_t n, bool fp32_out) {
@@ -496,11 +510,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                   packed.is_contiguous() && packed.size(1) == (k + 1) / 2 && panels * kPanel >= n &&
                   (panels - 1) * kPanel < n,
               "packed_int8_linear: an int8 weight from pack_int8_weight for this K, N and CPU (panels of ", kPanel, ")");
-  TORCH_CHECK(packed_scales.scalar_type() == at::kBFloat16 && packed_scales.dim() == 3 && packed_scales.is_contiguous() &&
+  TORCH_CHECK(int8_scale_type(packed_scales) && packed_scales.dim() == 3 && packed_scales.is_contiguous() &&
                   packed_scales.size(0) == panels && packed_scales.size(2) == kPanel && packed_scales.size(1) > 0 &&
                   k % packed_scales.size(1) == 0 && (packed_scales.size(1) == 1 || k / packed_scales.size(1) % 2 == 0),
-              "packed_int8_linear: bf16 scales from pack_linear_weight([N, groups]) with groups dividing K (into "
-              "even groups, or one)");
+              "packed_int8_linear: bf16 or fp16 scales from pack_linear_weight([N, groups]) with groups dividing K "
+              "(into even groups, or one)");
   const ActivationBlocks cut(k, packed_scales.size(1));
   at::Tensor bias_holder;
   const float* bias_ptr = bias_data(bias, n, bias_holder, "packed_int8_linear");
@@ -508,7 +522,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   shape.back() = n;
   const at::Tensor x2d = x.reshape({-1, k});
   if (n > 0 && amx_bf16_applies(x2d, cut))
-    return bf16_tiles_int8_linear(x2d, packed, packed_scales, cut, bias_ptr, n, fp32_out).view(shape);
+    return with_scales(packed_scales, [&](auto sp) {
+      return bf16_tiles_int8_linear(x2d, packed, sp, cut, bias_ptr, n, fp32_out).view(shape);
+    });
   const at::Tensor xc = x2d.to(at::kFloat).contiguous();  // (a bf16 model's activations too)
   const int64_t m = xc.size(0), kp = cut.inputs();
   at::Tensor out = at::empty({m, n}, xc.options());
@@ -527,10 +543,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     thread_local std::vector<uint8_t> low;
     const SplitInputs split = split_for_amx(xqp, cut, m, high, low, true);
     const int8_t* qp = packed.data_ptr<int8_t>();
-    const Scale* sp = packed_scales.data_ptr<Scale>();
     float* op = out.data_ptr<float>();
-    for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
-      int8_panel_range(xqp, sxp, split, cut, qp, sp, bias_ptr, op, m, n, begin, end, m0, rows);
+    with_scales(packed_scales, [&](auto sp) {
+      for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
+        int8_panel_range(xqp, sxp, split, cut, qp, sp, bias_ptr, op, m, n, begin, end, m0, rows);
+      });
     });
   }
   return fp32_out ? out.view(shape) : out.view(shape).to(x.scalar_type());
@@ -558,8 +575,10 @@ void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
   scratch.sx.resize(static_cast<size_t>(m * cut.blocks()));
   quantize_activations(x, k, cut, 0, m, scratch.xq.data(), scratch.sx.data());
   const SplitInputs split = split_for_amx(scratch.xq.data(), cut, m, scratch.high, scratch.low, false);
-  int8_panel_range(scratch.xq.data(), scratch.sx.data(), split, cut, packed.data_ptr<int8_t>(),
-                   packed_scales.data_ptr<Scale>(), bias, out, m, n, begin, end, 0, m);
+  with_scales(packed_scales, [&](auto sp) {
+    int8_panel_range(scratch.xq.data(), scratch.sx.data(), split, cut, packed.data_ptr<int8_t>(), sp, bias, out, m,
+                     n, begin, end, 0, m);
+  });
 }
 
 // Rows `ids` of the int8 matrix [N, k] packed by pack_int8_weight (row v: column v % kPanel of
@@ -572,10 +591,10 @@ at::Tensor packed_int8_rows(const at::Tensor& ids, const at::Tensor& packed, con
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 3 && packed.size(2) == 2 * kPanel &&
                   packed.is_contiguous() && packed.size(1) == (k + 1) / 2,
               "packed_int8_rows: an int8 weight from pack_int8_weight for this K and CPU");
-  TORCH_CHECK(packed_scales.scalar_type() == at::kBFloat16 && packed_scales.dim() == 3 && packed_scales.is_contiguous() &&
+  TORCH_CHECK(int8_scale_type(packed_scales) && packed_scales.dim() == 3 && packed_scales.is_contiguous() &&
                   packed_scales.size(0) == packed.size(0) && packed_scales.size(2) == kPanel &&
                   packed_scales.size(1) > 0 && k % packed_scales.size(1) == 0,
-              "packed_int8_rows: bf16 scales from pack_linear_weight([N, groups]) with groups dividing K");
+              "packed_int8_rows: bf16 or fp16 scales from pack_linear_weight([N, groups]) with groups dividing K");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "packed_int8_rows: fp32 or bf16 rows");
   const at::Tensor flat = ids.reshape({-1}).contiguous();
   const int64_t count = flat.numel(), rows = packed.size(0) * kPanel, groups = packed_scales.size(1);
@@ -585,17 +604,18 @@ at::Tensor packed_int8_rows(const at::Tensor& ids, const at::Tensor& packed, con
     TORCH_CHECK(id[t] >= 0 && id[t] < rows, "packed_int8_rows: id ", id[t], " is outside the ", rows, " rows");
   at::Tensor out = at::empty({count, k}, flat.options().dtype(dtype));
   const int8_t* qp = packed.data_ptr<int8_t>();
-  const Scale* sp = packed_scales.data_ptr<Scale>();
   auto fill = [&](auto* dst, auto round) {
-    at::parallel_for(0, count, 256, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t panel = id[t] / kPanel, column = id[t] % kPanel;
-        const int8_t* values = qp + panel * pairs * 2 * kPanel + 2 * column;  // pair j at values[j * 2 * kPanel]
-        const Scale* scales = sp + panel * groups * kPanel + column;  // group g at scales[g * kPanel]
-        for (int64_t i = 0; i < k; ++i)
-          dst[t * k + i] = round(static_cast<float>(values[(i / 2) * 2 * kPanel + i % 2]) *
-                                 static_cast<float>(scales[(i / group_size) * kPanel]));
-      }
+    with_scales(packed_scales, [&](auto sp) {
+      at::parallel_for(0, count, 256, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t panel = id[t] / kPanel, column = id[t] % kPanel;
+          const int8_t* values = qp + panel * pairs * 2 * kPanel + 2 * column;  // pair j at values[j * 2 * kPanel]
+          const auto* scales = sp + panel * groups * kPanel + column;  // group g at scales[g * kPanel]
+          for (int64_t i = 0; i < k; ++i)
+            dst[t * k + i] = round(static_cast<float>(values[(i / 2) * 2 * kPanel + i % 2]) *
+                                   static_cast<float>(scales[(i / group_size) * kPanel]));
+        }
+      });
     });
   };
   if (dtype == at::kFloat) {
