@@ -11,11 +11,11 @@ import torch
 from tokenmill.kernels import build, ops
 from tokenmill.models.layers.quantization.int4 import (
     Int4Weight,
-    _panels,
     affine_groups,
     pack_values,
     pack_zeros,
 )
+from tokenmill.models.layers.quantization.int8 import panels
 
 needs_kernels = pytest.mark.skipif(not build.load(), reason="tokenmill's CPU kernels are not built here")
 
@@ -33,9 +33,9 @@ def _run(weight: Int4Weight, x: torch.Tensor, bias: torch.Tensor | None, logits:
     width = ops.linear_panel_width()
     n = weight.values.shape[0]
     zeros = pack_zeros(weight.zeros, width) if weight.zeros is not None else None
-    offsets = _panels(weight.offsets, width) if weight.offsets is not None else None
+    offsets = panels(weight.offsets, width) if weight.offsets is not None else None
     op = ops.packed_int4_logits if logits else ops.packed_int4_linear
-    return op(x, pack_values(weight.values, width), _panels(weight.scales, width), zeros, weight.zero, offsets, bias, n)
+    return op(x, pack_values(weight.values, width), panels(weight.scales, width), zeros, weight.zero, offsets, bias, n)
 
 
 @needs_kernels
@@ -74,7 +74,7 @@ def test_int4_linear_rejects_bad_inputs():
     with pytest.raises(RuntimeError, match="4-bit panels"):  # another K
         _run(weight, torch.zeros(1, 32), None)
     width = ops.linear_panel_width()
-    packed, scales = pack_values(weight.values, width), _panels(weight.scales, width)
+    packed, scales = pack_values(weight.values, width), panels(weight.scales, width)
     with pytest.raises(RuntimeError, match="fp16 scales"):
         ops.packed_int4_linear(torch.zeros(1, 64), packed, scales.float(), None, 8, None, None, 40)
     with pytest.raises(RuntimeError, match="zero point"):

@@ -24,6 +24,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.models.layers.linear import FusedProjection, Linear, LinearBackend, LinearMethod, linear_parameter
 from tokenmill.models.layers.quantization import QuantizationConfig
 from tokenmill.models.layers.quantization.int4 import Int4LinearMethod, Int4Weight
+from tokenmill.models.layers.quantization.int8 import Int8LinearMethod, Int8Weight
 
 # AWQ's GEMM packing: the 8 nibbles of an int32 hold output columns in this order.
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -84,6 +85,21 @@ def _check(layer_name: str, tensor_name: str, ok: bool, problem: str) -> None:
         raise ModelLoadError(f"tensor {layer_name}.{tensor_name}: {problem}")
 
 
+def _contiguous_groups(
+    name: str, g_idx_name: str, values: torch.Tensor, group: torch.Tensor, groups: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Values [out, in] whose input i is in group `group[i]`, with their inputs in group order, and
+    the permutation that put them there (act order), or none when the groups are in input order
+    already; every group must hold in / groups inputs."""
+    k = values.shape[1]
+    if torch.equal(group, torch.arange(k, device=group.device) * groups // k):
+        return values, None
+    counts = torch.bincount(group, minlength=groups)
+    _check(name, g_idx_name, bool((counts == k // groups).all()), "groups of unequal sizes")
+    perm = torch.argsort(group, stable=True)
+    return values[:, perm], perm
+
+
 def _grouped(
     name: str,
     g_idx_name: str,
@@ -94,15 +110,8 @@ def _grouped(
     zero: int,
 ) -> Int4Weight:
     """4-bit values [out, in] whose input i is in group `group[i]` (scales, zeros: [out, groups]) as an
-    Int4Weight of contiguous groups: inputs in group order (act order: the permutation kept) when the
-    groups are not in input order already; every group must hold in / groups inputs."""
-    k, groups = values.shape[1], scales.shape[1]
-    perm = None
-    if not torch.equal(group, torch.arange(k, device=group.device) * groups // k):
-        counts = torch.bincount(group, minlength=groups)
-        _check(name, g_idx_name, bool((counts == k // groups).all()), "groups of unequal sizes")
-        perm = torch.argsort(group, stable=True)
-        values = values[:, perm]
+    Int4Weight of contiguous groups (see _contiguous_groups)."""
+    values, perm = _contiguous_groups(name, g_idx_name, values, group, scales.shape[1])
     return Int4Weight(
         values.to(torch.uint8).contiguous(),
         scales.contiguous(),
@@ -113,9 +122,23 @@ def _grouped(
     )
 
 
+def _grouped_int8(
+    name: str, g_idx_name: str, values: torch.Tensor, group: torch.Tensor, scales: torch.Tensor
+) -> Int8Weight:
+    """Signed 8-bit values [out, in] (-128 to 127) in groups `group` as an Int8Weight of contiguous groups."""
+    values, perm = _contiguous_groups(name, g_idx_name, values, group, scales.shape[1])
+    return Int8Weight(values.to(torch.int8).contiguous(), scales.contiguous(), perm)
+
+
 def _four_bit(method: QuantizedLinearMethod, backend: LinearBackend) -> LinearMethod:
     """A 4-bit format's layers: on the 4-bit kernels where they run, else decoded to float."""
     return Int4LinearMethod(kernels=True, source=method) if backend.kernels else method
+
+
+def _eight_bit(method: QuantizedLinearMethod, backend: LinearBackend) -> LinearMethod:
+    """A symmetric 8-bit format's layers (weight-only): on the int8 kernels where they run, with the
+    checkpoint's values and scales, else decoded to float."""
+    return Int8LinearMethod(kernels=True, source=method) if backend.kernels else method
 
 
 def _groups(in_features: int, group_size: int) -> int:
@@ -166,6 +189,16 @@ class GPTQLinearMethod(QuantizedLinearMethod):
         return _grouped(
             getattr(layer, "name", "?"), "g_idx", values, self._groups(layer), layer.scales.data.t(), zeros.t(), 0
         )
+
+    def decode_int8(self, layer: Linear) -> Int8Weight:
+        """A symmetric 8-bit checkpoint's values less their zero point, 128 (v1: stored as 127)."""
+        name = getattr(layer, "name", "?")
+        zeros = unpack_int32(layer.qzeros.data, 8, dim=1)
+        if self.v1_zeros:
+            zeros = (zeros + 1) & 255
+        _check(name, "qzeros", bool((zeros == 128).all()), "zero points other than 128 in a symmetric 8-bit checkpoint")
+        values = unpack_int32(layer.qweight.data, 8, dim=0).t() - 128
+        return _grouped_int8(name, "g_idx", values, self._groups(layer), layer.scales.data.t())
 
 
 class AWQLinearMethod(QuantizedLinearMethod):
@@ -256,6 +289,12 @@ class PackedIntLinearMethod(QuantizedLinearMethod):
         values = unpack_int32(layer.weight_packed.data, 4, dim=1)  # (offset by 8: zero point 8)
         return _grouped(getattr(layer, "name", "?"), "weight_g_idx", values, self._groups(layer), scales, None, 8)
 
+    def decode_int8(self, layer: Linear) -> Int8Weight:
+        scales = layer.weight_scale.data
+        _check(getattr(layer, "name", "?"), "weight_scale", bool(scales.isfinite().all()), "not finite")
+        values = unpack_int32(layer.weight_packed.data, 8, dim=1) - 128
+        return _grouped_int8(getattr(layer, "name", "?"), "weight_g_idx", values, self._groups(layer), scales)
+
 
 class Int8ChannelLinearMethod(QuantizedLinearMethod):
     """compressed-tensors int-quantized W8A8: weight [out, in] int8, weight_scale [out, 1] (per
@@ -276,6 +315,10 @@ class Int8ChannelLinearMethod(QuantizedLinearMethod):
     def decode(self, layer: Linear) -> torch.Tensor:
         _check(getattr(layer, "name", "?"), "weight_scale", bool(layer.weight_scale.isfinite().all()), "not finite")
         return layer.weight.data.float() * layer.weight_scale.data
+
+    def decode_int8(self, layer: Linear) -> Int8Weight:
+        _check(getattr(layer, "name", "?"), "weight_scale", bool(layer.weight_scale.isfinite().all()), "not finite")
+        return Int8Weight(layer.weight.data, layer.weight_scale.data)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.float_method.apply(layer, quantize_tokens(x) if self.dynamic_tokens else x)
@@ -357,6 +400,7 @@ class GPTQConfig(QuantizationConfig):
         fmt = str(declared.get("checkpoint_format", "gptq")).lower()
         _require(where, fmt in ("gptq", "gptq_v2"), f"GPTQ checkpoint_format {fmt!r} (gptq or gptq_v2)")
         self.v1_zeros = fmt == "gptq"
+        self.symmetric = bool(declared.get("sym", True))
         self.lm_head = bool(declared.get("lm_head", False))
         self.skipped = list(declared.get("modules_to_not_convert") or [])
 
@@ -379,7 +423,10 @@ class GPTQConfig(QuantizationConfig):
             f"of {self.group_size}",
         )
         method = GPTQLinearMethod(backend.float_method(), backend.dtype, self.bits, self.group_size, self.v1_zeros)
-        return _four_bit(method, backend) if self.bits == 4 else method
+        if self.bits == 4:
+            return _four_bit(method, backend)
+        # (asymmetric 8-bit: values less a zero point per group span -255..255, beyond int8: decoded)
+        return _eight_bit(method, backend) if self.symmetric else method
 
 
 class AWQConfig(QuantizationConfig):
@@ -486,9 +533,10 @@ class CompressedTensorsConfig(QuantizationConfig):
             )
             actorder = weights.get("actorder") not in (None, False, "weight")
             packed = PackedIntLinearMethod(float_method, dtype, bits, group_size, actorder)
-            return _four_bit(packed, backend) if bits == 4 else packed
+            return _four_bit(packed, backend) if bits == 4 else _eight_bit(packed, backend)
         if fmt == "int-quantized":
-            return Int8ChannelLinearMethod(float_method, dtype, activations is not None)
+            channel = Int8ChannelLinearMethod(float_method, dtype, activations is not None)
+            return channel if activations is not None else _eight_bit(channel, backend)
         block = weights.get("block_structure") if weights.get("strategy") == "block" else None
         return FP8LinearMethod(float_method, dtype, tuple(block) if block else None, "weight_scale")
 

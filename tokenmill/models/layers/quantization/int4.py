@@ -29,6 +29,7 @@ from torch import nn
 
 from tokenmill.kernels import ops
 from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod, stored
+from tokenmill.models.layers.quantization.int8 import panels
 
 GROUP_SIZE = 32
 
@@ -129,26 +130,17 @@ def _refit(g: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[
     return slope.clamp(min=1e-8), w_mean - slope * q_mean
 
 
-def _panels(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[out, cols] as [panels, cols, width] (output columns past `out` zero), as pack_linear_weight."""
-    n, cols = t.shape
-    panels = -(-n // width)
-    padded = t.new_zeros(panels * width, cols)
-    padded[:n] = t
-    return padded.view(panels, width, cols).transpose(1, 2).contiguous()
-
-
 def pack_values(values: torch.Tensor, width: int) -> torch.Tensor:
     """4-bit values [out, in] as the kernel's panels [panels, in / 2, width] (int4_linear.cpp): each
     byte i of a pair row holds value i (low nibble) and value width + i (high) of the int8 layout."""
-    pairs = _panels(values, width).view(-1, values.shape[1] // 2, 2, width).transpose(2, 3)  # [p, j, c, t]
+    pairs = panels(values, width).view(-1, values.shape[1] // 2, 2, width).transpose(2, 3)  # [p, j, c, t]
     rows = pairs.reshape(pairs.shape[0], pairs.shape[1], 2 * width)  # value 2c + t of each pair row
     return (rows[..., :width] | (rows[..., width:] << 4)).contiguous()
 
 
 def pack_zeros(zeros: torch.Tensor, width: int) -> torch.Tensor:
     """Zero points [out, groups] as [panels, groups, 2 * width] int8: each column's twice, as its pairs lie."""
-    return _panels(zeros.to(torch.int8), width).repeat_interleave(2, dim=2)
+    return panels(zeros.to(torch.int8), width).repeat_interleave(2, dim=2)
 
 
 class Int4LinearMethod(LinearMethod):
@@ -175,9 +167,9 @@ class Int4LinearMethod(LinearMethod):
         if not self.kernels or self.source is not None:  # (a checkpoint's layers: their own tensors)
             return []
         width = ops.linear_panel_width()
-        panels, groups = -(-layer.out_features // width), layer.in_features // group_size_for(layer.in_features)
-        scales = (panels * groups * width, torch.float16)
-        return [(panels * layer.in_features // 2 * width, torch.uint8), scales, scales]
+        count, groups = -(-layer.out_features // width), layer.in_features // group_size_for(layer.in_features)
+        scales = (count * groups * width, torch.float16)
+        return [(count * layer.in_features // 2 * width, torch.uint8), scales, scales]
 
     def process_weights_after_loading(self, layer: Linear, storage: list[torch.Tensor]) -> None:
         weight = self.int4_weight(layer)
@@ -195,9 +187,9 @@ class Int4LinearMethod(LinearMethod):
             return
         width = ops.linear_panel_width()
         layer.qweight = stored(storage, 0, pack_values(weight.values, width))
-        layer.scales = stored(storage, 1, _panels(weight.scales.half(), width))
+        layer.scales = stored(storage, 1, panels(weight.scales.half(), width))
         layer.zeros = pack_zeros(weight.zeros, width) if weight.zeros is not None else None
-        offsets = None if weight.offsets is None else _panels(weight.offsets.half(), width)
+        offsets = None if weight.offsets is None else panels(weight.offsets.half(), width)
         layer.offsets = None if offsets is None else stored(storage, 2, offsets)
 
     def _inputs(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Weight-only int8 linear layers (`--quantization int8`, and GPTQ's symmetric 8-bit checkpoints).
+"""Weight-only int8 linear layers: `--quantization int8`, and the 8-bit layers of checkpoints (GPTQ's
+symmetric 8-bit, compressed-tensors W8A16) with their own values and scales (formats.py decodes those
+into the same form: int8 values, a scale per group of inputs of each output, act order's input
+permutation).
 
 Every layer keeps its weight as int8 with one scale per group of 32 input channels of each output row
 (per output channel when the width is not a multiple of 32); activations stay in the model dtype. On
@@ -28,6 +31,8 @@ routers are not linear layers and stay in the model dtype (int8 routing would pi
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -96,71 +101,141 @@ def round_up_to_bf16(values: torch.Tensor) -> torch.Tensor:
     return torch.where(below, (rounded.view(torch.int16) + 1).view(torch.bfloat16), rounded)
 
 
+@dataclass
+class Int8Weight:
+    """A layer's int8 weight: values [out, in] (int8), scales [out, groups] (one per group of in /
+    groups consecutive inputs), and the input permutation of act order (or none)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    perm: torch.Tensor | None = None
+
+
+# Scale dtypes the int8 kernels take as they are (int8_linear.cpp): tokenmill's bf16, checkpoints' fp16.
+_KERNEL_SCALES = (torch.bfloat16, torch.float16)
+
+
+def kernel_scales(scales: torch.Tensor) -> torch.Tensor | None:
+    """A checkpoint's scales (read as fp32) in a dtype the kernels take that holds them exactly, or
+    None (they stay on the widening path)."""
+    if scales.dtype in _KERNEL_SCALES:
+        return scales
+    for dtype in (torch.float16, torch.bfloat16):
+        narrowed = scales.to(dtype)
+        if torch.equal(narrowed.float(), scales.float()):
+            return narrowed
+    return None
+
+
+def panels(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[out, cols] as [panels, cols, width] (output columns past `out` zero), as pack_linear_weight
+    lays out a weight; for per-group tensors (scales, offsets, zero points) of any dtype."""
+    n, cols = t.shape
+    count = -(-n // width)
+    padded = t.new_zeros(count * width, cols)
+    padded[:n] = t
+    return padded.view(count, width, cols).transpose(1, 2).contiguous()
+
+
 class Int8LinearMethod(LinearMethod):
-    """Weight-only int8 of a float weight (quantized at load). With tokenmill's kernels (`kernels`)
-    the int8 weight and its scales are packed into the panels of the panel GEMM (the weight by pairs
-    of inputs, for int16 pair products; `layer.qweight`, `layer.scales`); elsewhere they stay [N, K]
-    and [N, K / group_size] and are widened per call."""
+    """Weight-only int8: a float weight quantized at load, or (`source`: a format's method, see
+    formats.py) a checkpoint's own int8 values and scales. With tokenmill's kernels (`kernels`) the
+    values and scales are packed into the panels of the panel GEMM (the weight by pairs of inputs, for
+    int16 pair products; `layer.qweight`, `layer.scales`); elsewhere, or for a checkpoint's scales the
+    kernels do not take (fp32 ones that are neither fp16 nor bf16 values), they stay [N, K] and
+    [N, K / group_size] and are widened per call."""
 
     name = "int8"
 
-    def __init__(self, kernels: bool) -> None:
+    def __init__(self, kernels: bool, source: LinearMethod | None = None) -> None:
         self.kernels = kernels
+        self.source = source
+        self.tensor_names = source.tensor_names if source is not None else ("weight",)
+
+    def create_weights(self, layer: Linear) -> None:
+        (self.source or super()).create_weights(layer)
 
     def packed_sizes(self, layer: Linear) -> list[tuple[int, torch.dtype]]:
-        if not self.kernels:
+        if not self.kernels or self.source is not None:  # (a checkpoint's layers: their own tensors)
             return []
         width = ops.linear_panel_width()
-        panels = -(-layer.out_features // width)
+        count = -(-layer.out_features // width)
         groups = layer.in_features // group_size_for(layer.in_features)
         return [
-            (panels * ((layer.in_features + 1) // 2) * 2 * width, torch.int8),
-            (panels * groups * width, torch.bfloat16),
+            (count * ((layer.in_features + 1) // 2) * 2 * width, torch.int8),
+            (count * groups * width, torch.bfloat16),
         ]
 
+    def int8_weight(self, layer: Linear) -> Int8Weight:
+        if self.source is not None:
+            return self.source.decode_int8(layer)  # type: ignore[attr-defined]
+        return Int8Weight(*quantize_weight(layer.weight, group_size_for(layer.in_features)))
+
     def process_weights_after_loading(self, layer: Linear, storage: list[torch.Tensor]) -> None:
-        layer.group_size = group_size_for(layer.in_features)
-        qweight, scales = quantize_weight(layer.weight, layer.group_size)
-        del layer.weight
-        if self.kernels:
+        weight = self.int8_weight(layer)
+        for name in self.tensor_names:
+            delattr(layer, name)
+        layer.group_size = layer.in_features // weight.scales.shape[1]
+        layer.perm = weight.perm
+        # (the kernel's int16 pairs of inputs lie within a group: even groups, or one)
+        pairs_fit = weight.scales.shape[1] == 1 or layer.group_size % 2 == 0
+        scales = kernel_scales(weight.scales) if self.kernels and pairs_fit else None
+        layer.int8_kernel = scales is not None
+        qweight = weight.values
+        if layer.int8_kernel:
+            width = ops.linear_panel_width()
             qweight = stored(storage, 0, ops.pack_int8_weight(qweight))
-            scales = stored(storage, 1, ops.pack_linear_weight(scales))
-        layer.qweight, layer.scales = qweight, scales
+            scales = stored(storage, 1, panels(scales, width))
+        layer.qweight, layer.scales = qweight, weight.scales if scales is None else scales
 
     def quantized(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
-        """(int8 [N, K], bf16 scales [N, K / group_size]), unpacked from the panels if packed."""
-        if not self.kernels:
+        """(int8 [N, K], scales [N, K / group_size]), unpacked from the panels if packed (inputs in
+        the kernel's order: act order's permutation applied)."""
+        if not layer.int8_kernel:
             return layer.qweight, layer.scales
         n, k = layer.out_features, layer.in_features
-        panels, pairs, width = layer.qweight.shape  # [panels, pairs of k, 2 * panel]: a pair's columns side by side
-        qweight = layer.qweight.view(panels, pairs, width // 2, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:n, :k]
+        count, pairs, width = layer.qweight.shape  # [panels, pairs of k, 2 * panel]: a pair's columns side by side
+        qweight = layer.qweight.view(count, pairs, width // 2, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:n, :k]
         return qweight, layer.scales.transpose(1, 2).reshape(-1, layer.scales.shape[1])[:n]
 
-    def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+    def _permuted(self, layer: Linear) -> torch.Tensor:
+        """The weight [N, K] in the kernel's input order, fp32."""
         qweight, scales = self.quantized(layer)
         n, k = qweight.shape
-        groups = qweight.reshape(n, k // layer.group_size, layer.group_size).to(dtype)
-        return (groups * scales[..., None].to(dtype)).view(n, k)
+        groups = qweight.reshape(n, k // layer.group_size, layer.group_size).float()
+        return (groups * scales[..., None].float()).view(n, k)
+
+    def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in the checkpoint's input order (each value times its scale, exact in fp32)."""
+        w = self._permuted(layer)
+        if layer.perm is not None:
+            w = w[:, torch.argsort(layer.perm)]
+        return w.to(dtype)
+
+    def _inputs(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return x if layer.perm is None else x.index_select(-1, layer.perm)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels:
+        x = self._inputs(layer, x)
+        if layer.int8_kernel:
             return ops.packed_int8_linear(x, layer.qweight, layer.scales, layer.bias, layer.out_features)
-        out = nn.functional.linear(x, self.dequantized(layer, x.dtype))
+        out = nn.functional.linear(x, self._permuted(layer).to(x.dtype))
         return out + layer.bias if layer.bias is not None else out
 
     def logits(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """On CPU the kernel's fp32 sums, not rounded to x's dtype first."""
-        if self.kernels:
+        if layer.int8_kernel:
+            x = self._inputs(layer, x)
             return ops.packed_int8_logits(x, layer.qweight, layer.scales, layer.bias, layer.out_features)
         return self.apply(layer, x).float()
 
     def fused_projection(self, layer: Linear, activations: torch.dtype) -> FusedProjection | None:
-        if self.kernels and activations in (torch.float32, torch.bfloat16):
+        if layer.int8_kernel and layer.perm is None and activations in (torch.float32, torch.bfloat16):
             return FusedProjection(layer.qweight, layer.scales, layer.bias)
         return None
 
     def tied_embedding(self, layer: Linear, embedding: nn.Embedding) -> nn.Module | None:
-        return Int8Embedding(embedding, layer) if self.kernels else None
+        return Int8Embedding(embedding, layer) if layer.int8_kernel and layer.perm is None else None
 
     def streamed_tensors(self, layer: Linear) -> list[torch.Tensor]:
         return [layer.qweight, layer.scales]
