@@ -166,6 +166,12 @@ def int8_group_scales(groups: torch.Tensor, candidates: int) -> torch.Tensor:
     return _library().int8_group_scales(groups, candidates)
 
 
+def int4_affine_groups(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(levels [G, size] uint8, scales [G] fp16, offsets [G] fp16) of fp32 groups [G, size]: each
+    group's least-error affine 4-bit grid (see csrc/cpu/quantize.cpp)."""
+    return _library().int4_affine_groups(groups)
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _library().onednn_linear(x, packed, bias)
 
@@ -253,6 +259,13 @@ def _register_fakes() -> None:
         lambda ids, packed, scales, k, dtype: packed.new_empty((*ids.shape, k), dtype=dtype)
     )
     fake("tokenmill::int8_group_scales")(lambda groups, c: groups.new_empty(groups.shape[0], dtype=torch.bfloat16))
+    fake("tokenmill::int4_affine_groups")(
+        lambda groups: (
+            groups.new_empty(groups.shape, dtype=torch.uint8),
+            groups.new_empty(groups.shape[0], dtype=torch.float16),
+            groups.new_empty(groups.shape[0], dtype=torch.float16),
+        )
+    )
     fake("tokenmill::onednn_linear")(lambda x, packed, bias: _rows(x, packed.shape[0]))
     fake("tokenmill::amx_linear")(lambda x, packed, bias: _rows(x, packed.shape[0]))
     fake("tokenmill::amx_logits")(lambda x, packed, bias: _rows(x, packed.shape[0], torch.float32))

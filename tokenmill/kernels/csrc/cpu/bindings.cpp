@@ -33,6 +33,7 @@ TORCH_LIBRARY(tokenmill, m) {
         "Tensor? bias, int n) -> Tensor");
   // quantize.cpp
   m.def("int8_group_scales(Tensor groups, int candidates) -> Tensor");
+  m.def("int4_affine_groups(Tensor groups) -> (Tensor, Tensor, Tensor)");
   // onednn_linear.cpp
   m.def("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("onednn_padded_rows(int rows) -> int", &tokenmill::onednn_padded_rows);
@@ -75,6 +76,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("packed_int4_linear", &tokenmill::packed_int4_linear);
   m.impl("packed_int4_logits", &tokenmill::packed_int4_logits);
   m.impl("int8_group_scales", &tokenmill::int8_group_scales);
+  m.impl("int4_affine_groups", &tokenmill::int4_affine_groups);
   m.impl("onednn_linear", &tokenmill::onednn_linear);
   m.impl("lora_delta", &tokenmill::lora_delta);
   m.impl("sample_tokens", &tokenmill::sample_tokens);

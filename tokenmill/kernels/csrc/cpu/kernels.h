@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 namespace tokenmill {
@@ -155,8 +156,10 @@ void attend_items(const AttentionWork& work, const void* q, const void* k_cache,
                   double scale, double softcap, float* partials, std::atomic<int64_t>& next);
 void merge_partials(const AttentionWork& work, void* out, const float* partials, int64_t begin, int64_t end);
 
-// quantize.cpp: weight-only int8's least-error group scales
+// quantize.cpp: weight-only int8's least-error group scales; --quantization int4's groups (levels,
+// fp16 scales, fp16 offsets)
 at::Tensor int8_group_scales(const at::Tensor& groups, int64_t candidates);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_affine_groups(const at::Tensor& groups);
 
 // sampling.cpp
 at::Tensor sample_tokens(const at::Tensor& logits, const c10::List<bool>& greedy, c10::ArrayRef<double> temperature,

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import ops
+from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod, stored
 from tokenmill.models.layers.quantization.int8 import panels
 
@@ -77,16 +78,19 @@ class Int4Weight:
 def affine_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Weight:
     """`--quantization int4` of a float weight [out, in]: per group, q = round((w - offset) / scale)
     in 0-15 with the (scale, offset) pair of least squared error among the candidates (see the
-    module docstring), both fp16."""
+    module docstring), both fp16. On CPU one C++ pass (kernels/csrc/cpu/quantize.cpp, the groups
+    spread over the threads); elsewhere the same search in torch ops, a chunk of groups at a time."""
     n, k = weight.shape
     groups = weight.detach().float().reshape(-1, group_size)
-    values = torch.empty(groups.shape, dtype=torch.uint8)
-    scales = torch.empty(groups.shape[0], dtype=torch.float16)
-    offsets = torch.empty(groups.shape[0], dtype=torch.float16)
-    for start in range(0, groups.shape[0], _CHUNK):
-        g = groups[start : start + _CHUNK]
-        q, s, m = _best_affine(g)
-        values[start : start + _CHUNK], scales[start : start + _CHUNK], offsets[start : start + _CHUNK] = q, s, m
+    if cpu_kernels_available(groups.device):
+        values, scales, offsets = ops.int4_affine_groups(groups)
+    else:
+        values = torch.empty(groups.shape, dtype=torch.uint8, device=groups.device)
+        scales = torch.empty(groups.shape[0], dtype=torch.float16, device=groups.device)
+        offsets = torch.empty(groups.shape[0], dtype=torch.float16, device=groups.device)
+        for start in range(0, groups.shape[0], _CHUNK):
+            chunk = slice(start, start + _CHUNK)
+            values[chunk], scales[chunk], offsets[chunk] = _best_affine(groups[chunk])
     return Int4Weight(
         values.view(n, k), scales.view(n, k // group_size), None, 0, offsets.view(n, k // group_size), None
     )
@@ -94,8 +98,12 @@ def affine_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Wei
 
 def _best_affine(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lo, hi = g.amin(dim=1), g.amax(dim=1)
-    best_error = torch.full(lo.shape, float("inf"))
-    best = (torch.zeros(g.shape, dtype=torch.uint8), torch.zeros_like(lo, dtype=torch.float16), lo.half())
+    best_error = torch.full(lo.shape, float("inf"), device=g.device)
+    best = (
+        torch.zeros(g.shape, dtype=torch.uint8, device=g.device),
+        torch.zeros_like(lo, dtype=torch.float16),
+        lo.half(),
+    )
     middle = (lo + hi) / 2
     for shrink in _SHRINKS:
         low = middle - (middle - lo) * shrink
