@@ -315,7 +315,7 @@ def test_four_bit_checkpoints_run_on_the_int4_kernels_and_fuse(sharp_tiny_model_
 
 @pytest.mark.parametrize(
     ("fmt", "method"),
-    [("gptq-8bit-g128-sym", "int8"), ("ct-w8a16-channel", "int8")],
+    [("gptq-8bit-g128-sym", "int8"), ("ct-w8a16-channel", "int8"), ("ct-w8a8-dynamic-tokens", "w8a8")],
 )
 def test_eight_bit_checkpoints_run_on_the_int8_kernels_from_their_own_values(
     fmt, method, sharp_tiny_model_dir, formats_dir

@@ -162,6 +162,25 @@ def packed_int4_logits(
     return _library().packed_int4_logits(x, packed, scales, zeros, zero, offsets, bias, n)
 
 
+def w8a8_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    offsets: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:
+    """x W^T (+ bias) for int8 weights in quad panels (per-column scales and offsets) and x rounded to
+    int8 per row by its own scale (see csrc/cpu/w8a8_linear.cpp)."""
+    return _library().w8a8_linear(x, packed, offsets, scales, bias, n)
+
+
+def w8a8_instructions(rows: int) -> str:
+    """What a W8A8 step of `rows` rows runs on here: amx-int8, avx512-vnni, avx-vnni, pmaddwd (no int8
+    dot products on this CPU) or scalar (kernels built without vector extensions)."""
+    return str(_library().w8a8_instructions(rows))
+
+
 def int8_group_scales(groups: torch.Tensor, candidates: int) -> torch.Tensor:
     return _library().int8_group_scales(groups, candidates)
 
@@ -258,6 +277,7 @@ def _register_fakes() -> None:
     fake("tokenmill::packed_int8_rows")(
         lambda ids, packed, scales, k, dtype: packed.new_empty((*ids.shape, k), dtype=dtype)
     )
+    fake("tokenmill::w8a8_linear")(lambda x, packed, offsets, scales, bias, n: _rows(x, n))
     fake("tokenmill::int8_group_scales")(lambda groups, c: groups.new_empty(groups.shape[0], dtype=torch.bfloat16))
     fake("tokenmill::int4_affine_groups")(
         lambda groups: (

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -76,6 +77,15 @@ void packed_int4_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
                              const c10::optional<at::Tensor>& zeros, int64_t zero,
                              const c10::optional<at::Tensor>& offsets, const float* bias, float* out, int64_t n,
                              int64_t begin, int64_t end, Int8RowScratch& scratch);
+
+// w8a8_linear.cpp: int8 weights (quad panels, per-column fp32 scales and 128 x column sums) times x
+// rounded to int8 per row (dynamic per-token scales); x's dtype.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
+                       const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n);
+// The instructions a W8A8 step of `rows` rows runs on here: "amx-int8", "avx512-vnni", "avx-vnni",
+// "pmaddwd" (the same int32 sums from int16 products, where the CPU has no int8 dot products) or
+// "scalar" (kernels built without vector extensions).
+std::string w8a8_instructions(int64_t rows);
 
 // onednn_linear.cpp: x W^T + b with W reordered for oneDNN (bf16 on AMX / AVX512-BF16 CPUs); x's dtype.
 // Decode-sized bf16 steps on AMX CPUs run amx_linear on the same reordered weight.

@@ -3,13 +3,15 @@ points), AWQ (GEMM packing) and compressed-tensors (pack-quantized W4A16/W8A16, 
 float-quantized FP8 per tensor, channel or 128x128 block).
 
 Each format's method declares the tensors the checkpoint holds for a layer (with the dim its fused
-parts join along) and, once they are loaded, checks them (a bad one is refused, naming it). 4-bit
-layers on tokenmill's CPU kernels are then decoded into the 4-bit panels of int4.py (values, zero
-points, fp16 scales, act order's input permutation). Other layers (8-bit, FP8, and 4-bit ones where
-the kernels do not run) are turned into the weight they encode, `(q - zero) * scale` per group of
-inputs (FP8: `w * scale`), computed exactly in fp32, and run on the float method the engine gives
-float layers (panels, oneDNN, or torch's GEMM) on that weight in the model's dtype; W8A8 layers also
-quantize each token's activations to int8 (dynamic per-token scales) as the checkpoint's scheme does.
+parts join along) and, once they are loaded, checks them (a bad one is refused, naming it). On
+tokenmill's CPU kernels the layers then keep the checkpoint's own integers: 4-bit ones in the 4-bit
+panels of int4.py (values, zero points, fp16 scales, act order's input permutation), symmetric 8-bit
+ones (GPTQ, W8A16) in the int8 panels of int8.py with their scales, W8A8 ones in the int8 x int8
+panels of w8a8.py. Other layers (FP8, asymmetric 8-bit GPTQ, and every format where the kernels do
+not run) are turned into the weight they encode, `(q - zero) * scale` per group of inputs (FP8:
+`w * scale`), computed exactly in fp32, and run on the float method the engine gives float layers
+(panels, oneDNN, or torch's GEMM) on that weight in the model's dtype; W8A8 layers there quantize
+each token's activations to int8 (dynamic per-token scales) as the checkpoint's scheme does.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tokenmill.models.layers.linear import FusedProjection, Linear, LinearBacken
 from tokenmill.models.layers.quantization import QuantizationConfig
 from tokenmill.models.layers.quantization.int4 import Int4LinearMethod, Int4Weight
 from tokenmill.models.layers.quantization.int8 import Int8LinearMethod, Int8Weight
+from tokenmill.models.layers.quantization.w8a8 import W8A8LinearMethod
 
 # AWQ's GEMM packing: the 8 nibbles of an int32 hold output columns in this order.
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -536,7 +539,9 @@ class CompressedTensorsConfig(QuantizationConfig):
             return _four_bit(packed, backend) if bits == 4 else _eight_bit(packed, backend)
         if fmt == "int-quantized":
             channel = Int8ChannelLinearMethod(float_method, dtype, activations is not None)
-            return channel if activations is not None else _eight_bit(channel, backend)
+            if activations is None:
+                return _eight_bit(channel, backend)
+            return W8A8LinearMethod(channel) if backend.kernels else channel
         block = weights.get("block_structure") if weights.get("strategy") == "block" else None
         return FP8LinearMethod(float_method, dtype, tuple(block) if block else None, "weight_scale")
 
