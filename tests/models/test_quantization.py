@@ -315,13 +315,18 @@ def test_four_bit_checkpoints_run_on_the_int4_kernels_and_fuse(sharp_tiny_model_
 
 @pytest.mark.parametrize(
     ("fmt", "method"),
-    [("gptq-8bit-g128-sym", "int8"), ("ct-w8a16-channel", "int8"), ("ct-w8a8-dynamic-tokens", "w8a8")],
+    [
+        ("gptq-8bit-g128-sym", "int8"),
+        ("ct-w8a16-channel", "int8"),
+        ("ct-w8a8-dynamic-tokens", "w8a8"),
+        ("ct-fp8-channel", "fp8"),
+        ("ct-fp8-block", "fp8"),
+        ("transformers-fp8-block", "fp8"),
+    ],
 )
-def test_eight_bit_checkpoints_run_on_the_int8_kernels_from_their_own_values(
-    fmt, method, sharp_tiny_model_dir, formats_dir
-):
-    """8-bit layers hold the checkpoint's int8 values and scales as they are (no float copy, nothing
-    quantized again): the layer's weight is the checkpoint's values times its scales, exactly."""
+def test_eight_bit_checkpoints_run_on_the_kernels_from_their_own_values(fmt, method, sharp_tiny_model_dir, formats_dir):
+    """8-bit layers (int8 and FP8) hold the checkpoint's bytes and scales as they are (no float copy,
+    nothing quantized again): the layer's weight is the checkpoint's values times its scales, exactly."""
     from tokenmill.kernels import build
 
     if not build.load():
@@ -332,7 +337,7 @@ def test_eight_bit_checkpoints_run_on_the_int8_kernels_from_their_own_values(
     llm = LLM(str(checkpoint), progress=False, kv_cache_memory="32MiB", dtype="float32")
     layer = llm.engine.model.layers[1].mlp.down_proj
     assert layer.quant_method.name == method
-    assert all(t.dtype == torch.int8 for t in layer.quant_method.streamed_tensors(layer)[:1])
+    assert layer.quant_method.streamed_tensors(layer)[0].element_size() == 1
     assert not any(p.is_floating_point() and p.dim() == 2 for p in layer.parameters())
     expected = load_file(str(reference / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"]
     assert torch.equal(layer.dequantized(torch.float32), expected)
@@ -447,4 +452,22 @@ def test_corrupt_or_mismatched_tensors_are_refused_naming_them(case, match, gptq
         raw["quantization_config"]["bits"] = 3
         config_path.write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match=match):
+        LLM(str(model_dir), progress=False, kv_cache_memory="16MiB")
+
+
+def test_fp8_weights_holding_nan_are_refused_naming_them(sharp_tiny_model_dir, formats_dir, tmp_path):
+    """e4m3's NaN byte would be read as a number by the FP8 kernel: such a checkpoint is refused."""
+    from tokenmill.kernels import build
+
+    if not build.load():
+        pytest.skip("tokenmill's CPU kernels are not built here")
+    config, encode = FORMATS["ct-fp8-channel"]
+    checkpoint, _ = _quantized_pair(sharp_tiny_model_dir, formats_dir, "ct-fp8-channel", config, encode)
+
+    def change(state: dict) -> None:
+        weight = state["model.layers.1.mlp.down_proj.weight"]
+        weight.view(torch.uint8)[3, 5] = 0x7F
+
+    model_dir = _corrupt(checkpoint, tmp_path / "nan", change)
+    with pytest.raises(ModelLoadError, match=r"down_proj\.weight: holds NaN"):
         LLM(str(model_dir), progress=False, kv_cache_memory="16MiB")

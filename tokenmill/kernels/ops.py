@@ -162,6 +162,14 @@ def packed_int4_logits(
     return _library().packed_int4_logits(x, packed, scales, zeros, zero, offsets, bias, n)
 
 
+def fp8_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """x (W * S)^T (+ bias) for e4m3 weight bytes in panels, widened and scaled as they stream (see
+    csrc/cpu/fp8_linear.cpp)."""
+    return _library().fp8_linear(x, packed, scales, group_size, bias, n)
+
+
 def w8a8_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -277,6 +285,7 @@ def _register_fakes() -> None:
     fake("tokenmill::packed_int8_rows")(
         lambda ids, packed, scales, k, dtype: packed.new_empty((*ids.shape, k), dtype=dtype)
     )
+    fake("tokenmill::fp8_linear")(lambda x, packed, scales, group_size, bias, n: _rows(x, n))
     fake("tokenmill::w8a8_linear")(lambda x, packed, offsets, scales, bias, n: _rows(x, n))
     fake("tokenmill::int8_group_scales")(lambda groups, c: groups.new_empty(groups.shape[0], dtype=torch.bfloat16))
     fake("tokenmill::int4_affine_groups")(

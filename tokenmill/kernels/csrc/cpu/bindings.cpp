@@ -31,6 +31,8 @@ TORCH_LIBRARY(tokenmill, m) {
         "Tensor? bias, int n) -> Tensor");
   m.def("packed_int4_logits(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, int zero, Tensor? offsets, "
         "Tensor? bias, int n) -> Tensor");
+  // fp8_linear.cpp
+  m.def("fp8_linear(Tensor x, Tensor packed, Tensor scales, int group_size, Tensor? bias, int n) -> Tensor");
   // w8a8_linear.cpp
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor offsets, Tensor scales, Tensor? bias, int n) -> Tensor");
   m.def("w8a8_instructions(int rows) -> str", &tokenmill::w8a8_instructions);
@@ -79,6 +81,7 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("packed_int4_linear", &tokenmill::packed_int4_linear);
   m.impl("packed_int4_logits", &tokenmill::packed_int4_logits);
   m.impl("w8a8_linear", &tokenmill::w8a8_linear);
+  m.impl("fp8_linear", &tokenmill::fp8_linear);
   m.impl("int8_group_scales", &tokenmill::int8_group_scales);
   m.impl("int4_affine_groups", &tokenmill::int4_affine_groups);
   m.impl("onednn_linear", &tokenmill::onednn_linear);

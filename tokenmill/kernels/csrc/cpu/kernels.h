@@ -78,6 +78,11 @@ void packed_int4_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
                              const c10::optional<at::Tensor>& offsets, const float* bias, float* out, int64_t n,
                              int64_t begin, int64_t end, Int8RowScratch& scratch);
 
+// fp8_linear.cpp: e4m3 weight bytes in panels [panels, K, kPanel] times fp32 scales per column and group
+// of `group_size` inputs ([panels, groups, kPanel], 2^8 folded in), widened as they stream; x's dtype.
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group_size,
+                      const c10::optional<at::Tensor>& bias, int64_t n);
+
 // w8a8_linear.cpp: int8 weights (quad panels, per-column fp32 scales and 128 x column sums) times x
 // rounded to int8 per row (dynamic per-token scales); x's dtype.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,

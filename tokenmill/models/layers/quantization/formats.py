@@ -7,11 +7,12 @@ parts join along) and, once they are loaded, checks them (a bad one is refused, 
 tokenmill's CPU kernels the layers then keep the checkpoint's own integers: 4-bit ones in the 4-bit
 panels of int4.py (values, zero points, fp16 scales, act order's input permutation), symmetric 8-bit
 ones (GPTQ, W8A16) in the int8 panels of int8.py with their scales, W8A8 ones in the int8 x int8
-panels of w8a8.py. Other layers (FP8, asymmetric 8-bit GPTQ, and every format where the kernels do
-not run) are turned into the weight they encode, `(q - zero) * scale` per group of inputs (FP8:
-`w * scale`), computed exactly in fp32, and run on the float method the engine gives float layers
-(panels, oneDNN, or torch's GEMM) on that weight in the model's dtype; W8A8 layers there quantize
-each token's activations to int8 (dynamic per-token scales) as the checkpoint's scheme does.
+panels of w8a8.py, FP8 ones as e4m3 bytes in the panels of fp8.py. Other layers (asymmetric 8-bit
+GPTQ, and every format where the kernels do not run) are turned into the weight they encode,
+`(q - zero) * scale` per group of inputs (FP8: `w * scale`), computed exactly in fp32, and run on the
+float method the engine gives float layers (panels, oneDNN, or torch's GEMM) on that weight in the
+model's dtype; W8A8 layers there quantize each token's activations to int8 (dynamic per-token
+scales) as the checkpoint's scheme does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from tokenmill.errors import ModelLoadError
 from tokenmill.models.layers.linear import FusedProjection, Linear, LinearBackend, LinearMethod, linear_parameter
 from tokenmill.models.layers.quantization import QuantizationConfig
+from tokenmill.models.layers.quantization.fp8 import FP8LinearKernelMethod, FP8Weight
 from tokenmill.models.layers.quantization.int4 import Int4LinearMethod, Int4Weight
 from tokenmill.models.layers.quantization.int8 import Int8LinearMethod, Int8Weight
 from tokenmill.models.layers.quantization.w8a8 import W8A8LinearMethod
@@ -142,6 +144,11 @@ def _eight_bit(method: QuantizedLinearMethod, backend: LinearBackend) -> LinearM
     """A symmetric 8-bit format's layers (weight-only): on the int8 kernels where they run, with the
     checkpoint's values and scales, else decoded to float."""
     return Int8LinearMethod(kernels=True, source=method) if backend.kernels else method
+
+
+def _fp8(method: FP8LinearMethod, backend: LinearBackend) -> LinearMethod:
+    """An FP8 format's layers: their bytes on the FP8 kernels where they run, else decoded to float."""
+    return FP8LinearKernelMethod(method) if backend.kernels else method
 
 
 def _groups(in_features: int, group_size: int) -> int:
@@ -368,6 +375,22 @@ class FP8LinearMethod(QuantizedLinearMethod):
             scale = scale.repeat_interleave(rows, 0)[: weight.shape[0]].repeat_interleave(cols, 1)[:, : weight.shape[1]]
         return weight * scale
 
+    def scale_groups(self, layer: Linear) -> int:
+        """Groups of inputs with a scale each: one (per channel), or the blocks across the inputs."""
+        return 1 if self.block is None else -(-layer.in_features // self.block[1])
+
+    def decode_fp8(self, layer: Linear) -> FP8Weight:
+        """The checkpoint's e4m3 bytes and its scales per column and group of inputs (checked: finite
+        scales, no e4m3 NaN, which the kernel would read as a number)."""
+        name, scale = getattr(layer, "name", "?"), getattr(layer, self.scale_name).data
+        _check(name, self.scale_name, bool(scale.isfinite().all()), "not finite")
+        values = layer.weight.data.view(torch.uint8)
+        _check(name, "weight", not bool(((values & 0x7F) == 0x7F).any()), "holds NaN (e4m3 0x7F / 0xFF)")
+        if self.block is None:
+            return FP8Weight(values, scale.reshape(-1, 1), layer.in_features)
+        rows, cols = self.block
+        return FP8Weight(values, scale.repeat_interleave(rows, 0)[: layer.out_features], cols)
+
 
 # -- the formats' configs -------------------------------------------------------------------------
 
@@ -543,7 +566,7 @@ class CompressedTensorsConfig(QuantizationConfig):
                 return _eight_bit(channel, backend)
             return W8A8LinearMethod(channel) if backend.kernels else channel
         block = weights.get("block_structure") if weights.get("strategy") == "block" else None
-        return FP8LinearMethod(float_method, dtype, tuple(block) if block else None, "weight_scale")
+        return _fp8(FP8LinearMethod(float_method, dtype, tuple(block) if block else None, "weight_scale"), backend)
 
     def ignored_tensors(self) -> tuple[str, ...]:
         return (".weight_shape",)
@@ -568,7 +591,7 @@ class FP8Config(QuantizationConfig):
         quantized = [not p.endswith("lm_head") and not any(_matches(r, p) for r in self.skipped) for p in parts]
         if not _one_for_all(name, parts, quantized, "quantized"):
             return None
-        return FP8LinearMethod(backend.float_method(), backend.dtype, self.block, "weight_scale_inv")
+        return _fp8(FP8LinearMethod(backend.float_method(), backend.dtype, self.block, "weight_scale_inv"), backend)
 
 
 FORMATS: dict[str, type[QuantizationConfig]] = {
