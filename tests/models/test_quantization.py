@@ -471,3 +471,51 @@ def test_fp8_weights_holding_nan_are_refused_naming_them(sharp_tiny_model_dir, f
     model_dir = _corrupt(checkpoint, tmp_path / "nan", change)
     with pytest.raises(ModelLoadError, match=r"down_proj\.weight: holds NaN"):
         LLM(str(model_dir), progress=False, kv_cache_memory="16MiB")
+
+
+# --- checkpoints written by compressed-tensors itself ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def write_compressed():
+    """bench/eight_bit_checkpoints.py's writer: a float checkpoint quantized and saved by the
+    compressed-tensors library (its schemes, qparams and compressors), as llm-compressor exports."""
+    import importlib.util
+
+    pytest.importorskip("compressed_tensors")
+    path = Path(__file__).resolve().parents[2] / "bench" / "eight_bit_checkpoints.py"
+    spec = importlib.util.spec_from_file_location("eight_bit_checkpoints", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_compressed
+
+
+@pytest.mark.parametrize(("scheme", "method"), [("W8A16", "int8"), ("W8A8", "w8a8"), ("FP8_DYNAMIC", "fp8")])
+def test_compressed_tensors_exports_hold_what_the_library_decompresses(
+    scheme, method, write_compressed, sharp_tiny_model_dir, tmp_path
+):
+    """A checkpoint the library wrote loads on the kernels, each layer's weight the library's own
+    decompression of it (which computes value * scale in the scale's dtype, bf16: the layers hold
+    the exact fp32 product, equal to it once rounded to bf16)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    from tokenmill.kernels import build
+
+    if not build.load():
+        pytest.skip("tokenmill's CPU kernels are not built here")
+    checkpoint = write_compressed(sharp_tiny_model_dir, tmp_path / scheme, scheme)
+    decompressed = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    llm = LLM(str(checkpoint), progress=False, kv_cache_memory="32MiB", dtype="float32")
+    for i, layer in enumerate(llm.engine.model.layers):
+        expected = decompressed.model.layers[i]
+        ours = layer.self_attn.qkv_proj.dequantized(torch.float32).bfloat16()
+        parts = [expected.self_attn.q_proj, expected.self_attn.k_proj, expected.self_attn.v_proj]
+        assert torch.equal(ours, torch.cat([p.weight for p in parts]).bfloat16())
+        assert layer.mlp.down_proj.quant_method.name == method
+        assert torch.equal(
+            layer.mlp.down_proj.dequantized(torch.float32).bfloat16(), expected.mlp.down_proj.weight.bfloat16()
+        )
+    prompt = mixed_prompts(1, 20, 20, seed=3)[0]
+    assert len(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids) == 4
