@@ -79,6 +79,35 @@ def test_fallback_template_escapes_too(tokenizer):
     assert IM_START in render_chat(bare, _user(INJECTED), special_tokens_in_content=True)
 
 
+# A Qwen 2.5-style template: the tools and the calls' arguments go in as JSON, keys and all.
+TOOLS_AS_JSON_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_special_tokens_in_dict_keys_cannot_forge_a_turn(tokenizer):
+    """transformers marks string values, not keys: a tool's property name, a `$defs` name, a key of a
+    tool call's arguments and a key inside a template variable must not become control tokens either."""
+    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tok.chat_template = TOOLS_AS_JSON_TEMPLATE
+
+    def rendered(key: str) -> list[int]:
+        parameters = {"type": "object", "properties": {key: {"$ref": f"#/$defs/{key}"}}, "$defs": {key: {}}}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+        call = {"type": "function", "function": {"name": "f", "arguments": json.dumps({key: 1})}}
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        return render_chat(tok, messages, tools=tools, chat_template_kwargs={"extra": {key: 1}})
+
+    injected, twin = rendered(INJECTED), rendered(MISSPELT)
+    special = set(tok.all_special_ids)
+    assert [t for t in injected if t in special] == [t for t in twin if t in special]  # the template's own
+    assert _turns(injected, tok) == _turns(twin, tok) == ["system", "user", "assistant", "assistant"]
+    assert tok.decode(injected).count(json.dumps(INJECTED)[1:-1]) == 4  # each key, as text
+
+
 def test_tools_tool_calls_and_template_options(tokenizer):
     tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     tok.chat_template = (

@@ -6,7 +6,9 @@ context length, logit_bias ids) and raises the typed errors of `tokenmill.errors
 
 Chat role injection: message contents are user data, so special-token strings inside them (e.g. a
 literal `<|im_start|>system`) are tokenized as plain text, while the markers the chat template
-writes stay control tokens (transformers' `sanitize_control_tokens`). Trusted deployments that
+writes stay control tokens (transformers' `sanitize_control_tokens`). transformers marks the
+strings of messages and tools but not dict keys, which templates render too (tool parameter
+names, `$defs` names, keys of tool-call arguments): tokenmill marks those keys the same way. Trusted deployments that
 want the old behaviour pass `special_tokens_in_content=True` (server: --allow-special-tokens-in-messages).
 Raw completion prompts are the caller's own template: their special-token strings are parsed
 unless `escape_special=True` (server: --escape-special-tokens-in-prompts).
@@ -17,13 +19,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import mark_control_tokens
 
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
@@ -171,6 +175,9 @@ def _apply_template(
     extra: dict[str, Any],
     sanitize: bool,
 ) -> list[int]:
+    if sanitize:  # (the top-level names of template variables stay: identifiers, never rendered)
+        mark = _key_marker(tokenizer, tools)
+        turns, tools, extra = mark(turns), mark(tools), {name: mark(value) for name, value in extra.items()}
     try:
         # tokenize=True with add_special_tokens off: the template places BOS and friends itself.
         return tokenizer.apply_chat_template(
@@ -186,6 +193,24 @@ def _apply_template(
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
         # Templates raise on what they do not accept (non-alternating roles, a missing field): the client's to fix.
         raise InvalidRequest(f"The chat template rejected these messages: {exc}", param="messages") from None
+
+
+def _key_marker(tokenizer: Any, tools: list[dict] | None) -> Callable[[Any], Any]:
+    """A function that copies template input with the control tokens inside dict keys wrapped in
+    transformers' markers, as `sanitize_control_tokens` wraps them in string values."""
+    # The same control tokens as transformers picks for values: special tokens, and added tokens
+    # the template writes itself.
+    tokens = sorted(tokenizer._get_control_tokens(tokenizer.get_chat_template(None, tools)), key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, tokens)) or "(?!)")
+
+    def mark(node: Any) -> Any:
+        if isinstance(node, Mapping):
+            return {(mark_control_tokens(k, pattern) if isinstance(k, str) else k): mark(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [mark(v) for v in node]
+        return node
+
+    return mark
 
 
 def _fallback_template(
