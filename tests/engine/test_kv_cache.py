@@ -28,6 +28,25 @@ def test_allocator_reserves_zero_block_and_recycles_lru():
     assert a.lookup(1234) is None
 
 
+# Two 16-token blocks with the same CPython tuple hash, the prefix cache's old block hash (found in
+# seconds by solving the hash's invertible rounds for the first four tokens, birthday-style).
+COLLIDING_BLOCKS = ([26606, 11074, 23489, 0, *range(100, 112)], [29863, 2686, 11795, 43611, *range(100, 112)])
+
+
+def test_blocks_whose_weak_hashes_collide_never_share_kv(tiny_model_dir):
+    a, b = COLLIDING_BLOCKS
+    assert hash(tuple(a)) == hash(tuple(b))
+    llm = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="32MiB")
+    assert llm.engine.block_size == len(a) and llm.engine.allocator.enable_prefix_caching
+    tail = [5, 6, 7, 8]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    llm.generate([a + tail], params)  # block a is now cached
+    out = llm.generate([b + tail], params)[0]
+    assert out.num_cached_tokens == 0
+    assert out.outputs[0].token_ids == hf_greedy(tiny_model_dir, b + tail, 8)
+    assert llm.generate([a + tail[:2]], params)[0].num_cached_tokens == len(a)  # a itself still hits
+
+
 @pytest.mark.slow
 def test_uninitialised_cache_memory_never_leaks_into_outputs(tiny_model_dir):
     """Fill the whole cache with NaN: every read must hit written slots or the zero block."""

@@ -42,6 +42,6 @@ class LoRAAdapter:
     base_model_name: str | None = None
 
     @property
-    def prefix_key(self) -> int:
-        """The root of this adapter's prefix-cache hash chains (the base model's root is None)."""
-        return hash(("lora", self.id))
+    def prefix_cache_key(self) -> bytes:
+        """The extra key of this adapter's prefix-cache blocks (in every block's hash)."""
+        return f"lora:{self.id}".encode()

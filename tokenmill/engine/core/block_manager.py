@@ -1,7 +1,11 @@
 """KV cache blocks: an allocator with reference counts and automatic prefix caching.
 
 A block holds `block_size` tokens of K/V for every layer. A full block is identified by the hash
-of its tokens and of everything before it, so two requests with the same prefix share blocks.
+of its tokens and of everything before it, so two requests with the same prefix share blocks. The
+hash is SHA-256 over the parent block's hash, the extra keys (what else the K/V depend on: the LoRA
+adapter) and the tokens, as vLLM's `sha256` prefix-caching hash: a hit is taken without comparing
+tokens, so the hash must be collision resistant (with a 64-bit hash, colliding blocks can be found
+in seconds, and a prompt would be served another's K/V).
 Freed blocks keep their contents and hash in an LRU free list: they can be revived by a later
 request with the same prefix until the allocator needs them for something else.
 
@@ -11,12 +15,22 @@ rest of the cache can be left uninitialised (no time spent zeroing gigabytes at 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+BlockHash = bytes
+# The parent of a sequence's first block.
+ROOT_HASH: BlockHash = hashlib.sha256(b"tokenmill prefix cache").digest()
 
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+
+def block_hash(parent: BlockHash | None, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """SHA-256 of (parent hash, extra keys, tokens), serialized without ambiguity: the parent's 32
+    bytes, the extra keys' length and bytes, then the tokens as 64-bit integers."""
+    data = (parent or ROOT_HASH) + len(extra).to_bytes(4, "little") + extra + array("q", tokens).tobytes()
+    return hashlib.sha256(data).digest()
 
 
 @dataclass
@@ -37,10 +51,10 @@ class BlockAllocator:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
+        self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         # Unreferenced blocks, least recently freed first; values unused.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.cached: dict[BlockHash, int] = {}  # hash -> block id
         self.fresh: list[int] = []  # allocated since the last step: the cache zeroes them
         self.stats = PrefixCacheStats()
 
@@ -72,7 +86,7 @@ class BlockAllocator:
         if self.ref_counts[block] == 0:
             self.free[block] = None
 
-    def lookup(self, h: int) -> int | None:
+    def lookup(self, h: BlockHash) -> int | None:
         """Take a reference on the cached block with hash `h`, if any."""
         block = self.cached.get(h)
         if block is None:
@@ -82,7 +96,7 @@ class BlockAllocator:
         self.ref_counts[block] += 1
         return block
 
-    def register(self, block: int, h: int) -> None:
+    def register(self, block: int, h: BlockHash) -> None:
         """Record that `block` now holds the full block with hash `h`."""
         if not self.enable_prefix_caching:
             return

@@ -254,10 +254,10 @@ class Scheduler:
         if seq.prompt_logprobs is not None and not seq.prompt_logprobs_done:
             limit = min(limit, len(seq.prompt_logprobs) - 1)
         max_blocks = limit // self.block_size
-        parent = seq.prefix_root
+        parent = None
+        extra = seq.prefix_cache_keys
         for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = block_hash(parent, tokens)
+            h = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size], extra)
             block = self.allocator.lookup(h)
             if block is None:
                 break
@@ -277,10 +277,10 @@ class Scheduler:
         if not self.allocator.enable_prefix_caching:
             return
         full = min(num_computed, seq.num_resolved_tokens) // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else seq.prefix_root
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        extra = seq.prefix_cache_keys
         for i in range(len(seq.block_hashes), full):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = block_hash(parent, tokens)
+            parent = block_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size], extra)
             seq.block_hashes.append(parent)
             self.allocator.register(seq.block_table[i], parent)
 

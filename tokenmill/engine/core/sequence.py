@@ -51,7 +51,7 @@ class Sequence:
     num_pending: int = 0
     finishing: bool = False  # its pending token ends it (max_tokens / context): schedule it no more
     epoch: int = 0  # bumped whenever its blocks are freed (preemption), so stale step results are recognised
-    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks so far
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks so far
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     prefix_queried: bool = False
     status: SequenceStatus = SequenceStatus.WAITING
@@ -86,10 +86,10 @@ class Sequence:
             self.prompt_logprobs = [None]
 
     @property
-    def prefix_root(self) -> int | None:
-        """Where its prefix-cache hash chain starts: KV blocks computed with an adapter are only
-        shared by requests of the same adapter."""
-        return None if self.lora is None else self.lora.prefix_key
+    def prefix_cache_keys(self) -> bytes:
+        """What its blocks' K/V depend on besides the tokens (in every block's hash): KV blocks
+        computed with an adapter are only shared by requests of the same adapter."""
+        return b"" if self.lora is None else self.lora.prefix_cache_key
 
     @property
     def constrained(self) -> bool:
