@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.utils.tool_models import HERMES_TEMPLATE, LLAMA3_TEMPLATE
+from tokenmill.engine.structured_output.params import StructuredOutputsParams
 from tokenmill.server.tools.catalog import PARSERS, default_parser_name
 from tokenmill.server.tools.definitions import required_calls_schema
 from tokenmill.server.tools.formats import MistralParser, Phi4MiniJsonParser, PythonicParser, Qwen3CoderParser
@@ -450,8 +451,9 @@ def test_required_list_and_named_arguments() -> None:
 
 
 def test_required_schema_accepts_calls_and_keeps_refs_resolvable() -> None:
-    """The schema for tool_choice "required": anyOf the functions; a function's $defs are hoisted
-    with its refs rewritten, so a valid call validates and a wrong one does not."""
+    """The schema for tool_choice "required": anyOf the functions, each function's parameters under
+    its own $defs entry with its root-relative refs ($defs, `#`, `#/properties/...`) rewritten, so a
+    valid call validates and a wrong one does not."""
     import jsonschema
 
     item = {"type": "object", "properties": {"v": {"type": "integer"}}, "required": ["v"]}
@@ -462,19 +464,30 @@ def test_required_schema_accepts_calls_and_keeps_refs_resolvable() -> None:
         "$defs": {"Item": item},
     }
     params_b = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
-    schema = required_calls_schema([("a", params_a), ("b", params_b), ("c", None)], parallel=True)
+    params_tree = {  # refs to the parameters' own root and to one of its properties
+        "type": "object",
+        "properties": {"v": {"type": "integer"}, "w": {"$ref": "#/properties/v"}, "child": {"$ref": "#"}},
+        "required": ["v", "w"],
+    }
+    schema = required_calls_schema(
+        [("a", params_a), ("b", params_b), ("c", None), ("tree", params_tree)], parallel=True
+    )
     jsonschema.Draft202012Validator.check_schema(schema)
     ok = [
         {"name": "a", "arguments": {"items": [{"v": 1}]}},
         {"name": "b", "arguments": {"q": "x"}},
         {"name": "c", "arguments": {}},
+        {"name": "tree", "arguments": {"v": 1, "w": 2, "child": {"v": 3, "w": 4}}},
     ]
     jsonschema.validate(ok, schema)
+    StructuredOutputsParams(json=schema).validate()  # and xgrammar resolves them too
     for bad in (
         [],
         [{"name": "a", "arguments": {"items": [{"v": "1"}]}}],
         [{"name": "d", "arguments": {}}],
         [{"name": "b", "arguments": {}}],
+        [{"name": "tree", "arguments": {"v": 1, "w": "2"}}],
+        [{"name": "tree", "arguments": {"v": 1, "w": 2, "child": {"v": 3}}}],
     ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)

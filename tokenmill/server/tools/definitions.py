@@ -1,5 +1,9 @@
 """Tool definitions: checking their parameter schemas, and the JSON schema that forces a call.
 
+Parameter schemas are checked by `check_tools`, off the event loop (validating a large schema
+takes a while), and their size is bounded: MAX_TOOL_PARAMETERS_BYTES per function, MAX_TOOLS_BYTES
+for a request's tools together (as compact JSON text).
+
 `tool_choice: "required"` and a named function are enforced with structured output (as vLLM does,
 whatever the model's own call format): the output must be the function's arguments object (named)
 or a list of `{"name": ..., "arguments": ...}` objects, one per call (required).
@@ -7,7 +11,7 @@ or a list of `{"name": ..., "arguments": ...}` objects, one per call (required).
 
 from __future__ import annotations
 
-import copy
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,7 +20,11 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 from pydantic_core import PydanticCustomError
 
+from tokenmill.server.errors import bad_request
+
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+MAX_TOOL_PARAMETERS_BYTES = 64 << 10
+MAX_TOOLS_BYTES = 128 << 10
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -27,20 +35,44 @@ def check_function_name(name: str) -> str:
     return name
 
 
-def check_parameters_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A function's `parameters`: a valid JSON schema (its `$schema` draft, else 2020-12) of type object."""
+def check_tools(parameters: Sequence[Mapping[str, Any] | None]) -> None:
+    """Each function's `parameters` (in tools order; None: no arguments) within the size limits and
+    a valid JSON schema (its `$schema` draft, else 2020-12) of type object; a 400 naming the field.
+    Call it in a thread: it takes a while on large schemas."""
+    total = 0
+    for i, schema in enumerate(parameters):
+        if schema is None:
+            continue
+        param = f"tools[{i}].function.parameters"
+        size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
+        if size > MAX_TOOL_PARAMETERS_BYTES:
+            raise bad_request(
+                f"the parameters schema is {size} bytes of JSON; the limit is {MAX_TOOL_PARAMETERS_BYTES}",
+                param=param,
+                code="tool_too_large",
+            )
+        total += size
+        if total > MAX_TOOLS_BYTES:
+            raise bad_request(
+                f"the tools' parameter schemas add up to more than {MAX_TOOLS_BYTES} bytes of JSON",
+                param="tools",
+                code="tool_too_large",
+            )
+    for i, schema in enumerate(parameters):
+        if schema is not None:
+            _check_parameters_schema(schema, f"tools[{i}].function.parameters")
+
+
+def _check_parameters_schema(schema: Mapping[str, Any], param: str) -> None:
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:
-        raise PydanticCustomError(
-            "json_schema",
-            "not a valid JSON schema: {error} (at {where})",
-            {"error": exc.message, "where": exc.json_path},
+        raise bad_request(
+            f"Invalid value for '{param}': not a valid JSON schema: {exc.message} (at {exc.json_path})", param=param
         ) from None
     kind = schema.get("type", "object")
     if kind != "object":
-        raise PydanticCustomError("json_schema", 'the schema must have type "object", got {kind}', {"kind": kind})
-    return schema
+        raise bad_request(f"Invalid value for '{param}': the schema must have type \"object\", got {kind}", param=param)
 
 
 def arguments_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -49,50 +81,36 @@ def arguments_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def required_calls_schema(functions: Sequence[tuple[str, Mapping[str, Any] | None]], parallel: bool) -> dict[str, Any]:
     """One or more calls (exactly one unless `parallel`), each to one of `functions` (name,
-    parameters) with arguments valid for it. Each function's `$defs` move to the root under a
-    per-function prefix, so their `$ref`s still resolve inside the combined schema."""
+    parameters) with arguments valid for it. Each function's parameters move under the root's
+    `$defs` (as `f0`, `f1`, ...), their root-relative `$ref`s rewritten to point there, so `#`,
+    `#/properties/...` and their own `$defs` still resolve inside the combined schema."""
     alternatives: list[dict[str, Any]] = []
     defs: dict[str, Any] = {}
     for i, (name, parameters) in enumerate(functions):
-        arguments, own_defs = _hoist_defs(arguments_schema(parameters), prefix=f"f{i}_")
-        defs.update(own_defs)
+        key = f"f{i}"
+        defs[key] = _rebase_refs(arguments_schema(parameters), f"#/$defs/{key}")
         alternatives.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": arguments},
+                "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{key}"}},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
         )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}, "$defs": defs}
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return schema
 
 
-_DEFS_KEYS = ("$defs", "definitions")
-
-
-def _hoist_defs(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    schema = copy.deepcopy(schema)
-    defs: dict[str, Any] = {}
-    for key in _DEFS_KEYS:
-        for name, sub in (schema.pop(key, None) or {}).items():
-            defs[prefix + name] = sub
-    if not defs:
-        return schema, {}
-    renamed = {f"#/{key}/{name.removeprefix(prefix)}": f"#/$defs/{name}" for key in _DEFS_KEYS for name in defs}
-    return _rewrite_refs(schema, renamed), _rewrite_refs(defs, renamed)
-
-
-def _rewrite_refs(node: Any, renamed: dict[str, str]) -> Any:
+def _rebase_refs(node: Any, base: str) -> Any:
+    """A copy of `node` whose root-relative refs (`#`, `#/...`; not anchors) point below `base` instead."""
     if isinstance(node, dict):
-        return {
-            k: (renamed.get(v, v) if k == "$ref" and isinstance(v, str) else _rewrite_refs(v, renamed))
-            for k, v in node.items()
-        }
+        return {k: (_rebased(v, base) if k == "$ref" else _rebase_refs(v, base)) for k, v in node.items()}
     if isinstance(node, list):
-        return [_rewrite_refs(v, renamed) for v in node]
+        return [_rebase_refs(v, base) for v in node]
     return node
+
+
+def _rebased(ref: Any, base: str) -> Any:
+    return base + ref[1:] if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")) else ref
