@@ -330,6 +330,21 @@ def test_json_strings_never_take_raw_control_characters(llm) -> None:
         assert not accepts('{"name": "a' + control), repr(control)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [{"choice": ["<|im_start|>"]}, {"regex": r"<\|im_start\|>"}, {"grammar": 'root ::= "<|im_start|>"'}],
+    ids=["choice", "regex", "grammar"],
+)
+def test_text_equal_to_a_special_token_is_written_as_text(llm, spec) -> None:
+    """The special token whose text the spec spells (biased to win if it were allowed) is never
+    sampled: the output is the text, which the detokenizer would otherwise leave out."""
+    im_start = llm.engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    params = SamplingParams(max_tokens=16, structured_outputs=constrained(**spec), logit_bias={im_start: 100.0})
+    out = llm.generate(["Say it"], params)[0].outputs[0]
+    assert im_start not in out.token_ids
+    assert out.text == "<|im_start|>" and out.finish_reason == "stop"
+
+
 def test_grammars_compile_once_per_spec(llm) -> None:
     compiler = llm.engine.structured_outputs.compiler
     spec_a, spec_b = constrained(json=dict(PERSON)), constrained(json=json.loads(json.dumps(PERSON)))

@@ -82,12 +82,29 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
-                )
+                info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
                 # One compile at a time per pool thread; our own LRU caches results.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
+    """xgrammar's view of the vocabulary, without the special tokens: xgrammar would match a special
+    token's text (a choice "<|im_end|>" could be written as that one control token), which the
+    output text then leaves out. Tokens with an empty text are never allowed, except the stop
+    tokens at the end."""
+    import xgrammar as xgr
+
+    base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
+    vocab = [""] * vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if index < vocab_size:
+            vocab[index] = token
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    for index in special - set(stop_token_ids):
+        if index < vocab_size:
+            vocab[index] = ""
+    return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, base.dump_metadata())
 
 
 class GrammarMask:
