@@ -145,6 +145,36 @@ def test_hermes_markup_that_is_no_call_is_content_streamed_or_not(text: str) -> 
     assert_all_splits_agree(HermesParser, text, ParsedText(text, []))
 
 
+OFFERED = {"get_weather": {"type": "object"}}
+
+
+@pytest.mark.parametrize(
+    "new_parser",
+    [lambda: HermesParser(tools=OFFERED), lambda: Llama3JsonParser(tools=OFFERED)],
+    ids=["hermes", "llama3_json"],
+)
+def test_calls_of_functions_not_offered_are_text(new_parser) -> None:
+    """tool_choice auto: a call naming a function the request did not offer is no call (it and what
+    follows are content), whatever order its keys come in; an offered one still is."""
+    hermes = isinstance(new_parser(), HermesParser)
+
+    def call(name: str, first: str = "name") -> str:
+        body = (
+            f'{{"name": "{name}", "arguments": {WEATHER}}}'
+            if first == "name"
+            else f'{{"arguments": {WEATHER}, "name": "{name}"}}'
+        )
+        return f"<tool_call>\n{body}\n</tool_call>" if hermes else body
+
+    for text in (
+        call("delete_files"),
+        call("delete_files", first="arguments"),
+        call("delete_files") + ";" + call("get_weather"),
+    ):
+        assert_all_splits_agree(new_parser, text, ParsedText(text, []))
+    assert_all_splits_agree(new_parser, call("get_weather"), ParsedText(None, [ParsedCall("get_weather", WEATHER)]))
+
+
 def test_hermes_without_parallel_calls_keeps_the_first() -> None:
     text = (
         '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {}}</tool_call>'
@@ -324,7 +354,8 @@ XML_TOOLS = {
             "filters": {"type": "object"},
             "tags": {"anyOf": [{"type": "array"}, {"type": "null"}]},
         },
-    }
+    },
+    "now": {"type": "object"},
 }
 
 
@@ -582,4 +613,5 @@ def test_auto_parsers_get_the_requests_tool_schemas() -> None:
     plan = plan_tools(req, Qwen3CoderParser)
     text = "<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>"
     assert parse_text(plan.new_parser(), text).calls == [ParsedCall("get_weather", '{"days": 3}')]
+    assert plan.new_parser().names == {"get_weather"}  # a call to another function stays text
     assert plan_tools(req, MistralParser).keeps_special_tokens and not plan.keeps_special_tokens

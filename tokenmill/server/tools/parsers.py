@@ -62,8 +62,10 @@ class ParsedText:
 
 class ToolCallParser(ABC):
     """Splits one choice's text into content and calls as it streams. `max_calls` (1 when the request
-    sets parallel_tool_calls=false) drops any call beyond it. `failed` is set when a call was started
-    but turned out malformed: a non-streamed response then returns the whole text as content."""
+    sets parallel_tool_calls=false) drops any call beyond it. `tools`: the functions the request
+    offers, their parameters schemas by name (None: any function); a call to another is no call,
+    like a malformed one. `failed` is set when a call was started but turned out malformed: a
+    non-streamed response then returns the whole text as content."""
 
     # Strings the parser must see in the output text (not dropped by the detokenizer as special tokens).
     MARKERS: ClassVar[tuple[str, ...]] = ()
@@ -74,6 +76,7 @@ class ToolCallParser(ABC):
     def __init__(self, max_calls: int | None = None, tools: ToolSchemas | None = None) -> None:
         self.max_calls = max_calls
         self.tools = tools or {}  # each offered function's parameters schema, by name
+        self.names = None if tools is None else frozenset(tools)
         self.failed = False
         self._calls: list[_Call] = []
 
@@ -290,6 +293,10 @@ class _CallsInText(ToolCallParser):
         used = self._call.scanner.feed(self._pending)
         self._call_text += self._pending[:used]
         self._pending = self._pending[used:]
+        name = self._call.scanner.name
+        if name is not None and self.names is not None and name not in self.names:
+            self._broken(out)  # (its first delta is sent with the name: nothing of it was)
+            return False
         out.calls += self._call.deltas()
         if self._call.scanner.failed:
             self._broken(out)
