@@ -361,6 +361,15 @@ BAD_ADAPTERS = {  # changes to the rank-4 "qv" adapter (q_proj and v_proj of eve
     "alpha_pattern not an object": (dict(config={"alpha_pattern": ["q_proj"]}), "alpha_pattern must be"),
     "alpha_pattern value not a number": (dict(config={"alpha_pattern": {"q_proj": "x"}}), "alpha_pattern must be"),
     "alpha_pattern bad regex": (dict(config={"alpha_pattern": {"q_proj(": 4}}), "alpha_pattern must be"),
+    "rank_pattern bad regex": (dict(config={"rank_pattern": {"q_proj(": 4}}), "rank_pattern must be"),
+    "too many alpha_pattern keys": (
+        dict(config={"alpha_pattern": {f"layers.{i}.q_proj": 4 for i in range(257)}}),
+        "it has 257 keys, more than 256",
+    ),
+    "alpha_pattern key too long": (
+        dict(config={"alpha_pattern": {"q" * 513: 4}}),
+        "is longer than 512 characters",
+    ),
 }
 
 
@@ -372,6 +381,42 @@ def test_bad_adapter_is_refused_naming_the_problem(case, lora_llm, llama_adapter
         lora_llm.engine.loras.load("bad", broken)
     assert "'bad'" in str(info.value) and "\n" not in str(info.value)
     assert lora_llm.engine.loras.get("bad") is None
+
+
+# A regex that backtracks for ever under `re` (2^31 ways to match a 31-character module name).
+CATASTROPHIC_PATTERN = "(.|.)*X"
+
+
+def test_a_catastrophic_alpha_pattern_cannot_freeze_the_process(sharp_tiny_model_dir, llama_adapters, tmp_path):
+    """In a child process (`re` would hold the GIL: no thread could time it out): the adapter loads
+    within the hang limit, the pattern matching no module (so lora_alpha applies)."""
+    hostile = _broken_copy(
+        llama_adapters["qv"], tmp_path / "hostile", config={"alpha_pattern": {CATASTROPHIC_PATTERN: 8}}
+    )
+    script = (
+        "from tokenmill import LLM\n"
+        f"llm = LLM({str(sharp_tiny_model_dir)!r}, progress=False, kv_cache_memory='16MiB', dtype='float32', "
+        "enable_lora=True, max_lora_rank=8)\n"
+        f"print('rank', llm.engine.loras.load('hostile', {str(hostile)!r}).rank)\n"
+    )
+    try:
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"loading an adapter with alpha_pattern {CATASTROPHIC_PATTERN!r} hung")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "rank 4" in result.stdout
+
+
+def test_alpha_patterns_past_the_match_budget_are_refused_naming_the_key(
+    lora_llm, llama_adapters, tmp_path, monkeypatch
+):
+    from tokenmill.lora import registry
+
+    monkeypatch.setattr(registry, "PATTERN_MATCH_BUDGET_S", 0.0)
+    slow = _broken_copy(llama_adapters["qv"], tmp_path / "slow", config={"alpha_pattern": {CATASTROPHIC_PATTERN: 8}})
+    with pytest.raises(LoRAError, match=re.escape(f"alpha_pattern key {CATASTROPHIC_PATTERN!r} takes too long")):
+        lora_llm.engine.loras.load("slow", slow)
+    assert lora_llm.engine.loras.get("slow") is None
 
 
 def test_rank_over_max_lora_rank(lora_llm, llama_adapters):

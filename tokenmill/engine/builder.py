@@ -243,7 +243,9 @@ def _assemble(config: EngineConfig, loaded: _LoadedModel, kv_dtype: torch.dtype)
         loras=(
             None
             if lora is None
-            else LoRARegistry(lora.targets, lora.hf_to_local, config.max_lora_rank, dtype, model_name)
+            else LoRARegistry(
+                lora.targets, lora.hf_to_local, config.max_lora_rank, dtype, model_name, config.max_cpu_loras
+            )
         ),
         allocator=allocator,
         kv_cache=kv_cache,

@@ -164,6 +164,12 @@ class EngineConfig:
         metavar="N",
     )
     max_lora_rank: int = option(16, "largest LoRA rank an adapter may have (slots are sized for it)", metavar="R")
+    max_cpu_loras: int = option(
+        64,
+        "LoRA adapters loaded at most (held in CPU memory: --lora-modules and run-time loads count); one "
+        "more is refused until another is unloaded",
+        metavar="N",
+    )
 
     @property
     def lora_enabled(self) -> bool:
@@ -177,6 +183,8 @@ class EngineConfig:
             raise ValueError(f"--max-loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < 1:
+            raise ValueError(f"--max-cpu-loras must be >= 1, got {self.max_cpu_loras}")
         if self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters are not supported with --tensor-parallel-size > 1 yet")
         if self.compile:

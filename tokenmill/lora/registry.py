@@ -21,11 +21,13 @@ import math
 import pickle
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import regex
 import torch
 
 from tokenmill.errors import InvalidRequest
@@ -36,12 +38,27 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<matrix>[AB])\.weight$")
+# PEFT's alpha_pattern / rank_pattern keys are regexes written by whoever made the adapter. They
+# are matched with `regex` (the GIL released) within one time budget per adapter: a catastrophic
+# pattern is refused, naming it, instead of freezing the process (`re` holds the GIL while it
+# backtracks). Their number and length are bounded too.
+# Adapter names show in /v1/models, responses and metric labels.
+ADAPTER_NAME = re.compile(r"[^\s\x00-\x1f\x7f]{1,128}")
+MAX_PATTERNS = 256
+MAX_PATTERN_CHARS = 512
+PATTERN_MATCH_BUDGET_S = 1.0
 
 
 class LoRAError(InvalidRequest):
     """An adapter that cannot be served (HTTP 400; a one-line error at startup)."""
 
     code = "invalid_lora_adapter"
+
+
+class LoRAPathError(LoRAError):
+    """`lora_path` holds no readable PEFT adapter: missing, not a directory, no or unreadable files.
+    The run-time API answers these with one message (see `tokenmill.server.lora_api`), so it tells
+    nobody whether a path exists on the server."""
 
 
 class LoRANotFound(InvalidRequest):
@@ -99,12 +116,14 @@ class LoRARegistry:
         max_rank: int,
         dtype: torch.dtype,
         base_model_name: str,
+        max_adapters: int,
     ) -> None:
         self.targets = dict(targets)
         self.hf_to_local = hf_to_local
         self.max_rank = max_rank
         self.dtype = dtype
         self.base_model_name = base_model_name
+        self.max_adapters = max_adapters
         self._adapters: dict[str, LoRAAdapter] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -122,18 +141,32 @@ class LoRARegistry:
             raise LoRAError(
                 "both lora_name and lora_path must be given", param="lora_name" if not name else "lora_path"
             )
+        if not ADAPTER_NAME.fullmatch(name):
+            raise LoRAError(
+                "an adapter name is 1 to 128 characters, none of them whitespace or control characters",
+                param="lora_name",
+            )
         if name == self.base_model_name:
             raise LoRAError(f"{name!r} is the base model's name; give the adapter another", param="lora_name")
-        if name in self._adapters:
-            raise LoRAError(f"the LoRA adapter {name!r} has already been loaded", param="lora_name")
+        self._check_room(name)
         weights, rank = self._read(name, Path(path))
         adapter = LoRAAdapter(name, str(path), next(self._ids), rank, weights, base_model_name)
-        with self._lock:
-            if name in self._adapters:  # another thread loaded it meanwhile
-                raise LoRAError(f"the LoRA adapter {name!r} has already been loaded", param="lora_name")
+        with self._lock:  # (another thread may have loaded one meanwhile)
+            self._check_room(name)
             self._adapters[name] = adapter
         logger.info("LoRA adapter %r loaded from %s (rank %d, %d layers)", name, path, rank, len(weights))
         return adapter
+
+    def _check_room(self, name: str) -> None:
+        if name in self._adapters:
+            raise LoRAError(f"the LoRA adapter {name!r} has already been loaded", param="lora_name")
+        if len(self._adapters) >= self.max_adapters:
+            raise LoRAError(
+                f"{self.max_adapters} LoRA adapters are loaded, the most this server holds (--max-cpu-loras): "
+                "unload one first",
+                param="lora_name",
+                code="lora_limit_reached",
+            )
 
     def unload(self, name: str) -> LoRAAdapter:
         """Forget an adapter: new requests cannot select it; requests running with it finish with it."""
@@ -178,12 +211,13 @@ class LoRARegistry:
             raise LoRAError(f"{where}: the weights file holds no LoRA matrices")
         weights: dict[str, list[LoRAWeights]] = {}
         rank = 0
+        alphas = _AlphaPatterns(config, where)
         for module, matrices in sorted(pairs.items()):
             local, part, a, b = self._checked_pair(where, module, matrices)
             existing = weights.setdefault(local, [])
             if any(w.part is None or part is None or w.part == part for w in existing):
                 raise LoRAError(f"{where}: {module} adapts a layer another of its modules already adapts")
-            scaled_b = (b.float() * _scale(config, module, a.shape[0])).to(self.dtype)
+            scaled_b = (b.float() * _scale(config, alphas.alpha(module), a.shape[0])).to(self.dtype)
             if not torch.isfinite(scaled_b).all():  # (a huge alpha overflows the model's dtype)
                 raise LoRAError(f"{where}: {module}: lora_B times the scale alpha / r holds NaN or infinite weights")
             existing.append(LoRAWeights(part, a.to(self.dtype).contiguous(), scaled_b.contiguous()))
@@ -232,13 +266,13 @@ def _listed(names: list[str]) -> str:
 
 def _read_config(path: Path, where: str) -> dict[str, Any]:
     if not path.is_dir():
-        raise LoRAError(f"{where}: no such directory")
+        raise LoRAPathError(f"{where}: no such directory")
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
     except FileNotFoundError:
-        raise LoRAError(f"{where}: {CONFIG_FILE} is missing (not a PEFT adapter directory?)") from None
+        raise LoRAPathError(f"{where}: {CONFIG_FILE} is missing (not a PEFT adapter directory?)") from None
     except (OSError, ValueError) as exc:
-        raise LoRAError(f"{where}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+        raise LoRAPathError(f"{where}: {CONFIG_FILE} is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise LoRAError(f"{where}: {CONFIG_FILE} must hold a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
@@ -260,7 +294,8 @@ def _read_config(path: Path, where: str) -> dict[str, Any]:
         value = config.get(key)
         if not _positive_number(value):
             raise LoRAError(f"{where}: {CONFIG_FILE} needs a positive number {key!r}")
-    _check_alpha_pattern(config.get("alpha_pattern"), where)
+    _check_pattern(config, "alpha_pattern", where)
+    _check_pattern(config, "rank_pattern", where)
     return config
 
 
@@ -269,29 +304,63 @@ def _positive_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def _check_alpha_pattern(pattern: Any, where: str) -> None:
-    """PEFT's per-module alphas: {regex: positive number}."""
+def _check_pattern(config: dict[str, Any], key: str, where: str) -> None:
+    """PEFT's per-module alphas or ranks: {regex: positive number}, at most MAX_PATTERNS keys of at
+    most MAX_PATTERN_CHARS characters."""
+    pattern = config.get(key)
     if not pattern:
         return
     problem = None
     if not isinstance(pattern, dict):
         problem = "it is not an object"
+    elif len(pattern) > MAX_PATTERNS:
+        problem = f"it has {len(pattern)} keys, more than {MAX_PATTERNS}"
     else:
-        for key, value in pattern.items():
+        for name, value in pattern.items():
             if not _positive_number(value):
-                problem = f"{key!r} maps to {value!r}"
+                problem = f"{name!r} maps to {value!r}"
+            elif len(name) > MAX_PATTERN_CHARS:
+                problem = f"{name[:40]!r}... is longer than {MAX_PATTERN_CHARS} characters"
             else:
                 try:
-                    re.compile(key)
+                    re.compile(name)  # PEFT's syntax (re's), whatever `regex` would also accept
                 except re.error as exc:
-                    problem = f"{key!r} is not a regular expression ({exc})"
+                    problem = f"{name!r} is not a regular expression ({exc})"
             if problem:
                 break
     if problem:
         raise LoRAError(
-            f"{where}: alpha_pattern must be an object of module patterns to positive numbers "
-            f"in {CONFIG_FILE}: {problem}"
+            f"{where}: {key} must be an object of module patterns to positive numbers in {CONFIG_FILE}: {problem}"
         )
+
+
+class _AlphaPatterns:
+    """`alpha_pattern` lookups of one adapter, all of them within PATTERN_MATCH_BUDGET_S of matching."""
+
+    def __init__(self, config: dict[str, Any], where: str) -> None:
+        self.default = config["lora_alpha"]
+        given = config.get("alpha_pattern") or {}
+        self.patterns = [(key, regex.compile(rf"(.*\.)?({key})$"), value) for key, value in given.items()]
+        self.where = where
+        self.budget_left = PATTERN_MATCH_BUDGET_S
+
+    def alpha(self, module: str) -> float:
+        """The first matching pattern's alpha, else lora_alpha (peft's get_pattern_key)."""
+        for key, pattern, value in self.patterns:
+            start = time.monotonic()
+            try:
+                if self.budget_left <= 0:
+                    raise TimeoutError
+                matched = pattern.match(module, timeout=self.budget_left, concurrent=True)
+            except TimeoutError:
+                raise LoRAError(
+                    f"{self.where}: alpha_pattern key {key!r} takes too long to match module names (the budget "
+                    f"for all of them is {PATTERN_MATCH_BUDGET_S:g} s): refused"
+                ) from None
+            self.budget_left -= time.monotonic() - start
+            if matched:
+                return value
+        return self.default
 
 
 def _read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
@@ -307,21 +376,16 @@ def _read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
                 return load_file(str(file))
             tensors = torch.load(file, map_location="cpu", weights_only=True)
         except (SafetensorError, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
-            raise LoRAError(f"{where}: {file_name} is unreadable ({' '.join(str(exc).split())[:200]})") from None
+            raise LoRAPathError(f"{where}: {file_name} is unreadable ({' '.join(str(exc).split())[:200]})") from None
         if not isinstance(tensors, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()
         ):
             raise LoRAError(f"{where}: {file_name} must hold a dict of named tensors")
         return tensors
-    raise LoRAError(f"{where}: no {' or '.join(WEIGHT_FILES)}")
+    raise LoRAPathError(f"{where}: no {' or '.join(WEIGHT_FILES)}")
 
 
-def _scale(config: dict[str, Any], module: str, rank: int) -> float:
+def _scale(config: dict[str, Any], alpha: float, rank: int) -> float:
     """PEFT's scaling of one module: alpha / r (alpha / sqrt(r) with rsLoRA); `rank_pattern` shows in
-    the matrices' shapes, `alpha_pattern` overrides alpha for the modules its keys match."""
-    alpha = config["lora_alpha"]
-    for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):  # (peft's get_pattern_key)
-            alpha = value
-            break
+    the matrices' shapes, `alpha_pattern` gives `alpha` (see _AlphaPatterns)."""
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
