@@ -11,6 +11,7 @@ import time
 
 import jiter
 import jsonschema
+import psutil
 import pytest
 
 from tokenmill import LLM, SamplingParams
@@ -188,17 +189,119 @@ def test_invalid_specs_are_invalid_requests_naming_the_field(llm) -> None:
         (dict(json="{not json"), "structured_outputs.json", "JSON"),
         (dict(regex="(("), "structured_outputs.regex", "parenthesis"),
         (dict(grammar="root ::= undefined_rule"), "structured_outputs.grammar", "undefined_rule"),
+        # Anchors xgrammar would drop (mid-pattern ^ and $) or misread (\A and \Z as letters).
+        (dict(regex="a$b"), "structured_outputs.regex", "the anchor $ is not supported there"),
+        (dict(regex="(a|^b)c"), "structured_outputs.regex", "the anchor ^ is not supported there"),
+        (dict(regex=r"\Aab\Z"), "structured_outputs.regex", "the anchor \\A is not supported there"),
     ]
     for spec, param, words in bad:
         with pytest.raises(InvalidRequest) as err:
             llm.generate(["x"], SamplingParams(structured_outputs=constrained(**spec)))
         assert err.value.param == param and words in err.value.message, (spec, err.value.message)
+    for fine in ("^ab$", "[$^]+", r"\$\^"):  # anchors at the ends, and escaped or in a class, are fine
+        constrained(regex=fine).validate()
     for spec in (dict(), dict(json=PERSON, regex="a"), dict(choice=[]), dict(choice=["a", ""])):
         with pytest.raises(InvalidRequest):
             constrained(**spec)
     with pytest.raises(InvalidRequest) as err:
         SamplingParams(structured_outputs={"jsn": {}})
     assert err.value.param == "structured_outputs.jsn"
+
+
+def nested(depth: int) -> dict:
+    """A schema whose JSON nests `depth` objects and arrays deep."""
+    schema: dict = {"type": "integer"}
+    while depth > 1:
+        schema = {"type": "array", "items": schema}
+        depth -= 1
+    return schema
+
+
+def test_schemas_are_bounded_before_xgrammar_parses_them() -> None:
+    """A schema given as JSON text is parsed and held to the same limits as a dict (xgrammar's parse
+    time grows with the cube of the depth: 400 levels took 13 s); every kind of spec has a size limit."""
+    from tokenmill.engine.structured_output.params import MAX_SCHEMA_DEPTH, MAX_SPEC_BYTES
+
+    deep = json.dumps(nested(400))
+    for schema in (deep, json.loads(deep), nested(MAX_SCHEMA_DEPTH + 1), "[" * 100_000):
+        with pytest.raises(InvalidRequest, match=f"nested more than {MAX_SCHEMA_DEPTH} levels") as err:
+            constrained(json=schema)
+        assert err.value.param == "structured_outputs.json" and err.value.code == "structured_output_too_large"
+    constrained(json=nested(MAX_SCHEMA_DEPTH)).validate()
+    constrained(json=json.dumps(nested(MAX_SCHEMA_DEPTH))).validate()
+    for text in ("{not json", "[1, 2]"):
+        with pytest.raises(InvalidRequest) as err:
+            constrained(json=text)
+        assert err.value.param == "structured_outputs.json"
+    big = "x" * MAX_SPEC_BYTES
+    for kind, value in (
+        ("regex", big + "y"),
+        ("grammar", f'root ::= "{big}"'),
+        ("choice", [big[:1000]] * 300),
+        ("json", {"enum": [big]}),
+        ("json", json.dumps({"enum": [big]})),
+    ):
+        with pytest.raises(InvalidRequest, match=f"the limit is {MAX_SPEC_BYTES}") as err:
+            constrained(**{kind: value})
+        assert err.value.param == f"structured_outputs.{kind}" and err.value.code == "structured_output_too_large"
+    constrained(regex="x" * (MAX_SPEC_BYTES - 1) + "y")
+
+
+# Keywords xgrammar cannot enforce, each in a schema it otherwise accepts, and an output xgrammar
+# would allow that breaks it.
+UNENFORCEABLE = {
+    "not": {"type": "integer", "not": {"const": 3}},
+    "if": {"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]}, "then": {}},
+    "dependentRequired": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "dependentRequired": {"a": ["b"]},
+    },
+    "propertyNames": {"type": "object", "properties": {"ab": {"type": "integer"}}, "propertyNames": {"maxLength": 1}},
+    "contains": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}},
+    "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    "allOf": {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]},
+    "oneOf": {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]},
+    "format": {"type": "string", "format": "idn-email"},
+    "$ref": {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},
+}
+
+
+@pytest.mark.parametrize("keyword", sorted(UNENFORCEABLE))
+def test_keywords_xgrammar_cannot_enforce_are_refused_when_strict(keyword) -> None:
+    schema = {"type": "object", "properties": {"x": UNENFORCEABLE[keyword]}, "required": ["x"]}
+    with pytest.raises(InvalidRequest, match=re.escape(f"'{keyword}'")) as err:
+        constrained(json=schema).validate()
+    assert err.value.param == "structured_outputs.json" and "#/properties/x" in err.value.message
+    constrained(json=schema, strict=False).validate()  # relaxed: the rest of the schema holds
+
+
+def test_what_xgrammar_enforces_passes_the_strict_check() -> None:
+    enforceable = [
+        PERSON,
+        {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "array"}]},  # types apart
+        {  # a discriminator, also behind refs
+            "$defs": {
+                "Cat": {"type": "object", "properties": {"kind": {"const": "cat"}}, "required": ["kind"]},
+                "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog"]}}, "required": ["kind"]},
+            },
+            "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+        },
+        {"allOf": [{"type": "integer"}]},
+        {"type": "string", "format": "date-time"},
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
+        {"type": "object", "properties": {"self": {"$ref": "#"}}},
+    ]
+    for schema in enforceable:
+        constrained(json=schema).validate()
+
+
+def test_schema_patterns_with_misplaced_anchors_are_refused_strict_or_not() -> None:
+    for strict in (True, False):
+        with pytest.raises(InvalidRequest, match="the anchor \\$ is not supported there") as err:
+            constrained(json={"type": "string", "pattern": "a$b"}, strict=strict).validate()
+        assert "#" in err.value.message
+    constrained(json={"type": "string", "pattern": "^a+$"}).validate()
 
 
 def test_preempted_sequences_keep_their_grammar_state(tiny_model_dir) -> None:
@@ -295,24 +398,24 @@ def test_a_slow_compile_does_not_stall_other_requests(tiny_model_dir) -> None:
 
 
 def test_a_failed_compile_fails_only_its_request(tiny_model_dir, monkeypatch) -> None:
+    """A grammar over the memory limit is refused (the request's fault: `rejection`); the other
+    request's grammar compiles and runs."""
+    from tokenmill.engine.structured_output import grammar
+
+    monkeypatch.setattr(grammar, "MAX_GRAMMAR_BYTES", 32 << 10)  # (the choice list's grammar: ~62 KiB)
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="64MiB"), progress=False)
     try:
-        compile_grammar = engine.structured_outputs.compiler._compile
-
-        def failing(spec):
-            if spec.regex == "b+":
-                raise RuntimeError("out of memory while compiling")
-            return compile_grammar(spec)
-
-        monkeypatch.setattr(engine.structured_outputs.compiler, "_compile", failing)
+        big = constrained(choice=[f"choice number {i}" for i in range(300)])
         engine.add_request("ok", "Hi", SamplingParams(**SAMPLED, structured_outputs=constrained(regex="a{3}")))
-        engine.add_request("bad", "Hi", SamplingParams(**SAMPLED, structured_outputs=constrained(regex="b+")))
+        engine.add_request("big", "Hi", SamplingParams(**SAMPLED, structured_outputs=big))
         finished = {}
         while engine.has_unfinished():
             finished.update({o.request_id: o for o in engine.step() if o.finished})
         assert finished["ok"].outputs[0].text == "aaa"
-        assert finished["bad"].outputs[0].finish_reason == "error"
-        assert "could not be compiled" in finished["bad"].error and "out of memory" in finished["bad"].error
+        assert finished["big"].outputs[0].finish_reason == "error"
+        assert isinstance(finished["big"].rejection, InvalidRequest)
+        assert finished["big"].rejection.code == "structured_output_too_complex"
+        assert "the limit is" in finished["big"].error
     finally:
         engine.close()
 
@@ -348,5 +451,106 @@ def test_text_equal_to_a_special_token_is_written_as_text(llm, spec) -> None:
 def test_grammars_compile_once_per_spec(llm) -> None:
     compiler = llm.engine.structured_outputs.compiler
     spec_a, spec_b = constrained(json=dict(PERSON)), constrained(json=json.loads(json.dumps(PERSON)))
-    assert compiler.compile(spec_a) is compiler.compile(spec_b)  # same schema, one compile (key order too)
-    assert compiler.compile(constrained(regex="a")) is not compiler.compile(constrained(regex="b"))
+    # Same schema (key order too): one compile, one grammar.
+    assert compiler.compile(spec_a).result() is compiler.compile(spec_b).result()
+    assert compiler.compile(constrained(regex="a")).result() is not compiler.compile(constrained(regex="b")).result()
+
+
+# ---------------------------------------------------------------------------------------------- bounds
+
+
+# A 15-byte regex that takes seconds to compile (xgrammar expands the repetition).
+SLOW_REGEX = "[^x]{0,100000}"
+
+
+@pytest.fixture
+def compiler(llm):
+    """A grammar compiler of its own (its own workers and cache) over the tiny model's vocabulary."""
+    from tokenmill.engine.structured_output.grammar import GrammarCompiler
+
+    made = []
+
+    def make(**kwargs):
+        made.append(GrammarCompiler(llm.engine.tokenizer, llm.engine.spec.vocab_size, [2], **kwargs))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_a_compile_past_its_deadline_is_refused_and_stopped(compiler) -> None:
+    from tokenmill.engine.structured_output.grammar import GrammarTooComplex
+
+    grammars = compiler(timeout_s=1.0)
+    future = grammars.compile(constrained(regex=SLOW_REGEX))
+    with pytest.raises(GrammarTooComplex, match="did not compile within 1 s") as err:
+        future.result(timeout=120)
+    assert err.value.param == "structured_outputs.regex"
+    # Refused at once the next time (the spec's fault); a cheap spec still compiles.
+    with pytest.raises(GrammarTooComplex):
+        grammars.compile(constrained(regex=SLOW_REGEX)).result(timeout=1)
+    assert grammars.compile(constrained(regex="ab+")).result(timeout=120) is not None
+
+
+def test_a_compile_nobody_waits_for_is_stopped(compiler) -> None:
+    grammars = compiler(timeout_s=600.0)
+    cheap = grammars.compile(constrained(regex="warm"))  # (the worker processes are up)
+    cheap.result(timeout=120)
+    future = grammars.compile(constrained(regex=SLOW_REGEX + "a"))
+    deadline = time.monotonic() + 60
+    while not any(job.running for job in grammars._cache.values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    pids = {w._proc.pid for w in grammars._workers if w._proc is not None}
+    assert future.cancel()
+    while grammars._cache.get(constrained(regex=SLOW_REGEX + "a").key) is not None:  # forgotten
+        assert time.monotonic() < deadline, "the compile went on"
+        time.sleep(0.05)
+    gone = pids - {w._proc.pid for w in grammars._workers if w._proc is not None}
+    assert gone and not any(psutil.pid_exists(pid) for pid in gone)  # its process was killed (and replaced)
+
+
+def test_slow_compiles_never_queue_ahead_of_cheap_ones(compiler) -> None:
+    """Heavy compiles (over the light budget) queue among themselves: a cheap spec sent after
+    three of them compiles while they are still busy."""
+    grammars = compiler(timeout_s=600.0)
+    grammars.compile(constrained(regex="warm")).result(timeout=120)
+    slow = [grammars.compile(constrained(regex=SLOW_REGEX + suffix)) for suffix in "abc"]
+    time.sleep(2)  # (they are past the light budget: heavy)
+    cheap = grammars.compile(constrained(json=PERSON))
+    assert cheap.result(timeout=120) is not None
+    assert not all(f.done() for f in slow)
+    for f in slow:
+        f.cancel()
+
+
+def test_the_grammar_cache_is_bounded_by_memory(compiler) -> None:
+    def choices(word: str) -> StructuredOutputsParams:
+        return constrained(choice=[f"{word} number {i}" for i in range(300)])
+
+    grammars = compiler(max_bytes=100_000)
+    first = grammars.compile(choices("choice")).result(timeout=120)
+    assert 50_000 < first.memory_size_bytes < 100_000  # two of them do not fit
+    grammars.compile(choices("option")).result(timeout=120)
+    assert grammars.cached_bytes <= 100_000
+    assert grammars.compile(choices("choice")).result(timeout=120) is not first  # evicted, compiled anew
+
+
+AMBIGUOUS = 'root ::= b* "y"\nb ::= "x"* "x"* "x"* "x"* "x"*'
+
+
+def test_a_grammar_too_costly_to_match_is_stopped_and_its_neighbours_go_on(llm) -> None:
+    """Every "x" makes the ambiguous grammar's matcher state grow (seconds per token after ~100):
+    the request is stopped once its matching time runs over its budget; the other request in the
+    same batches is untouched."""
+    x = llm.engine.tokenizer.convert_tokens_to_ids("x")
+    costly = SamplingParams(
+        max_tokens=400, structured_outputs=constrained(grammar=AMBIGUOUS), logit_bias={x: 100.0}, ignore_eos=True
+    )
+    free = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    out_costly, out_free = llm.generate(["x", "Hello"], [costly, free])
+    assert out_costly.outputs[0].finish_reason == "error"
+    assert out_costly.rejection is not None and out_costly.rejection.code == "grammar_too_expensive"
+    assert set(out_costly.outputs[0].text) == {"x"} and len(out_costly.outputs[0].token_ids) < 400
+    assert out_free.outputs[0].finish_reason == "length" and len(out_free.outputs[0].token_ids) == 60

@@ -111,7 +111,8 @@ class AsyncEngine:
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs (of `output_kind`) as tokens arrive; closing the iterator early aborts the request
-        (PoolingParams: an embedding, in the final output).
+        (PoolingParams: an embedding, in the final output). InvalidRequest when the input is bad, also
+        when the engine finds it out later (a grammar too costly to compile or to match).
         A `PromptInput` (from `input_processor.process`) is queued as it is; text or token ids are
         processed here first (InvalidRequest on bad input)."""
         if not self.is_alive():
@@ -135,6 +136,9 @@ class AsyncEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.rejection is not None:  # bad input found in the engine: InvalidRequest, like add()'s
+                    finished = True
+                    raise item.rejection
                 finished = item.finished
                 yield item
                 if finished:

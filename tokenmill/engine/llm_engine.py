@@ -30,6 +30,7 @@ from tokenmill.engine.outputs import RequestMetrics, RequestOutput, RequestOutpu
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.spec_decode.draft import DraftProposer
+from tokenmill.engine.structured_output.budget import GrammarTooExpensive, too_expensive_message
 from tokenmill.engine.worker.model_runner import StepInput
 from tokenmill.errors import InvalidRequest, RequestFailed
 
@@ -236,11 +237,20 @@ class LLMEngine:
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         return self._end_request(request_id, "error", message)
 
+    def reject(self, request_id: str, exc: InvalidRequest) -> RequestOutput | None:
+        """Fail a request whose input turned out bad in the engine (answered as bad input)."""
+        request = self.output_processor.request(request_id)
+        if request is not None:
+            request.rejection = exc
+        return self._end_request(request_id, "error", exc.message)
+
     def _end_request(self, request_id: str, reason: str, error: str | None) -> RequestOutput | None:
-        """Finish every unfinished choice of a request now and free its blocks."""
+        """Finish every unfinished choice of a request now and free its blocks (and withdraw it from
+        its grammar's compile, which stops when nobody else waits for it)."""
         request = self.output_processor.request(request_id)
         if request is None:
             return None
+        self.structured_outputs.withdraw(request_id)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, reason, error=error)
@@ -277,16 +287,27 @@ class LLMEngine:
             outputs.extend(self._complete(self._inflight.popleft()))
             if self._inflight:  # the next step's rows now know every earlier token
                 self._fill_grammar_mask(self._inflight[0])
+        outputs.extend(self._stop_costly_grammars())
         return cached + outputs
+
+    def _stop_costly_grammars(self) -> list[RequestOutput]:
+        """Reject the requests whose matchers ran over their per-token budget (see
+        structured_output.budget): their grammar must not slow every other stream down."""
+        costly = {s.request_id for s in self.scheduler.running if self.structured_outputs.over_budget(s)}
+        message = too_expensive_message()
+        return [out for rid in sorted(costly) if (out := self.reject(rid, GrammarTooExpensive(message))) is not None]
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand requests whose grammar is ready to the scheduler; fail those whose grammar did not
-        compile. Returns the failed requests' outputs."""
-        ready, failed = self.structured_outputs.take_ready()
+        compile (reject those whose grammar is too costly to compile: their input's fault). Returns
+        the failed requests' outputs."""
+        ready, failed, rejected = self.structured_outputs.take_ready()
         for request in ready:
             for seq in request.seqs:
                 self.scheduler.add(seq)
-        return [out for request, message in failed if (out := self.fail(request.request_id, message)) is not None]
+        outputs = [out for request, message in failed if (out := self.fail(request.request_id, message)) is not None]
+        outputs += [out for request, exc in rejected if (out := self.reject(request.request_id, exc)) is not None]
+        return outputs
 
     def _launch(self) -> LaunchedStep | None:
         scheduled = self.scheduler.schedule()

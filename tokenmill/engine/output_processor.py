@@ -194,6 +194,7 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens if first else 0,
             prompt_logprobs=self._new_prompt_logprobs(tracked),
             embedding=first.embedding if first else None,
+            rejection=request.rejection,
         )
 
     @staticmethod

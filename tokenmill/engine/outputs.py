@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tokenmill.errors import InvalidRequest
+
 # (logprob of the chosen token, {token id: logprob} of the top alternatives), per generated token.
 Logprob = tuple[float, dict[int, float]]
 
@@ -108,3 +110,6 @@ class RequestOutput:
     # alternatives. Delivered once, in the first output after the whole prompt was prefilled.
     prompt_logprobs: list[PromptLogprob | None] | None = None
     embedding: list[float] | None = None  # a PoolingParams request's pooled vector (in its final output)
+    # The request failed because of its input, found bad only in the engine (a grammar too costly
+    # to compile or match): `error` says why; front ends answer it as bad input.
+    rejection: InvalidRequest | None = None

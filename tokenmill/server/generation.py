@@ -83,6 +83,8 @@ class Generation:
                     yield item
         except (APIError, GeneratorExit):
             raise
+        except InvalidRequest as exc:  # bad input the engine found out mid-way (a grammar too costly)
+            raise from_invalid_request(exc) from None
         except Exception as exc:  # e.g. the engine loop died under us: a 500 for this request, no traceback
             logger.error("engine stream of %s failed: %s", self.record.request_id, exc)
             raise APIError(500, f"The engine failed while generating ({exc}).", code="engine_error") from None

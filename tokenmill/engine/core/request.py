@@ -11,6 +11,7 @@ from tokenmill.engine.outputs import RequestMetrics, RequestOutputKind
 from tokenmill.engine.pooling_params import PoolingParams
 from tokenmill.engine.result_cache import CacheKey
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from tokenmill.lora.types import LoRAAdapter
@@ -28,6 +29,9 @@ class Request:
     result_cache_key: CacheKey | None = None  # set when a finished result may be stored
     lora: LoRAAdapter | None = None  # the LoRA adapter it runs with (None: the base model)
     priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
+    # Set when its input turned out bad only in the engine (a grammar too costly to compile or to
+    # match): the front ends answer it as bad input (HTTP 400), not as a server failure.
+    rejection: InvalidRequest | None = None
 
     @property
     def finished(self) -> bool:

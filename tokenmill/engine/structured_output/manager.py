@@ -3,11 +3,15 @@
 
 * the wait-list: a constrained request's grammar compiles on `GrammarCompiler`'s threads while the
   request waits here and the engine steps the others; `take_ready` hands it over with a fresh
-  matcher per choice once its grammar is compiled, or reports why it never will be;
+  matcher per choice once its grammar is compiled, or reports why it never will be (a spec too
+  costly to compile is the request's fault: a rejection); a request that ends while it waits
+  withdraws from the compile (`withdraw`), which stops when nobody else waits for it;
 * masks: a step's `GrammarMask` (its constrained sampling rows) is filled from those rows'
   matchers (`fill_mask`) once every earlier token of theirs has landed;
 * token acceptance: the scheduler lands each sampled token through `accept`, which advances the
-  sequence's matcher, and asks `is_complete` whether the grammar has ended the output.
+  sequence's matcher, and asks `is_complete` whether the grammar has ended the output;
+* cost: each matcher's work is metered (`budget.MeteredMatcher`); the engine stops a request
+  whose matcher is `over_budget`.
 
 A matcher always stands at the state after its sequence's landed output tokens: preemption keeps
 them, and a step that was taken back never reached it.
@@ -69,11 +73,13 @@ class StructuredOutputManager(Generic[R]):
         assert self.compiler is not None, "check() refuses constrained requests without a tokenizer"
         self._waiting.append(_Compiling(request, self.compiler.compile(spec)))
 
-    def take_ready(self) -> tuple[list[R], list[tuple[R, str]]]:
+    def take_ready(self) -> tuple[list[R], list[tuple[R, str]], list[tuple[R, InvalidRequest]]]:
         """(the requests whose grammar is compiled, each choice with its matcher; the requests whose
-        grammar failed to compile, with the reason). Requests that ended meanwhile are dropped."""
+        grammar failed to compile, with the reason; the requests whose spec is too costly to compile,
+        with the InvalidRequest saying so). Requests that ended meanwhile are dropped."""
         ready: list[R] = []
         failed: list[tuple[R, str]] = []
+        rejected: list[tuple[R, InvalidRequest]] = []
         waiting: list[_Compiling[R]] = []
         for entry in self._waiting:
             request, future = entry.request, entry.grammar
@@ -81,15 +87,26 @@ class StructuredOutputManager(Generic[R]):
                 continue
             if not future.done():
                 waiting.append(entry)
-            elif future.exception() is not None:
-                failed.append((request, f"structured output: the grammar could not be compiled: {future.exception()}"))
+                continue
+            error = future.exception()
+            if isinstance(error, InvalidRequest):
+                rejected.append((request, error))
+            elif error is not None:
+                failed.append((request, f"structured output: the grammar could not be compiled: {error}"))
             else:
                 assert self.compiler is not None
                 for seq in request.seqs:
                     seq.grammar = self.compiler.matcher(future.result())
                 ready.append(request)
         self._waiting = waiting
-        return ready, failed
+        return ready, failed, rejected
+
+    def withdraw(self, request_id: str) -> None:
+        """The request ended (aborted, failed): it no longer waits for its compile, which stops when
+        no other request waits for the same spec."""
+        future = self.compiling(request_id)
+        if future is not None:
+            future.cancel()
 
     def compiling(self, request_id: str) -> Future | None:
         """The compile a waiting request waits for (None: it waits for none)."""
@@ -121,6 +138,11 @@ class StructuredOutputManager(Generic[R]):
     def accept(seq: ConstrainedSeq, token: int) -> bool:
         """Advance the sequence's matcher past a sampled token; False if the grammar rejects it."""
         return bool(seq.grammar.accept_token(token))
+
+    @staticmethod
+    def over_budget(seq: ConstrainedSeq) -> bool:
+        """Whether the sequence's request has spent its matching budget (it must be stopped)."""
+        return seq.grammar is not None and bool(seq.grammar.over_budget)
 
     @staticmethod
     def is_complete(seq: ConstrainedSeq) -> bool:
