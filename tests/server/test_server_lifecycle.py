@@ -67,8 +67,12 @@ def test_api_key_required_on_v1_only(small_server: ServerProcess) -> None:
     assert_openai_error(completion(small_server, {"prompt": "hi", "max_tokens": 1}, headers={}), 401)
     assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 200
     assert completion(small_server, {"prompt": "hi", "max_tokens": 2}).status_code == 200
-    for open_path in ("/health/live", "/health/ready", "/health", "/version", "/metrics", "/openapi.json"):
+    for open_path in ("/health/live", "/health/ready", "/health", "/version", "/metrics"):
         assert httpx.get(f"{url}{open_path}").status_code == 200, open_path
+    for docs_path in ("/openapi.json", "/docs", "/redoc"):  # the API's docs need the key too
+        assert_openai_error(httpx.get(f"{url}{docs_path}"), 401, "invalid_api_key")
+        assert httpx.get(f"{url}{docs_path}", headers=AUTH).status_code == 200, docs_path
+    assert "/v1/completions" in httpx.get(f"{url}/openapi.json", headers=AUTH).json()["paths"]
     assert_openai_error(httpx.get(f"{url}/v1/models/anything"), 401, "invalid_api_key")
     for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
         assert_openai_error(httpx.post(f"{url}{path}", json=body), 401, "invalid_api_key")
@@ -126,6 +130,15 @@ def test_queue_over_limit_gets_429(small_server: ServerProcess) -> None:
         else:
             assert r.json()["usage"]["completion_tokens"] == 24
     assert small_server.metrics()[rejected] - before == codes.count(429)
+
+
+def test_a_request_that_could_never_be_admitted_is_a_400_not_a_429(small_server: ServerProcess) -> None:
+    """More sequences than run at once plus the queue (1 + 1 here): a 429 would be retried for ever."""
+    body = {"prompt": "hi", "max_tokens": 2}
+    err = assert_openai_error(completion(small_server, {**body, "n": 3}), 400, "too_many_sequences")
+    assert err["param"] == "n" and "at most 2" in err["message"]
+    err = assert_openai_error(completion(small_server, {**body, "prompt": ["a", "b", "c"]}), 400, "too_many_sequences")
+    assert completion(small_server, {**body, "n": 2}).status_code == 200
 
 
 def test_sigterm_drains_in_flight_stream_then_exits_0(small_server: ServerProcess) -> None:

@@ -127,6 +127,16 @@ class ServerState:
             raise APIError(503, "The server is shutting down; retry on another replica.", code="draining")
         if not self.engine.is_alive():
             raise APIError(503, "The inference engine is not running.", code="engine_unavailable")
+        most = self.settings.max_num_seqs + self.settings.max_queue
+        if n_seqs > most:  # a 429 would be retried for ever
+            raise APIError(
+                400,
+                f"This request needs {n_seqs} sequences (prompts times n); this server runs "
+                f"{self.settings.max_num_seqs} at once and queues {self.settings.max_queue} more, so it "
+                f"could never be admitted: send at most {most}.",
+                code="too_many_sequences",
+                param="n",
+            )
         engine_waiting = int(self.engine.stats().num_waiting)
         would_wait = max(0, self.active_seqs + n_seqs - self.settings.max_num_seqs)
         if would_wait > self.settings.max_queue or 0 < engine_waiting >= self.settings.max_queue:
