@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from tests.utils.lora import make_peft_adapter, peft_greedy
@@ -56,6 +57,8 @@ def lora_server(sharp_tiny_model_dir, server_log_dir, adapters):
         "2",
         "--max-lora-rank",
         "8",
+        "--max-cpu-loras",
+        "2",
         "--enable-lora-runtime-updates",
     ) as proc:
         yield proc
@@ -93,7 +96,8 @@ def test_models_lists_adapters_with_their_base(lora_server, adapters):
     base = model_id(lora_server)
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {base, "sql"}
-    assert cards["sql"].parent == base and cards["sql"].root == str(adapters["sql"])
+    assert cards["sql"].parent == base and cards["sql"].root == "sql"  # the name: server paths stay private
+    assert str(adapters["sql"]) not in httpx.get(f"{lora_server.base_url}/v1/models").text
     assert client.models.retrieve("sql").parent == base
 
 
@@ -139,19 +143,26 @@ def test_load_use_and_unload_at_run_time(lora_server, sharp_tiny_model_dir, adap
 
 
 def test_bad_adapter_at_run_time_is_400(lora_server, adapters, tmp_path):
-    err = assert_openai_error(
-        post_json(
-            lora_server, "/v1/load_lora_adapter", {"lora_name": "missing", "lora_path": str(tmp_path / "nothing")}
-        ),
-        400,
-    )
-    assert "no such directory" in err["message"]
-    (tmp_path / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 16}')
-    err = assert_openai_error(
-        post_json(lora_server, "/v1/load_lora_adapter", {"lora_name": "empty", "lora_path": str(tmp_path)}), 400
-    )
-    assert "adapter_model.safetensors" in err["message"]
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 16}')
+    (tmp_path / "a-file").write_text("x")
+    # Whether the path is missing, a file, an empty directory or an adapter without weights: one
+    # answer, so the API tells nobody which paths exist on the server (the log has the reason).
+    answers = set()
+    for path in ("nothing", "a-file", ".", "config-only"):
+        body = {"lora_name": "bad", "lora_path": str(tmp_path / path)}
+        err = assert_openai_error(post_json(lora_server, "/v1/load_lora_adapter", body), 400, "invalid_lora_adapter")
+        assert err["param"] == "lora_path"
+        answers.add(err["message"].replace(str(tmp_path / path), "PATH"))
+    assert answers == {"lora_path 'PATH' is not a PEFT adapter directory this server can read"}
+    assert "adapter_model.safetensors" in lora_server.log_tail()
     assert_openai_error(post_json(lora_server, "/v1/load_lora_adapter", {"lora_name": "x"}), 400)
+    for name in ("a" * 129, "two words", "tab\there"):
+        err = assert_openai_error(
+            post_json(lora_server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapters["chat"])}),
+            400,
+        )
+        assert err["param"] == "lora_name" and "1 to 128 characters" in err["message"]
     # The base model's name cannot be taken by an adapter.
     assert_openai_error(
         post_json(
@@ -162,6 +173,21 @@ def test_bad_adapter_at_run_time_is_400(lora_server, adapters, tmp_path):
         400,
     )
     assert _text(lora_server, "sql", 2)  # the server still serves
+
+
+def test_loaded_adapters_are_bounded(lora_server, adapters):
+    """--max-cpu-loras 2: `sql` from the command line and one more; a third is refused until one goes."""
+    load = {"lora_name": "chat", "lora_path": str(adapters["chat"])}
+    assert post_json(lora_server, "/v1/load_lora_adapter", load).status_code == 200
+    try:
+        err = assert_openai_error(
+            post_json(lora_server, "/v1/load_lora_adapter", {**load, "lora_name": "chat2"}), 400, "lora_limit_reached"
+        )
+        assert "--max-cpu-loras" in err["message"]
+    finally:
+        assert post_json(lora_server, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
+    assert post_json(lora_server, "/v1/load_lora_adapter", {**load, "lora_name": "chat2"}).status_code == 200
+    assert post_json(lora_server, "/v1/unload_lora_adapter", {"lora_name": "chat2"}).status_code == 200
 
 
 def test_runtime_updates_are_off_by_default(server):

@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -277,7 +278,15 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMet
     metrics = metrics or ServerMetrics(engine, endpoints=GENERATION_ENDPOINTS)
     engine.add_step_listener(metrics.on_step)
     state = ServerState(engine, settings, metrics)
-    app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM inference", version=__version__)
+    # The API docs are routes of our own below: with --api-key they need the key like /v1.
+    app = FastAPI(
+        title="tokenmill",
+        summary="OpenAI-compatible LLM inference",
+        version=__version__,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.server = state
     if settings.otlp_traces_endpoint:  # OpenTelemetry is imported only then
         from tokenmill.server.tracing import RequestTracing
@@ -354,11 +363,11 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMet
     def model_card(adapter: Any = None) -> ModelCard:
         if adapter is None:
             return ModelCard(id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
-        return ModelCard(
+        return ModelCard(  # (root is the name, not the adapter's path: server paths stay private)
             id=adapter.name,
             created=state.started_at,
             max_model_len=engine.max_model_len,
-            root=adapter.path,
+            root=adapter.name,
             parent=adapter.base_model_name or engine.model_name,
         )
 
@@ -450,6 +459,18 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMet
     )
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi_json() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=auth, include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+
+    @app.get("/redoc", dependencies=auth, include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
     openapi.install(
         app,

@@ -15,7 +15,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tokenmill"
     max_model_len: int | None = None
-    root: str | None = None  # a LoRA adapter: the directory it was loaded from (vLLM's field)
+    root: str | None = None  # a LoRA adapter: its name (vLLM puts the directory here; server paths stay private)
     parent: str | None = None  # a LoRA adapter: its base model
 
 
