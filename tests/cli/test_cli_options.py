@@ -32,7 +32,7 @@ def test_the_offline_api_batches_larger_steps_by_default(monkeypatch):
     assert EngineConfig().max_num_batched_tokens == 2048  # the server's
 
 
-def test_server_and_scale_flags(monkeypatch):
+def test_server_and_scale_flags(monkeypatch, tmp_path):
     monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
     assert settings_from_args(build_parser().parse_args(["serve"])) == ServerSettings()
     ray_args = build_parser().parse_args(["serve-ray"])
@@ -62,6 +62,21 @@ def test_server_and_scale_flags(monkeypatch):
     monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
     assert settings_from_args(build_parser().parse_args(["serve"])).api_key == "from-env"
     assert settings_from_args(build_parser().parse_args(["serve", "--api-key", "k"])).api_key == "k"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\nignored\n")
+    assert settings_from_args(build_parser().parse_args(["serve", "--api-key-file", str(key_file)])).api_key == (
+        "from-file"
+    )
+    for flags, problem in (
+        (["--api-key-file", str(tmp_path / "missing")], "cannot read"),
+        (["--api-key-file", str(tmp_path)], "cannot read"),
+        (["--api-key", "k", "--api-key-file", str(key_file)], "give the API key once"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            settings_from_args(build_parser().parse_args(["serve", *flags]))
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="holds no key"):
+        settings_from_args(build_parser().parse_args(["serve", "--api-key-file", str(key_file)]))
     scale = from_args(ScaleOptions, build_parser().parse_args(["serve-ray", "--num-cpus-per-replica", "2.5"]))
     assert scale.num_cpus == 2.5
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from tokenmill.engine.config import EngineConfig
@@ -45,9 +46,8 @@ def add_server_args(
 
 
 def settings_from_args(args: argparse.Namespace, **values: Any) -> ServerSettings:
-    """ServerSettings from the parsed flags; the API key falls back to $TOKENMILL_API_KEY, runtime
-    LoRA updates to vLLM's $VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
-    api_key = getattr(args, "api_key", None)
+    """ServerSettings from the parsed flags; the API key comes from --api-key, --api-key-file or
+    $TOKENMILL_API_KEY, runtime LoRA updates also from vLLM's $VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
     lora_updates = bool(getattr(args, "enable_lora_runtime_updates", False)) or os.environ.get(
         RUNTIME_LORA_ENV, ""
     ).strip().lower() in ("1", "true")
@@ -57,12 +57,27 @@ def settings_from_args(args: argparse.Namespace, **values: Any) -> ServerSetting
     return from_args(
         ServerSettings,
         args,
-        api_key=api_key if api_key is not None else os.environ.get(API_KEY_ENV),
+        api_key=_api_key(args),
         otlp_traces_endpoint=endpoint,
         otlp_traces_protocol=protocol,
         enable_lora_runtime_updates=lora_updates,
         **values,
     )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    key, key_file = getattr(args, "api_key", None), getattr(args, "api_key_file", None)
+    if key is not None and key_file is not None:
+        raise ValueError("give the API key once: --api-key or --api-key-file")
+    if key_file is None:
+        return key if key is not None else os.environ.get(API_KEY_ENV)
+    try:
+        lines = Path(key_file).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--api-key-file: cannot read {key_file} ({exc.__class__.__name__})") from None
+    if not lines or not lines[0].strip():
+        raise ValueError(f"--api-key-file: {key_file} holds no key on its first line")
+    return lines[0].strip()
 
 
 def run_serve(args: argparse.Namespace) -> int:

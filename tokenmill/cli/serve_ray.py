@@ -21,6 +21,7 @@ _SERVER_FLAGS = (
     "port",
     "max_queue",
     "api_key",
+    "api_key_file",
     "max_body_bytes",
     "log_format",
     "log_prompts",

@@ -55,8 +55,15 @@ class ServerSettings:
     grpc_port: int = option(50051, "gRPC port; 0 disables gRPC")
     max_queue: int = option(256, "waiting requests beyond which new ones get 429")
     drain_timeout: float = option(30.0, "seconds in-flight requests get to finish after SIGTERM")
-    # None = open. The CLI falls back to $TOKENMILL_API_KEY (see server.commands).
-    api_key: str | None = option(None, f"require `Authorization: Bearer KEY` on /v1/* (default: ${API_KEY_ENV})")
+    # None = open. The CLI falls back to --api-key-file, then $TOKENMILL_API_KEY (see cli.serve).
+    api_key: str | None = option(
+        None,
+        "require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and the API docs (/openapi.json, "
+        f"/docs, /redoc). A flag shows in the process list: prefer --api-key-file or ${API_KEY_ENV}",
+    )
+    api_key_file: str | None = option(
+        None, "read the API key from this file (its first line), so it stays out of the process list", metavar="PATH"
+    )
     max_body_bytes: int = option(1 << 20, "largest accepted request body, e.g. 1MiB", type=parse_memory)
     # Slow clients (slowloris): a request head must arrive within header_timeout seconds of the
     # connection opening (or of the previous response), its body within body_timeout of the head;
