@@ -145,6 +145,22 @@ def test_bodies_must_be_json(server: ServerProcess) -> None:
         assert post(server, "/v1/completions", body, content_type=content_type).status_code == 200, content_type
 
 
+def test_a_lone_surrogate_escape_is_named_as_such(server: ServerProcess) -> None:
+    """A \\uD800-\\uDFFF escape outside a high-low pair is no Unicode: a 400 that says so (not an
+    "unexpected end of hex escape"); a proper pair is a character like any other."""
+    for path, raw in (
+        ("/v1/completions", r'{"prompt": "hi \ud800 there", "max_tokens": 2}'),
+        ("/v1/completions", r'{"prompt": "a\ud83d", "max_tokens": 2}'),
+        ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi \udc00"}], "max_tokens": 2}'),
+        ("/tokenize", r'{"prompt": "\ud800\ud800"}'),
+    ):
+        err = assert_openai_error(post(server, path, raw), 400, "invalid_json")
+        assert "lone surrogate escape" in err["message"] and "line 1 column" in err["message"], err
+    assert post(server, "/v1/completions", r'{"prompt": "ok \ud83d\ude00", "max_tokens": 2}').status_code == 200
+    err = assert_openai_error(post(server, "/v1/completions", r'{"prompt": "\u12"}'), 400, "invalid_json")
+    assert "surrogate" not in err["message"]
+
+
 def test_what_would_change_the_output_is_not_silently_ignored(server: ServerProcess) -> None:
     """Not implemented yet, would change the output: 400 `unsupported_parameter` naming the field.
     Values that ask for nothing beyond the default are accepted."""

@@ -278,12 +278,23 @@ class _FieldLog:
 _FIELD_LOG = _FieldLog()
 
 
+_LONE_SURROGATE = re.compile(r"(?:unexpected end of hex escape|lone leading surrogate in hex escape) (?P<where>at .*)")
+
+
 def validation_error(exc: ValidationError) -> APIError:
     errors = exc.errors(include_url=False)
     first = errors[0]
     kind, loc = first["type"], first["loc"]
     if kind == "json_invalid":
-        return bad_request(f"Invalid JSON body: {first['msg'].removeprefix('Invalid JSON: ')}", code="invalid_json")
+        reason = first["msg"].removeprefix("Invalid JSON: ")
+        # jiter's names for a \uD800-\uDFFF escape that is not half of a surrogate pair.
+        where = _LONE_SURROGATE.match(reason)
+        if where:
+            reason = (
+                f"a lone surrogate escape (\\uD800-\\uDFFF not in a high-low pair) {where['where']}: JSON strings "
+                "must be valid Unicode"
+            )
+        return bad_request(f"Invalid JSON body: {reason}", code="invalid_json")
     if not loc:
         return bad_request("The request body must be a JSON object", code="invalid_json")
     if loc[-1] == "[key]":  # a bad key of a mapping (logit_bias)
