@@ -48,6 +48,7 @@ from tokenmill.server.protocol import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    check_tool_definitions,
     parse_request,
 )
 from tokenmill.server.reasoning import reasoning_plan
@@ -486,6 +487,8 @@ async def plan_chat(state: ServerState, record: RequestRecord, req: ChatCompleti
     adapter = state.resolve_model(req.model)
     req.check_prompt_logprobs()
     logprobs = req.engine_logprobs()
+    if req.tools:  # validating large parameter schemas takes a while: off the event loop
+        await asyncio.to_thread(check_tool_definitions, req.tools)
     tools = plan_tools(req, state.tool_parser)
     processor = state.engine.input_processor
     trusted = state.settings.allow_special_tokens_in_messages

@@ -16,6 +16,7 @@ from tokenmill.server.protocol import (
     TokenizeChatRequest,
     TokenizePromptRequest,
     TokenizeResponse,
+    check_tool_definitions,
     parse_request,
 )
 from tokenmill.server.state import ServerState
@@ -42,6 +43,8 @@ async def tokenize(state: ServerState, raw: bytes) -> TokenizeResponse:
                 "add_special_tokens is not supported with messages: the chat template places the special tokens",
                 param="add_special_tokens",
             )
+        if req.tools:  # validating large parameter schemas takes a while: off the event loop
+            await asyncio.to_thread(check_tool_definitions, req.tools)
         work: Any = asyncio.to_thread(
             processor.render_chat,
             req.template_messages(),

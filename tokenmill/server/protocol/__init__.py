@@ -58,6 +58,7 @@ from tokenmill.server.protocol.chat import (
     ToolChoice,
     ToolDefinition,
     TopLogprob,
+    check_tool_definitions,
 )
 from tokenmill.server.protocol.completions import (
     CompletionChoice,
@@ -116,6 +117,7 @@ __all__ = [
     "MAX_TOOLS",
     "FunctionDefinition",
     "ToolDefinition",
+    "check_tool_definitions",
     "NamedFunction",
     "NamedToolChoice",
     "ToolChoice",

@@ -17,7 +17,7 @@ from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol.base import ChoicesEnvelope, LenientModel, OmitUnset, ignored, not_supported_yet
 from tokenmill.server.protocol.completions import PromptLogprobs
 from tokenmill.server.protocol.sampling import SamplingRequest
-from tokenmill.server.tools.definitions import check_function_name, check_parameters_schema
+from tokenmill.server.tools.definitions import check_function_name, check_tools
 
 
 class ContentPart(LenientModel):
@@ -69,8 +69,9 @@ MAX_TOOLS = 128
 class FunctionDefinition(LenientModel):
     name: Annotated[str, AfterValidator(check_function_name)]
     description: str | None = None
-    # A JSON schema of type object (checked with jsonschema); absent: the function takes no arguments.
-    parameters: Annotated[dict[str, Any], AfterValidator(check_parameters_schema)] | None = None
+    # A JSON schema of type object (absent: the function takes no arguments), checked off the event
+    # loop (`tools.definitions.check_tools`).
+    parameters: dict[str, Any] | None = None
     strict: bool | None = None  # arguments are schema-checked only when tool_choice forces the call
 
 
@@ -83,6 +84,12 @@ class ToolDefinition(LenientModel):
             "type": "function",
             "function": self.function.model_dump(include={"name", "description", "parameters"}, exclude_none=True),
         }
+
+
+def check_tool_definitions(tools: list[ToolDefinition] | None) -> None:
+    """The tools' parameter schemas: sizes and validity (400 naming the field). Slow on large
+    schemas: call it in a thread."""
+    check_tools([tool.function.parameters for tool in tools or []])
 
 
 class NamedFunction(LenientModel):
