@@ -163,6 +163,15 @@ def test_n_choices_and_stop_strings(server: ServerProcess) -> None:
     assert re.fullmatch(r"[a-z]{2}", reply.choices[0].text) and reply.choices[0].finish_reason == "stop"
 
 
+DEEP_SCHEMA_TEXT = '{"type": "array", "items": ' * 400 + '{"type": "integer"}' + "}" * 400
+NOT_THREE = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9, "not": {"const": 3}}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
 def test_invalid_specs_are_400s_naming_the_field(server: ServerProcess) -> None:
     cases = [
         (
@@ -185,6 +194,22 @@ def test_invalid_specs_are_400s_naming_the_field(server: ServerProcess) -> None:
         ({"structured_outputs": {"json": PERSON, "regex": "a"}}, "structured_outputs", "exactly one"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "jsn"),
         ({"guided_json": PERSON, "response_format": {"type": "json_object"}}, "guided_json", "only one"),
+        # Bounded before xgrammar parses them: a schema as JSON text like a dict.
+        ({"guided_json": DEEP_SCHEMA_TEXT}, "guided_json", "nested more than 64 levels"),
+        ({"structured_outputs": {"json": DEEP_SCHEMA_TEXT}}, "structured_outputs.json", "nested more than 64 levels"),
+        ({"guided_regex": "a" * (256 << 10) + "b"}, "guided_regex", "the limit is 262144"),
+        # What the grammar cannot enforce: vLLM's extras and strict: true refuse it, naming it.
+        ({"guided_json": NOT_THREE}, "guided_json", "'not' cannot be enforced"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": NOT_THREE, "strict": True},
+                }
+            },
+            "response_format.json_schema.schema",
+            "'not' cannot be enforced (at #/properties/n)",
+        ),
     ]
     for extra, param, words in cases:
         for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MSG})):
@@ -193,6 +218,10 @@ def test_invalid_specs_are_400s_naming_the_field(server: ServerProcess) -> None:
             assert words is None or words in err["message"], (extra, err)
     # Plain text stays plain text.
     r = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 2, "response_format": {"type": "text"}})
+    assert r.status_code == 200, r.text
+    # Without strict the keyword is relaxed (the rest of the schema holds).
+    relaxed = {"type": "json_schema", "json_schema": {"name": "x", "schema": NOT_THREE}}
+    r = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 40, "response_format": relaxed})
     assert r.status_code == 200, r.text
 
 

@@ -46,6 +46,14 @@ SEARCH_TOOL = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def function_with_properties(name: str, count: int) -> dict:
+    """A valid tool whose parameters schema is about 60 bytes of JSON per property."""
+    properties = {f"p{i}": {"type": "string", "description": "d" * 30} for i in range(count)}
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": properties}}}
+
+
 HISTORY = [
     *ASK,
     {
@@ -225,6 +233,9 @@ def test_the_tool_result_turn_is_accepted_by_a_template_without_tools(server: Se
             "tools[0].function.parameters",
         ),
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+        # Size limits: 64 KiB of JSON per parameters schema, 128 KiB for all of them.
+        ({"tools": [WEATHER_TOOL, function_with_properties("big", 1200)]}, "tools[1].function.parameters"),
+        ({"tools": [function_with_properties(f"f{i}", 700) for i in range(4)]}, "tools"),
         ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type"),
         ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools[1].function.name"),
         (
@@ -247,6 +258,23 @@ def test_the_tool_result_turn_is_accepted_by_a_template_without_tools(server: Se
                         "function": {
                             "name": "f",
                             "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+                        },
+                    },
+                ],
+                "tool_choice": "required",
+            },
+            "tools[1].function.parameters",
+        ),
+        (  # strict: true and a keyword the grammar cannot enforce
+            {
+                "tools": [
+                    WEATHER_TOOL,
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "strict": True,
+                            "parameters": {"type": "object", "properties": {"a": {"type": "integer", "not": {}}}},
                         },
                     },
                 ],

@@ -21,8 +21,9 @@ class JsonSchemaFormat(LenientModel):
     name: str | None = None  # OpenAI requires it; it names the schema and changes nothing here
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    # Output always matches the schema exactly here (xgrammar's strict mode: no properties beyond the
-    # schema's), whatever `strict` says.
+    # true: a schema keyword the grammar cannot enforce is a 400 naming it; otherwise such keywords
+    # are relaxed (see tokenmill.engine.structured_output.params). Either way no properties beyond
+    # the schema's are written (xgrammar's strict mode).
     strict: bool | None = None
 
 
@@ -87,31 +88,33 @@ class SamplingRequest(NullMeansDefault):
 
     def structured_output(self) -> tuple[StructuredOutputsParams, str] | None:
         """The request's structured-output constraint and the field it came from (None: free text)."""
-        specs: list[tuple[dict[str, Any], str]] = []
+        # (the values, the field they came from, strict: vLLM's extras always are)
+        specs: list[tuple[dict[str, Any], str, bool]] = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
-            specs.append(({"json_object": True}, "response_format"))
+            specs.append(({"json_object": True}, "response_format", True))
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise bad_request(
                     "response_format json_schema needs json_schema.schema", param="response_format.json_schema.schema"
                 )
-            specs.append(({"json": fmt.json_schema.schema_}, "response_format.json_schema.schema"))
+            strict = fmt.json_schema.strict is True
+            specs.append(({"json": fmt.json_schema.schema_}, "response_format.json_schema.schema", strict))
         if self.structured_outputs is not None:
-            specs.append((self.structured_outputs, "structured_outputs"))
+            specs.append((self.structured_outputs, "structured_outputs", True))
         for name, kind in _GUIDED.items():
             if getattr(self, name) is not None:
-                specs.append(({kind: getattr(self, name)}, name))
+                specs.append(({kind: getattr(self, name)}, name, True))
         if not specs:
             return None
         if len(specs) > 1:
             raise bad_request(
-                f"set only one of {', '.join(source for _, source in specs)}: each constrains the whole output",
+                f"set only one of {', '.join(source for _, source, _ in specs)}: each constrains the whole output",
                 param=specs[1][1],
             )
-        values, source = specs[0]
+        values, source, strict = specs[0]
         try:
-            return StructuredOutputsParams.from_dict(values), source
+            return StructuredOutputsParams.from_dict(values, strict), source
         except InvalidRequest as exc:
             raise from_invalid_request(exc, self.api_param(exc.param, source)) from None
 

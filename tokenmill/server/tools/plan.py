@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.sampling_params import SamplingParams
-from tokenmill.engine.structured_output.params import ReasoningSection, StructuredOutputsParams
+from tokenmill.engine.structured_output.params import ReasoningSection, StructuredOutputsParams, unenforceable
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol import ChatCompletionRequest, NamedToolChoice
@@ -92,10 +92,23 @@ def constrained(
             f"{source} cannot be combined with tool_choice {choice_label(req)}, which sets the output format itself",
             param=source,
         )
+    # A function with strict: true must be enforceable as it is; the others' unenforceable keywords
+    # are relaxed.
+    for i, tool in enumerate(req.tools or []):
+        if tool.function.strict:
+            problem = unenforceable(arguments_schema(tool.function.parameters), strict=True)
+            if problem:
+                raise bad_request(
+                    f"The tool's parameters cannot be enforced (strict: true): {problem}",
+                    param=f"tools[{i}].function.parameters",
+                    code="unsupported_schema",
+                )
     # json.dumps' layout (one space after "," and ":", no other whitespace): the arguments read as
     # models write them, and no tokens go to whitespace.
-    constraint = StructuredOutputsParams(json=plan.output_schema, disable_any_whitespace=True, reasoning=reasoning)
     try:
+        constraint = StructuredOutputsParams(
+            json=plan.output_schema, disable_any_whitespace=True, strict=False, reasoning=reasoning
+        )
         constraint.validate()
     except InvalidRequest as exc:
         raise bad_request(f"The tools cannot be enforced: {exc.message}", param=_unenforceable_tool(req)) from None
@@ -107,7 +120,7 @@ def _unenforceable_tool(req: ChatCompletionRequest) -> str:
     for i, tool in enumerate(req.tools or []):
         try:
             StructuredOutputsParams(
-                json=arguments_schema(tool.function.parameters), disable_any_whitespace=True
+                json=arguments_schema(tool.function.parameters), disable_any_whitespace=True, strict=False
             ).validate()
         except InvalidRequest:
             return f"tools[{i}].function.parameters"
