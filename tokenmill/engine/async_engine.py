@@ -58,6 +58,8 @@ class AsyncEngine:
         self._thread.start()
         self.engine = built.result()  # (raises what building it raised)
         self._stats = self.engine.stats()
+        if self.engine.grammars is not None:  # a server: structured outputs should not wait for a cold start
+            self.engine.grammars.warm()
 
     # -- facts about the model ----------------------------------------------------------------
 

@@ -152,6 +152,12 @@ class GrammarCompiler:
             self._lock.notify_all()
         return waiter
 
+    def warm(self) -> None:
+        """Start the worker processes now, in the background (a server does: its first constrained
+        request then waits for no process to import xgrammar); otherwise the first compile does."""
+        with self._lock:
+            self._start_threads()
+
     def matcher(self, compiled: Any) -> MeteredMatcher:
         """A fresh matcher (one per sequence) at the start of the grammar."""
         import xgrammar as xgr
