@@ -11,6 +11,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -19,6 +20,7 @@ from typing import Any
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.core.request import Request
 from tokenmill.engine.detokenizer import TokenText
+from tokenmill.engine.heap import trim_heap
 from tokenmill.engine.input_processor import InputProcessor, PromptInput
 from tokenmill.engine.llm_engine import EngineStats, LLMEngine, StepStats
 from tokenmill.engine.outputs import RequestOutput, RequestOutputKind
@@ -32,6 +34,7 @@ __all__ = ["AsyncEngine", "EngineStats", "StepStats"]
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5
+_TRIM_INTERVAL_S = 1.0
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
@@ -58,8 +61,7 @@ class AsyncEngine:
         self._thread.start()
         self.engine = built.result()  # (raises what building it raised)
         self._stats = self.engine.stats()
-        if self.engine.grammars is not None:  # a server: structured outputs should not wait for a cold start
-            self.engine.grammars.warm()
+        self.engine.structured_outputs.warm()  # a server: structured outputs should not wait for a cold start
 
     # -- facts about the model ----------------------------------------------------------------
 
@@ -132,6 +134,7 @@ class AsyncEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use", code="duplicate_request_id")
         self._streams[request_id] = (loop, stream)
         self._send(request)
+        del request  # the engine's now: freed (matchers and all) when it finishes, not when this generator goes
         finished = False
         try:
             while True:
@@ -210,14 +213,21 @@ class AsyncEngine:
         self._loop()
 
     def _loop(self) -> None:
+        trims_left, last_trim = 0, 0.0
         try:
             while not self._stopping:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self._stats = self.engine.stats()
+                    # What the finished requests held goes back to the system: at once, and again a
+                    # little later for what other threads release after them (responses, streams).
+                    if trims_left and time.monotonic() - last_trim >= _TRIM_INTERVAL_S:
+                        trim_heap()
+                        trims_left, last_trim = trims_left - 1, time.monotonic()
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
                     continue
+                trims_left = 2
                 self._deliver_step(self.engine.step())
                 self._stats = self.engine.stats()
         except BaseException as exc:

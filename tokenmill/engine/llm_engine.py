@@ -291,8 +291,8 @@ class LLMEngine:
         return cached + outputs
 
     def _stop_costly_grammars(self) -> list[RequestOutput]:
-        """Reject the requests whose matchers ran over their per-token budget (see
-        structured_output.budget): their grammar must not slow every other stream down."""
+        """Reject the requests whose matchers ran over their budget (see structured_output.budget):
+        their grammar must not slow every other stream down."""
         costly = {s.request_id for s in self.scheduler.running if self.structured_outputs.over_budget(s)}
         message = too_expensive_message()
         return [out for rid in sorted(costly) if (out := self.reject(rid, GrammarTooExpensive(message))) is not None]

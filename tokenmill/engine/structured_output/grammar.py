@@ -7,18 +7,20 @@ allowed-token bitmask.
     (COMPILE_TIMEOUT_S of its CPU time, and WALL_FACTOR times as much wall time: the request gets
     a 400), or as soon as every request waiting for it has gone (abort, client disconnect); a
     grammar that would hold more than MAX_GRAMMAR_BYTES is refused there too. Only a grammar that
-    passed is compiled again in this process (about as fast: compiling is deterministic), on a
-    low-priority thread;
+    passed is compiled again in this process (about as fast: compiling is deterministic; not at a
+    lower priority: a Python thread that holds the GIL must not wait for the CPU);
   - lanes: every spec starts in the light lane, whose worker gives it LIGHT_BUDGET_S; one that
     needs more (or is larger than LIGHT_MAX_SPEC_BYTES) goes to the heavy lane, served by the other
     workers and its own build thread: expensive grammars queue among themselves, never ahead of
     cheap ones;
   - compiled grammars are cached by spec, bounded by their memory (CACHE_BYTES, least recently used
-    evicted first) and count (CACHE_ENTRIES).
+    evicted first) and count (CACHE_ENTRIES). A build leaves several times the grammar's size freed
+    in the allocator's arenas: the engine hands it back to the system when it is idle
+    (`heap.trim_heap`).
 * Each constrained sequence owns a matcher (`budget.MeteredMatcher`), advanced only where the
   scheduler lands sampled tokens (through `StructuredOutputManager.accept`): its state always matches the
   sequence's known output tokens (preemption keeps them; taken-back steps never reached it). Its
-  time is metered against the sequence's budget (see `budget`).
+  time is metered against its request's budget (see `budget`).
 * A step's `GrammarMask` is the bitmask of all its constrained rows, filled by the scheduling
   thread as soon as every earlier token of those rows is known: at launch without overlap
   scheduling, or after the previous step lands with it. The model thread runs the forward pass
@@ -28,7 +30,6 @@ allowed-token bitmask.
 from __future__ import annotations
 
 import logging
-import os
 import select
 import subprocess
 import sys
@@ -44,7 +45,7 @@ import psutil
 import torch
 
 from tokenmill.engine.structured_output import compile_worker
-from tokenmill.engine.structured_output.budget import MeteredMatcher, fill_rows
+from tokenmill.engine.structured_output.budget import MatchBudget, MeteredMatcher, fill_rows
 from tokenmill.engine.structured_output.params import StructuredOutputsParams
 from tokenmill.errors import InvalidRequest
 
@@ -158,12 +159,14 @@ class GrammarCompiler:
         with self._lock:
             self._start_threads()
 
-    def matcher(self, compiled: Any) -> MeteredMatcher:
-        """A fresh matcher (one per sequence) at the start of the grammar."""
+    def matcher(self, compiled: Any, budget: MatchBudget | None = None) -> MeteredMatcher:
+        """A fresh matcher (one per sequence) at the start of the grammar, metered against `budget`
+        (one per request, shared by its sequences; None: a budget of its own)."""
         import xgrammar as xgr
 
         # Without stop tokens the grammar's end must end the sequence by itself.
-        return MeteredMatcher(xgr.GrammarMatcher(compiled, terminate_without_stop_token=not self.stop_token_ids))
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=not self.stop_token_ids)
+        return MeteredMatcher(matcher, budget or MatchBudget())
 
     def close(self) -> None:
         with self._lock:
@@ -291,15 +294,14 @@ class GrammarCompiler:
     # -- builds (this process) ------------------------------------------------------------------
 
     def _serve_builds(self, lane: int) -> None:
-        _lower_thread_priority()
         while (job := self._take((self._builds[lane],))) is not None:
             try:
                 compiled = self._compiler()[0].compile_grammar(job.grammar)
             except Exception as exc:  # (passed its trial: not the spec's fault)
                 logger.exception("compiling a grammar failed")
                 self._finish(job, error=RuntimeError(f"the grammar could not be compiled: {exc}"))
-            else:
-                self._finish(job, compiled=compiled)
+                continue
+            self._finish(job, compiled=compiled)
 
     def _compiler(self) -> tuple[Any, Any]:
         """(xgrammar's GrammarCompiler, its TokenizerInfo)."""
@@ -330,14 +332,6 @@ class GrammarCompiler:
             if job.finished:
                 del self._cache[key]
                 total -= job.size
-
-
-def _lower_thread_priority() -> None:
-    """This thread yields the CPU to the engine's (Linux schedules threads on their own)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), compile_worker.NICENESS)
-    except (AttributeError, OSError):  # not Linux
-        pass
 
 
 class _Worker:

@@ -10,8 +10,8 @@
   matchers (`fill_mask`) once every earlier token of theirs has landed;
 * token acceptance: the scheduler lands each sampled token through `accept`, which advances the
   sequence's matcher, and asks `is_complete` whether the grammar has ended the output;
-* cost: each matcher's work is metered (`budget.MeteredMatcher`); the engine stops a request
-  whose matcher is `over_budget`.
+* cost: a request's matcher work (all its choices together) is metered against its budget
+  (`budget.MatchBudget`); the engine stops a request `over_budget`.
 
 A matcher always stands at the state after its sequence's landed output tokens: preemption keeps
 them, and a step that was taken back never reached it.
@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from tokenmill.engine.structured_output.budget import MatchBudget
 from tokenmill.engine.structured_output.grammar import GrammarCompiler, GrammarMask
 from tokenmill.engine.structured_output.params import StructuredOutputsParams
 from tokenmill.errors import InvalidRequest
@@ -95,8 +96,9 @@ class StructuredOutputManager(Generic[R]):
                 failed.append((request, f"structured output: the grammar could not be compiled: {error}"))
             else:
                 assert self.compiler is not None
+                budget = MatchBudget()  # the request's matching time, all its choices together
                 for seq in request.seqs:
-                    seq.grammar = self.compiler.matcher(future.result())
+                    seq.grammar = self.compiler.matcher(future.result(), budget)
                 ready.append(request)
         self._waiting = waiting
         return ready, failed, rejected
@@ -120,6 +122,11 @@ class StructuredOutputManager(Generic[R]):
         """Block until a waiting request's grammar is compiled, at most `timeout` seconds."""
         if self._waiting:
             wait([entry.grammar for entry in self._waiting], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def warm(self) -> None:
+        """Start the compiler's worker processes now, in the background (see GrammarCompiler.warm)."""
+        if self.compiler is not None:
+            self.compiler.warm()
 
     def close(self) -> None:
         if self.compiler is not None:

@@ -16,8 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import validator_for
+import jsonschema_rs
 from pydantic_core import PydanticCustomError
 
 from tokenmill.server.errors import bad_request
@@ -63,16 +62,40 @@ def check_tools(parameters: Sequence[Mapping[str, Any] | None]) -> None:
             _check_parameters_schema(schema, f"tools[{i}].function.parameters")
 
 
+# The meta-schemas jsonschema-rs knows (as $schema may name them). Another $schema, which it would
+# try to fetch over the network, is checked against 2020-12's: a schema names no URL we fetch.
+_META_SCHEMAS = frozenset(
+    f"{scheme}://json-schema.org/{path}"
+    for scheme in ("http", "https")
+    for path in (
+        "draft-04/schema",
+        "draft-06/schema",
+        "draft-07/schema",
+        "draft/2019-09/schema",
+        "draft/2020-12/schema",
+    )
+)
+
+
 def _check_parameters_schema(schema: Mapping[str, Any], param: str) -> None:
+    """A valid JSON schema (checked by jsonschema-rs: a 60 KB schema in under a millisecond, where
+    the jsonschema package took a third of a second, holding the GIL) of type object."""
+    meta = schema.get("$schema")
+    document = schema if isinstance(meta, str) and meta.rstrip("#") in _META_SCHEMAS else _without_meta(schema)
     try:
-        validator_for(schema).check_schema(schema)
-    except SchemaError as exc:
+        jsonschema_rs.meta.validate(document)
+    except jsonschema_rs.ValidationError as exc:
+        where = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.instance_path)
         raise bad_request(
-            f"Invalid value for '{param}': not a valid JSON schema: {exc.message} (at {exc.json_path})", param=param
+            f"Invalid value for '{param}': not a valid JSON schema: {exc.message} (at {where})", param=param
         ) from None
     kind = schema.get("type", "object")
     if kind != "object":
         raise bad_request(f"Invalid value for '{param}': the schema must have type \"object\", got {kind}", param=param)
+
+
+def _without_meta(schema: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in schema.items() if key != "$schema"}
 
 
 def arguments_schema(parameters: Mapping[str, Any] | None) -> dict[str, Any]:
