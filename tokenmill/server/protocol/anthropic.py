@@ -25,7 +25,7 @@ from tokenmill.server.protocol.chat import (
     ToolDefinition,
 )
 from tokenmill.server.protocol.sampling import JsonSchemaFormat, ResponseFormat
-from tokenmill.server.tools.definitions import check_function_name, check_parameters_schema
+from tokenmill.server.tools.definitions import check_function_name
 
 MAX_MESSAGES = 4096
 
@@ -54,7 +54,8 @@ class AnthropicMessage(LenientModel):
 class AnthropicTool(LenientModel):
     name: Annotated[str, AfterValidator(check_function_name)]
     description: str | None = None
-    input_schema: Annotated[dict[str, Any], AfterValidator(check_parameters_schema)]
+    # A JSON schema of type object, checked off the event loop with the chat request's tools.
+    input_schema: dict[str, Any]
     type: str | None = None  # "custom" (or absent); server tools have versioned types
     cache_control: dict[str, Any] | None = ignored("prefix caching is automatic")
 

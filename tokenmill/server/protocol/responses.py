@@ -42,7 +42,7 @@ from tokenmill.server.protocol.chat import (
     ToolDefinition,
 )
 from tokenmill.server.protocol.sampling import JsonSchemaFormat, ResponseFormat
-from tokenmill.server.tools.definitions import check_function_name, check_parameters_schema
+from tokenmill.server.tools.definitions import check_function_name
 
 MAX_INPUT_ITEMS = 4096
 
@@ -53,7 +53,8 @@ class FunctionToolSpec(LenientModel):
     type: Literal["function"]
     name: Annotated[str, AfterValidator(check_function_name)]
     description: str | None = None
-    parameters: Annotated[dict[str, Any], AfterValidator(check_parameters_schema)] | None = None
+    # A JSON schema of type object, checked off the event loop with the chat request's tools.
+    parameters: dict[str, Any] | None = None
     strict: bool | None = None  # arguments are schema-checked only when tool_choice forces the call
 
     def for_chat(self) -> ToolDefinition:

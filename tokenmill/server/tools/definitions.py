@@ -81,7 +81,8 @@ def _check_parameters_schema(schema: Mapping[str, Any], param: str) -> None:
     """A valid JSON schema (checked by jsonschema-rs: a 60 KB schema in under a millisecond, where
     the jsonschema package took a third of a second, holding the GIL) of type object."""
     meta = schema.get("$schema")
-    document = schema if isinstance(meta, str) and meta.rstrip("#") in _META_SCHEMAS else _without_meta(schema)
+    known = isinstance(meta, str) and meta.rstrip("#") in _META_SCHEMAS
+    document = dict(schema) if known else _without_meta(schema)
     try:
         jsonschema_rs.meta.validate(document)
     except jsonschema_rs.ValidationError as exc:
