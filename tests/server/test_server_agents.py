@@ -292,6 +292,13 @@ def test_responses_parse_structured_output(agent_server: ServerProcess) -> None:
     assert parsed.output_parsed == City(**CITY)
 
 
+# A valid parameters schema over the 64 KiB limit of one function's.
+BIG_PARAMETERS = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "string", "description": "d" * 60} for i in range(1000)},
+}
+
+
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
@@ -299,6 +306,12 @@ def test_responses_parse_structured_output(agent_server: ServerProcess) -> None:
         ({"tools": [{"type": "file_search", "vector_store_ids": ["x"]}]}, "tools[0].type", "unsupported_tool_type"),
         ({"tools": [{"type": "computer_use_preview"}]}, "tools[0].type", "unsupported_tool_type"),
         ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name", None),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools[0].parameters", None),
+        (  # checked off the event loop with the chat request's tools: the same size limits
+            {"tools": [{"type": "function", "name": "f", "parameters": BIG_PARAMETERS}]},
+            "tools[0].parameters",
+            "tool_too_large",
+        ),
         ({"background": True}, "background", "unsupported_parameter"),
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type", "unsupported_input_item"),
         (
@@ -329,6 +342,7 @@ def test_responses_refuses_what_it_cannot_serve(server: ServerProcess, body: dic
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type", "unsupported_tool_type"),
         ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools[0].input_schema", None),
+        ({"tools": [{"name": "f", "input_schema": BIG_PARAMETERS}]}, "tools[0].input_schema", "tool_too_large"),
         ({"messages": [{"role": "user", "content": []}]}, "messages", None),
         ({"stop_sequences": [""]}, "stop_sequences", None),
         ({"max_tokens": 0}, "max_tokens", None),
