@@ -1,8 +1,7 @@
 """The hostile mix: user-supplied programs (schemas, regexes, grammars, choice lists, tool schemas)
 built to cost the server as much as possible, sent while a well-behaved client streams.
 
-Used by `test_stress_hostile_inputs.py`, and runnable against any server to measure it (the figures
-in RELIABILITY.md were taken this way, on this code and on the code before the bounds):
+Used by `test_stress_hostile_inputs.py`, and runnable against any server to measure it:
 
     python -m tests.stress.hostile_mix --url http://127.0.0.1:8000 --pid SERVER_PID [--json out.json]
 
