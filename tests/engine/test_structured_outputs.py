@@ -511,6 +511,32 @@ def test_a_compile_nobody_waits_for_is_stopped(compiler) -> None:
     assert gone and not any(psutil.pid_exists(pid) for pid in gone)  # its process was killed (and replaced)
 
 
+def test_aborting_a_request_stops_its_compile(tiny_model_dir) -> None:
+    """A request aborted (its client left) while its grammar compiles withdraws from the compile:
+    nobody else waits for it, so it is dropped and its worker process killed."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="64MiB"), progress=False)
+    try:
+        grammars = engine.grammars
+        spec = constrained(regex=SLOW_REGEX + "b")
+        engine.add_request("slow", "Hi", SamplingParams(max_tokens=4, structured_outputs=spec))
+        deadline = time.monotonic() + 120
+        while not any(job.running for job in grammars._cache.values()):  # its trial is under way
+            assert time.monotonic() < deadline
+            engine.step()
+            time.sleep(0.05)
+        pids = {w._proc.pid for w in grammars._workers if w._proc is not None}
+        out = engine.abort("slow")
+        assert out is not None and out.outputs[0].finish_reason == "abort"
+        while grammars._cache.get(spec.key) is not None:
+            assert time.monotonic() < deadline, "the compile went on"
+            time.sleep(0.05)
+        gone = pids - {w._proc.pid for w in grammars._workers if w._proc is not None}
+        assert gone and not any(psutil.pid_exists(pid) for pid in gone)
+        assert not engine.has_unfinished()
+    finally:
+        engine.close()
+
+
 def test_slow_compiles_never_queue_ahead_of_cheap_ones(compiler) -> None:
     """Heavy compiles (over the light budget) queue among themselves: a cheap spec sent after
     three of them compiles while they are still busy."""
