@@ -516,7 +516,7 @@ def test_aborting_a_request_stops_its_compile(tiny_model_dir) -> None:
     nobody else waits for it, so it is dropped and its worker process killed."""
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="64MiB"), progress=False)
     try:
-        grammars = engine.grammars
+        grammars = engine.structured_outputs.compiler
         spec = constrained(regex=SLOW_REGEX + "b")
         engine.add_request("slow", "Hi", SamplingParams(max_tokens=4, structured_outputs=spec))
         deadline = time.monotonic() + 120
@@ -535,6 +535,18 @@ def test_aborting_a_request_stops_its_compile(tiny_model_dir) -> None:
         assert not engine.has_unfinished()
     finally:
         engine.close()
+
+
+def test_an_engine_dropped_without_close_leaves_no_compiler_processes(tiny_model_dir) -> None:
+    import gc
+
+    llm = LLM(str(tiny_model_dir), progress=False, kv_cache_memory="16MiB")
+    llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs=constrained(regex="ab")))
+    workers = [w._proc.pid for w in llm.engine.structured_outputs.compiler._workers if w._proc is not None]
+    assert workers
+    del llm
+    gc.collect()
+    assert not any(psutil.pid_exists(pid) for pid in workers)
 
 
 def test_slow_compiles_never_queue_ahead_of_cheap_ones(compiler) -> None:

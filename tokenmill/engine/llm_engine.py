@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
@@ -112,6 +113,8 @@ class LLMEngine:
         # What a step runs through.
         self.input_processor = parts.input_processor
         self.structured_outputs = parts.structured_outputs
+        # An engine dropped without close() leaves no grammar compiler processes behind.
+        weakref.finalize(self, parts.structured_outputs.close)
         self.scheduler = parts.scheduler
         self.allocator = parts.allocator
         self.drafter = parts.drafter
