@@ -18,18 +18,18 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 # Workers yield the CPU to the engine's threads: a long compile must not slow every stream down.
 NICENESS = 10
 
 
-def write_frame(stream: BinaryIO, header: dict[str, Any], payload: bytes = b"") -> None:
+def write_frame(stream: IO[bytes], header: dict[str, Any], payload: bytes = b"") -> None:
     stream.write(json.dumps({**header, "bytes": len(payload)}).encode() + b"\n" + payload)
     stream.flush()
 
 
-def read_frame(stream: BinaryIO) -> tuple[dict[str, Any], bytes] | None:
+def read_frame(stream: IO[bytes]) -> tuple[dict[str, Any], bytes] | None:
     """The next frame, or None at the end of the stream."""
     line = stream.readline()
     if not line:
@@ -41,7 +41,7 @@ def read_frame(stream: BinaryIO) -> tuple[dict[str, Any], bytes] | None:
     return header, payload
 
 
-def serve(requests: BinaryIO, replies: BinaryIO) -> None:
+def serve(requests: IO[bytes], replies: IO[bytes]) -> None:
     import xgrammar as xgr
 
     first = read_frame(requests)

@@ -39,14 +39,14 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import psutil
 import torch
 
 from tokenmill.engine.structured_output import compile_worker
 from tokenmill.engine.structured_output.budget import MatchBudget, MeteredMatcher, fill_rows
-from tokenmill.engine.structured_output.params import StructuredOutputsParams
+from tokenmill.engine.structured_output.params import SpecKey, StructuredOutputsParams
 from tokenmill.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class _Withdrawn(Exception):
 class _Job:
     """One spec's compile, shared by every request that asks for the same spec."""
 
-    key: tuple[str, str, bool]
+    key: SpecKey
     grammar: Any  # the parsed spec (an xgrammar Grammar)
     heavy: bool
     trusted: bool  # compiled here directly, without a trial (the built-in JSON grammar)
@@ -117,7 +117,7 @@ class GrammarCompiler:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         self._lock = threading.Condition(threading.RLock())
-        self._cache: OrderedDict[tuple, _Job] = OrderedDict()
+        self._cache: OrderedDict[SpecKey, _Job] = OrderedDict()
         # Queues: trials by lane (light, heavy), then builds by lane.
         self._trials: tuple[deque[_Job], deque[_Job]] = (deque(), deque())
         self._builds: tuple[deque[_Job], deque[_Job]] = (deque(), deque())
@@ -226,7 +226,7 @@ class GrammarCompiler:
         if self._threads:
             return
         light, heavy = self._trials
-        targets = [
+        targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
             (self._serve_trials, (index, (light,) if index == 0 else (heavy, light)))
             for index in range(len(self._workers))
         ]
@@ -339,7 +339,7 @@ class _Worker:
 
     def __init__(self, tokenizer_info: Callable[[], Any]) -> None:
         self._tokenizer_info = tokenizer_info  # the vocabulary the process compiles against
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
 
     def trial(self, grammar_json: bytes, timeout_s: float, withdrawn: Callable[[], bool]) -> dict[str, Any]:
@@ -347,17 +347,18 @@ class _Worker:
         CPU time (or WALL_FACTOR times as much wall time), _Withdrawn once `withdrawn()`: the process
         is killed either way."""
         proc = self._started()
+        stdin, stdout = _pipes(proc)
         usage = psutil.Process(proc.pid)
         cpu_start, wall_deadline = _cpu_seconds(usage), time.monotonic() + WALL_FACTOR * timeout_s
-        compile_worker.write_frame(proc.stdin, {"max_bytes": MAX_GRAMMAR_BYTES}, grammar_json)
-        while not select.select([proc.stdout], [], [], _POLL_S)[0]:
+        compile_worker.write_frame(stdin, {"max_bytes": MAX_GRAMMAR_BYTES}, grammar_json)
+        while not select.select([stdout], [], [], _POLL_S)[0]:
             if withdrawn():
                 self._kill()
                 raise _Withdrawn()
             if _cpu_seconds(usage) - cpu_start > timeout_s or time.monotonic() > wall_deadline:
                 self._kill()
                 raise TimeoutError()
-        reply = compile_worker.read_frame(proc.stdout)
+        reply = compile_worker.read_frame(stdout)
         if reply is None:
             self._kill()
             raise RuntimeError(f"the compiler process died (exit code {proc.poll()})")
@@ -373,16 +374,17 @@ class _Worker:
     def stop(self) -> None:
         self._kill()
 
-    def _started(self) -> subprocess.Popen:
+    def _started(self) -> subprocess.Popen[bytes]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self._proc = proc = subprocess.Popen(
             [sys.executable, "-m", compile_worker.__name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
+        stdin, stdout = _pipes(proc)
         info = self._tokenizer_info().serialize_json().encode()
-        compile_worker.write_frame(proc.stdin, {}, info)
-        ready, _, _ = select.select([proc.stdout], [], [], WORKER_START_TIMEOUT_S)
-        reply = compile_worker.read_frame(proc.stdout) if ready else None
+        compile_worker.write_frame(stdin, {}, info)
+        ready, _, _ = select.select([stdout], [], [], WORKER_START_TIMEOUT_S)
+        reply = compile_worker.read_frame(stdout) if ready else None
         if reply is None or reply[0].get("status") != "ready":
             self._kill()
             raise RuntimeError("the compiler process did not start")
@@ -394,8 +396,13 @@ class _Worker:
         if proc is not None:
             proc.kill()
             proc.wait()
-            proc.stdin.close()
-            proc.stdout.close()
+            for pipe in _pipes(proc):
+                pipe.close()
+
+
+def _pipes(proc: subprocess.Popen[bytes]) -> tuple[IO[bytes], IO[bytes]]:
+    assert proc.stdin is not None and proc.stdout is not None  # (started with both)
+    return proc.stdin, proc.stdout
 
 
 def _cpu_seconds(process: psutil.Process) -> float:
@@ -426,7 +433,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -
     import xgrammar as xgr
 
     base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
-    vocab = [""] * vocab_size
+    vocab: list[bytes | str] = [""] * vocab_size
     for token, index in tokenizer.get_vocab().items():
         if index < vocab_size:
             vocab[index] = token

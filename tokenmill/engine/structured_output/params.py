@@ -20,17 +20,18 @@ the output follows the rest of the schema.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import InvalidRequest
 
-try:
-    from re import _parser as sre_parse  # Python 3.11+
-except ImportError:  # Python 3.10
-    import sre_parse  # type: ignore[no-redef]
+# The standard library's regex parser (re._parser since Python 3.11, sre_parse before): where a
+# pattern's anchors sit.
+sre_parse: Any = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
 
 # Whitespace between JSON elements: at most this many characters. Unbounded whitespace lets a model
 # that likes newlines never finish the document (xgrammar's default is unbounded); 32 still allows
@@ -62,6 +63,10 @@ class ReasoningSection:
         if self.start is not None:
             section = {"type": "optional", "content": section}
         return {"type": "structural_tag", "format": section}
+
+
+# What identifies a compiled grammar: (kind, the spec's text, disable_any_whitespace, reasoning).
+SpecKey = tuple[str, str, bool, ReasoningSection | None]
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ class StructuredOutputsParams:
         return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
 
     @property
-    def key(self) -> tuple[str, str, bool, ReasoningSection | None]:
+    def key(self) -> SpecKey:
         """What identifies the compiled grammar (the compile cache's key)."""
         kind = self.kind
         value = getattr(self, kind)
@@ -158,6 +163,7 @@ class StructuredOutputsParams:
         """The JSON schema (`json` as a dict: JSON text parsed, once)."""
         schema = self.__dict__.get("_schema")
         if schema is None:
+            assert self.json is not None, "schema() of a json spec"
             schema = self.json if isinstance(self.json, dict) else _parsed_schema(self.json)
             object.__setattr__(self, "_schema", schema)
         return schema
@@ -362,7 +368,8 @@ def _disjoint(branches: list[Any], root: dict[str, Any]) -> bool:
     different constant in each (a discriminator)."""
     resolved = [_resolve(b, root) for b in branches]
     kinds = [_types(b) for b in resolved]
-    if all(kinds) and all(not (a & b) for i, a in enumerate(kinds) for b in kinds[i + 1 :]):
+    known = [k for k in kinds if k]
+    if len(known) == len(kinds) and all(not (a & b) for i, a in enumerate(known) for b in known[i + 1 :]):
         return True
     tags = [_constants(b) for b in resolved]
     for name in set.intersection(*(set(t) for t in tags)) if all(tags) else ():
