@@ -219,7 +219,7 @@ def nested(depth: int) -> dict:
 
 def test_schemas_are_bounded_before_xgrammar_parses_them() -> None:
     """A schema given as JSON text is parsed and held to the same limits as a dict (xgrammar's parse
-    time grows with the cube of the depth: 400 levels took 13 s); every kind of spec has a size limit."""
+    time grows about with the cube of the depth); every kind of spec has a size limit."""
     from tokenmill.engine.structured_output.params import MAX_SCHEMA_DEPTH, MAX_SPEC_BYTES
 
     deep = json.dumps(nested(400))
@@ -579,7 +579,7 @@ AMBIGUOUS = 'root ::= b* "y"\nb ::= "x"* "x"* "x"* "x"* "x"*'
 
 
 def test_a_grammar_too_costly_to_match_is_stopped_and_its_neighbours_go_on(llm) -> None:
-    """Every "x" makes the ambiguous grammar's matcher state grow (seconds per token after ~100):
+    """Every "x" makes the ambiguous grammar's matcher state grow (its work per token grows with each one):
     the request is stopped once its matching time runs over its budget; the other request in the
     same batches is untouched."""
     x = llm.engine.tokenizer.convert_tokens_to_ids("x")

@@ -14,8 +14,8 @@ are compared with the same client alone on the same server, just before:
   GAP_FACTOR times the solo ones plus GAP_P50_MARGIN_S and GAP_P95_MARGIN_S; /health's median
   latency within HEALTH_FACTOR times solo plus HEALTH_MARGIN_S. Generous, for a loaded 2-core CI
   machine: there, two clients sending plain one-token chat requests back to back (no hostile input
-  at all) already take the stream's p95 gap from 0.06 s to 0.34 s (steps that prefill a new request,
-  and the GIL shared with the server's request handling);
+  at all) already widen the stream's p95 gap several times (steps that prefill a new request, and
+  the GIL shared with the server's request handling);
 * afterwards nothing runs, waits or holds KV blocks, and the server's RSS is back within
   RSS_GROWTH_LIMIT_MB of what it was before (the compiled-grammar cache holds at most 128 MiB).
 """

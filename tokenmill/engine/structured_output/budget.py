@@ -1,17 +1,16 @@
 """How much grammar work one request may cost the engine per step.
 
 Matching is done on the scheduling thread: advancing each sequence's matcher by its sampled token
-and filling its row of the next step's bitmask. For most grammars that takes microseconds per row,
-but an ambiguous grammar's matcher state can grow with every token (`root ::= b* "y"`, `b ::= "x"*
-"x"* "x"*`: over a second per token after ~100 tokens), and a 1,000-branch `anyOf` costs
-milliseconds per row, sixteen rows with `n=16`: every other stream's inter-token gap would grow by
-as much. So each request's matcher time (all its sequences together) is metered with a token
-bucket: it earns MATCH_TIME_PER_STEP_S per step it takes part in, may hold at most
-MATCH_TIME_BURST_S of credit, and is stopped (the engine fails it with `GrammarTooExpensive`) once
-its credit runs out: from then on its matchers do no more work (its rows are left unconstrained for
-the step that is still running; the request ends with an error anyway), so one step overshoots the
-budget by one row's work at most. Time is the thread's CPU time, so a busy machine preempting the
-engine thread mid-call costs no request its budget.
+and filling its row of the next step's bitmask. For most grammars that is cheap, but an ambiguous
+grammar's matcher state can grow with every token (`root ::= b* "y"`, `b ::= "x"* "x"* "x"*`: each
+token costs more than the last), and a 1,000-branch `anyOf` is costly per row, times sixteen rows
+with `n=16`: every other stream's inter-token gap would grow by as much. So each request's matcher
+time (all its sequences together) is metered with a token bucket: it earns MATCH_TIME_PER_STEP_S per
+step it takes part in, may hold at most MATCH_TIME_BURST_S of credit, and is stopped (the engine
+fails it with `GrammarTooExpensive`) once its credit runs out: from then on its matchers do no more
+work (its rows are left unconstrained for the step that is still running; the request ends with an
+error anyway), so one step overshoots the budget by one row's work at most. Time is the thread's CPU
+time, so a busy machine preempting the engine thread mid-call costs no request its budget.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Compiling a grammar against the vocabulary is C++ work that cannot be interrupte
 specs take seconds: a spec is first compiled here, in a process that can be killed at its deadline
 or when every request waiting for it has gone, and only a grammar that compiled within the limits
 is compiled again in the engine's process (shipping the compiled grammar back is no option: its
-serialization can take ~80 times as long as compiling it). A worker is `python -m
+serialization can take far longer than compiling it). A worker is `python -m
 tokenmill.engine.structured_output.compile_worker` (a plain subprocess: no multiprocessing start
 method re-imports the caller's main module), runs at a lower CPU priority than the engine, and
 talks over its stdin/stdout in frames: a JSON header line, then the payload bytes it announces.

@@ -18,9 +18,9 @@ allowed-token bitmask.
     in the allocator's arenas: the engine hands it back to the system when it is idle
     (`heap.trim_heap`).
 * Each constrained sequence owns a matcher (`budget.MeteredMatcher`), advanced only where the
-  scheduler lands sampled tokens (through `StructuredOutputManager.accept`): its state always matches the
-  sequence's known output tokens (preemption keeps them; taken-back steps never reached it). Its
-  time is metered against its request's budget (see `budget`).
+  scheduler lands sampled tokens (through `StructuredOutputManager.accept`): its state always
+  matches the sequence's known output tokens (preemption keeps them; taken-back steps never
+  reached it). Its time is metered against its request's budget (see `budget`).
 * A step's `GrammarMask` is the bitmask of all its constrained rows, filled by the scheduling
   thread as soon as every earlier token of those rows is known: at launch without overlap
   scheduling, or after the previous step lands with it. The model thread runs the forward pass
@@ -121,7 +121,7 @@ class GrammarCompiler:
         # Queues: trials by lane (light, heavy), then builds by lane.
         self._trials: tuple[deque[_Job], deque[_Job]] = (deque(), deque())
         self._builds: tuple[deque[_Job], deque[_Job]] = (deque(), deque())
-        self._xgr: Any = None  # xgrammar's compiler over the vocabulary (built once, ~0.5 s) and
+        self._xgr: Any = None  # xgrammar's compiler over the vocabulary (built once) and
         self._info: Any = None  # the vocabulary (its TokenizerInfo)
         self._xgr_lock = threading.Lock()
         # Worker 0 takes light trials only, the others heavy ones first.
