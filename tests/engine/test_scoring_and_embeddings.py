@@ -181,8 +181,28 @@ def test_max_tokens_zero_needs_prompt_logprobs():
     with pytest.raises(ValueError, match="max_tokens must be at least 1"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(max_tokens=0, prompt_logprobs=21)
+        SamplingParams(max_tokens=0, prompt_logprobs=-1)
     assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
+
+
+def test_logprobs_beyond_max_logprobs_are_refused_by_the_engine():
+    """--max-logprobs (20 by default, as vLLM's) caps logprobs and prompt_logprobs per request; -1
+    lifts the cap (the parameters themselves take any count)."""
+    from tokenmill.engine.input_processor import InputProcessor
+    from tokenmill.errors import InvalidRequest
+
+    capped = InputProcessor(None, vocab_size=1000, max_model_len=64)
+    for params, name in (
+        (SamplingParams(max_tokens=1, logprobs=21), "logprobs"),
+        (SamplingParams(max_tokens=0, prompt_logprobs=21), "prompt_logprobs"),
+    ):
+        with pytest.raises(InvalidRequest, match="--max-logprobs") as refused:
+            capped.process([1, 2, 3], params)
+        assert refused.value.param == name
+    capped.process([1, 2, 3], SamplingParams(max_tokens=1, logprobs=20))
+    InputProcessor(None, vocab_size=1000, max_model_len=64, max_logprobs=-1).process(
+        [1, 2, 3], SamplingParams(max_tokens=1, logprobs=50)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- embeddings

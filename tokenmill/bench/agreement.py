@@ -4,9 +4,10 @@ The text (real English prose and code: the topic pages of CPython's own referenc
 `pydoc_data.topics`, shipped with every Python) is tokenized and cut into chunks; each chunk runs
 as one prefill through each engine's model (its real layers, quantization, dtype and attention),
 and at every position the argmax of the next-token logits is compared. The engine under test is
-the one the flags describe (`--quantization int8`, `--dtype bfloat16`, ...); references are plain
-engines in the given dtypes (default fp32). Agreement is the fraction of positions with the same
-top-1 token: near-ties flip under any rounding, so even bf16 vs fp32 is below 100%.
+the one the flags describe (`--quantization int8`, `--dtype bfloat16`, a GGUF file's own Q8_0 weights,
+...); references are plain engines in the given dtypes (default fp32), every weight dequantized.
+Agreement is the fraction of positions with the same top-1 token: near-ties flip under any
+rounding, so even bf16 vs fp32 is below 100%.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
     model_dir = resolve_bench_model(args.model)
     llm = make_llm(args, model_dir)
     setting = (
-        f"dtype {llm.engine.precision.describe()}, quantization {args.quantization or 'none'}, "
+        f"dtype {llm.engine.precision.describe()}, quantization {args.quantization or 'as the checkpoint'}, "
         f"KV cache {str(llm.engine.kv_dtype).removeprefix('torch.')}"
     )
     chunks = text_chunks(llm.tokenizer, args.tokens, args.chunk)
@@ -106,6 +107,7 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
     del llm
     results = []
     for dtype in args.references:
+        # (unquantized: a checkpoint's own int8 weights, such as a GGUF file's Q8_0, dequantized too)
         reference = make_llm(args, model_dir, dtype=dtype, quantization=None, kv_cache_dtype="auto")
         expected = predictions(reference, chunks, args.step)
         reference.engine.close()

@@ -82,6 +82,16 @@ class AsyncEngine:
         return self.engine.model_name
 
     @property
+    def served_model_names(self) -> list[str]:
+        """Every name requests may give the base model (--served-model-name); model_name is the first."""
+        return self.engine.served_model_names
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Sampling settings of requests that leave them unset (--generation-config), by SamplingParams name."""
+        return self.engine.generation_defaults
+
+    @property
     def loras(self) -> LoRARegistry | None:
         """The LoRA adapters requests may select by name (None: LoRA is off)."""
         return self.engine.loras

@@ -24,7 +24,13 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.precision import Precision, resolve_kv_cache_dtype, resolve_precision
 from tokenmill.engine.result_cache import ResultCache
 from tokenmill.engine.sample.sampler import Sampler
-from tokenmill.engine.setup import check_tensor_parallel, load_prepared_model, load_tokenizer, resolve_device
+from tokenmill.engine.setup import (
+    check_tensor_parallel,
+    generation_defaults,
+    load_prepared_model,
+    load_tokenizer,
+    resolve_device,
+)
 from tokenmill.engine.spec_decode import check_speculative_config
 from tokenmill.engine.spec_decode.draft import DraftProposer, check_draft_model, load_draft_model
 from tokenmill.engine.spec_decode.ngram import NgramProposer
@@ -36,7 +42,8 @@ from tokenmill.engine.worker.tensor_parallel import TensorParallelGroup, rank_de
 from tokenmill.lora.batch import LoRASlots
 from tokenmill.lora.layers import LoRAModel
 from tokenmill.lora.registry import LoRARegistry, parse_lora_module
-from tokenmill.models.model_loader.hub import resolve_model
+from tokenmill.models.model_loader.hf_hub import HubOptions
+from tokenmill.models.model_loader.hub import default_served_name, resolve_adapter, resolve_model, resolve_tokenizer
 from tokenmill.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -49,7 +56,8 @@ class EngineParts:
     config: EngineConfig
     device: torch.device
     model_dir: Path
-    model_name: str  # the name requests and responses use
+    served_model_names: list[str]  # the names requests may use; responses report the first
+    generation_defaults: dict[str, Any]  # sampling settings of requests that leave them unset (by SamplingParams name)
     precision: Precision
     kv_dtype: torch.dtype
     tokenizer: Any  # None: the model has none (token ids in and out)
@@ -68,6 +76,11 @@ class EngineParts:
     input_processor: InputProcessor
     output_processor: OutputProcessor
     model_thread: ThreadPoolExecutor | None  # overlap scheduling: the model runs here, a step ahead
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report."""
+        return self.served_model_names[0]
 
     def close(self) -> None:
         """Stop the model thread, the grammar compilers and the tensor-parallel workers."""
@@ -100,17 +113,23 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineParts:
     device = resolve_device(config.device)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    model_dir = resolve_model(config.model)
+    config.check_sources()
+    model_dir = resolve_model(config.model, config.hub_options())
     precision = resolve_precision(config.dtype, device, model_dir)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, precision.weights)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer_dir = (
+        resolve_tokenizer(config.tokenizer, config.tokenizer_hub_options()) if config.tokenizer else model_dir
+    )
+    tokenizer = load_tokenizer(tokenizer_dir, config.chat_template)
+    names = config.served_model_names or [default_served_name(config.model, model_dir)]
+    defaults = generation_defaults(config.generation_config, model_dir)
     check_speculative_config(config)
     config.check_lora()
     lora_modules = [parse_lora_module(text) for text in config.lora_modules or ()]
     check_tensor_parallel(config, model_dir, device)
     loaded = _load_model(config, progress, device, model_dir, precision, tokenizer)
     try:
-        parts = _assemble(config, loaded, kv_dtype)
+        parts = _assemble(config, loaded, kv_dtype, names, defaults)
     except BaseException:
         if loaded.tp_group is not None:
             loaded.tp_group.close()
@@ -119,11 +138,18 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineParts:
     try:
         for module in lora_modules:
             assert parts.loras is not None  # (adapters to load turn LoRA on)
-            parts.loras.load(module.name, module.path, module.base_model_name)
+            path = resolve_adapter(module.path, side_hub_options(config))
+            parts.loras.load(module.name, str(path), module.base_model_name)
     except BaseException:
         parts.close()
         raise
     return parts
+
+
+def side_hub_options(config: EngineConfig) -> HubOptions:
+    """How repository ids other than --model's (the draft model, LoRA adapters) are fetched: the same
+    cache and token, their default revision."""
+    return HubOptions(None, config.download_dir, config.hf_token)
 
 
 def _load_model(
@@ -165,12 +191,18 @@ def _load_model(
 def _load_draft(
     config: EngineConfig, target: ModelSpec, tokenizer: Any, precision: Precision, device: torch.device
 ) -> tuple[torch.nn.Module, ModelSpec]:
-    draft_dir = resolve_model(config.speculative_model)
+    draft_dir = resolve_model(config.speculative_model, side_hub_options(config))
     draft_spec = check_draft_model(draft_dir, target, tokenizer)
     return load_draft_model(config, draft_dir, precision, device), draft_spec
 
 
-def _assemble(config: EngineConfig, loaded: _LoadedModel, kv_dtype: torch.dtype) -> EngineParts:
+def _assemble(
+    config: EngineConfig,
+    loaded: _LoadedModel,
+    kv_dtype: torch.dtype,
+    served_model_names: list[str],
+    generation_defaults: dict[str, Any],
+) -> EngineParts:
     """The KV cache (sized to the memory budget, which may lower the context) and everything that
     runs steps over it."""
     spec, device, bs = loaded.spec, loaded.device, config.block_size
@@ -226,12 +258,12 @@ def _assemble(config: EngineConfig, loaded: _LoadedModel, kv_dtype: torch.dtype)
     )
     _log_speculation(config)
     result_cache = ResultCache(config.result_cache_size)
-    model_name = config.served_model_name or loaded.model_dir.name
     return EngineParts(
         config=config,
         device=device,
         model_dir=loaded.model_dir,
-        model_name=model_name,
+        served_model_names=served_model_names,
+        generation_defaults=generation_defaults,
         precision=loaded.precision,
         kv_dtype=kv_dtype,
         tokenizer=loaded.tokenizer,
@@ -244,7 +276,7 @@ def _assemble(config: EngineConfig, loaded: _LoadedModel, kv_dtype: torch.dtype)
             None
             if lora is None
             else LoRARegistry(
-                lora.targets, lora.hf_to_local, config.max_lora_rank, dtype, model_name, config.max_cpu_loras
+                lora.targets, lora.hf_to_local, config.max_lora_rank, dtype, served_model_names[0], config.max_cpu_loras
             )
         ),
         allocator=allocator,
@@ -253,7 +285,7 @@ def _assemble(config: EngineConfig, loaded: _LoadedModel, kv_dtype: torch.dtype)
         runner=runner,
         drafter=drafter,
         structured_outputs=structured_outputs,
-        input_processor=InputProcessor(loaded.tokenizer, spec.vocab_size, max_model_len),
+        input_processor=InputProcessor(loaded.tokenizer, spec.vocab_size, max_model_len, config.max_logprobs),
         output_processor=OutputProcessor(loaded.tokenizer, result_cache, scheduler.finish, spec.eos_token_ids),
         model_thread=_model_thread(config, device),
     )

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.models.model_loader.hf_hub import HubOptions
 from tokenmill.options import add_options, from_args, option
 
 # The offline API's defaults (LLM, the offline benchmarks) where they differ from the server's
@@ -17,7 +18,12 @@ OFFLINE_DEFAULTS = {"max_num_batched_tokens": 4096, "max_num_seqs": 256}
 
 @dataclass
 class EngineConfig:
-    model: str | None = option(None, "local Hugging Face model directory (default: bundled SmolLM2-135M-Instruct)")
+    model: str | None = option(
+        None,
+        "the model: a hub repository id (ORG/NAME: from the local Hugging Face cache, else downloaded), a "
+        "local Hugging Face model directory, or a .gguf file (converted once, cached) (default: the bundled "
+        "SmolLM2-135M-Instruct)",
+    )
     model_impl: str = option(
         "auto",
         "model code: native = tokenmill's own fast paths (listed by `tokenmill models`), transformers = "
@@ -25,13 +31,60 @@ class EngineConfig:
         "architecture has one, else transformers",
         choices=["auto", "native", "transformers"],
     )
-    served_model_name: str | None = option(None, "model name reported by the API (default: the directory name)")
+    revision: str | None = option(
+        None, "--model ORG/NAME: the branch, tag or commit to use (default: the repository's main branch)"
+    )
+    tokenizer: str | None = option(
+        None,
+        "tokenizer (and chat template) to use instead of the model's: a local directory or a hub repository id "
+        "(default: the model's own; a GGUF file's from its metadata)",
+    )
+    tokenizer_revision: str | None = option(None, "--tokenizer ORG/NAME: the branch, tag or commit to use")
+    download_dir: str | None = option(
+        None, "Hugging Face cache to read models from and download them into (default: $HF_HUB_CACHE)", metavar="DIR"
+    )
+    hf_token: str | bool | None = option(
+        None,
+        "token for gated or private hub repositories; without a value: the token `hf auth login` stored "
+        "(default: $HF_TOKEN, else that stored token)",
+        metavar="TOKEN",
+        nargs="?",
+        const=True,
+        type=str,
+    )
+    trust_remote_code: bool = option(
+        False, "refused: tokenmill never runs code from a model repository (it serves the families it implements)"
+    )
+    chat_template: str | None = option(
+        None,
+        "chat template to use instead of the tokenizer's: a Jinja file, or the template itself (as vLLM takes it)",
+        metavar="FILE_OR_TEMPLATE",
+    )
+    generation_config: str = option(
+        "auto",
+        "default sampling settings of requests that do not set them: auto = the model's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; as vLLM), vllm = "
+        "none (OpenAI's defaults), or a directory holding a generation_config.json",
+        metavar="auto|vllm|DIR",
+    )
+    max_logprobs: int = option(
+        20, "most logprobs (and prompt_logprobs) a request may ask for per token; -1 = no limit (as vLLM)"
+    )
+    served_model_name: list[str] | None = option(
+        None,
+        "name(s) the API serves the model under: requests may use any of them, responses and the metrics report "
+        "the first (default: the repository id, or the directory's or GGUF file's name)",
+        nargs="+",
+        type=str,
+        metavar="NAME",
+    )
     dtype: str = option(
         "auto",
         "weight/activation dtype; auto = bf16 on a CPU with native bf16 (AMX or "
         "AVX512-BF16) for a model published in bf16/fp16, else fp32 on CPU; bf16 (or fp16) on GPU. "
-        "bfloat16 on a CPU without native bf16: bf16 weights and KV cache, fp32 arithmetic",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        "bfloat16 on a CPU without native bf16: bf16 weights and KV cache, fp32 arithmetic (float, half: vLLM's "
+        "names for float32, float16)",
+        choices=["auto", "float32", "float16", "bfloat16", "float", "half"],
     )
     device: str = option("auto", "where to run; auto picks CUDA when available", choices=["auto", "cpu", "cuda"])
     quantization: str | None = option(
@@ -122,9 +175,9 @@ class EngineConfig:
     )
     speculative_model: str | None = option(
         None,
-        "--speculative-method draft: local Hugging Face directory of the draft model (same vocabulary "
-        "and tokenizer as --model)",
-        metavar="DIR",
+        "--speculative-method draft: the draft model, as --model takes one (a hub repository id, a local "
+        "directory or a .gguf file; same vocabulary and tokenizer as --model)",
+        metavar="MODEL",
     )
     ngram_prompt_lookup_min: int = option(
         2, "--speculative-method ngram: shortest n-gram to look up (default: 2)", metavar="N"
@@ -151,8 +204,8 @@ class EngineConfig:
     )
     lora_modules: list[str] | None = option(
         None,
-        "LoRA adapters (PEFT directories) to load at start, each NAME=PATH or vLLM's JSON form "
-        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request selects one with model=NAME',
+        "LoRA adapters to load at start, each NAME=PATH (a PEFT directory or a hub repository id) or vLLM's JSON "
+        'form \'{"name": ..., "path": ..., "base_model_name": ...}\'; a request selects one with model=NAME',
         nargs="+",
         type=str,
         metavar="NAME=PATH",
@@ -170,6 +223,29 @@ class EngineConfig:
         "more is refused until another is unloaded",
         metavar="N",
     )
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """--served-model-name as a list (the offline API also takes one name as a string)."""
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else list(names or [])
+
+    def hub_options(self) -> HubOptions:
+        """How --model's repository id is fetched."""
+        return HubOptions(self.revision, self.download_dir, self.hf_token)
+
+    def tokenizer_hub_options(self) -> HubOptions:
+        return HubOptions(self.tokenizer_revision, self.download_dir, self.hf_token)
+
+    def check_sources(self) -> None:
+        """Refuse model-source settings tokenmill cannot honour (before anything is fetched)."""
+        if self.trust_remote_code:
+            raise ValueError(
+                "--trust-remote-code: tokenmill never runs code from a model repository; it serves the "
+                "architectures it implements (`tokenmill models`) from their weights, without the flag"
+            )
+        if self.max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}")
 
     @property
     def lora_enabled(self) -> bool:

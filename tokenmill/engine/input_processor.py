@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import mark_control_tokens
 
 from tokenmill.engine.pooling_params import PoolingParams
-from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tokenmill.errors import ContextLengthExceeded, InvalidRequest
 
 if TYPE_CHECKING:
@@ -232,10 +232,13 @@ def _fallback_template(
 class InputProcessor:
     """Tokenization and validation against one model; thread-safe (holds no request state)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, max_model_len: int, max_logprobs: int = MAX_TOP_LOGPROBS
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs  # --max-logprobs; -1: no limit
 
     def render_chat(self, messages: Sequence[Message | Any], **options: Any) -> list[int]:
         """`render_chat` with this model's tokenizer (see there for the options)."""
@@ -342,8 +345,16 @@ class InputProcessor:
         return ids
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary, and
-        whether a structured-output spec parses (a bad schema is the request's fault: 400)."""
+        """What SamplingParams cannot check alone: logprobs against --max-logprobs, token ids against
+        this model's vocabulary, and whether a structured-output spec parses (a bad schema is the
+        request's fault: 400)."""
+        for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if asked is not None and self.max_logprobs != -1 and asked > self.max_logprobs:
+                raise InvalidRequest(
+                    f"{name}: {asked} requested; this server returns at most {self.max_logprobs} per token "
+                    "(--max-logprobs)",
+                    param=name,
+                )
         bias = params.logit_bias
         if bias and (min(bias) < 0 or max(bias) >= self.vocab_size):
             raise InvalidRequest(f"logit_bias keys must be token ids in [0, {self.vocab_size})", param="logit_bias")

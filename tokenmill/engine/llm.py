@@ -39,7 +39,8 @@ class LLM:
         `lora_request` (vLLM's): the LoRA adapter of every prompt, or one per prompt (None: the base
         model); needs `enable_lora=True`, loads the adapter on first use. `priority` (vLLM's): one per
         prompt, lower first; needs `scheduling_policy="priority"`."""
-        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm, "Generating", lora_request, priority)
+        params = sampling_params or self.engine.default_sampling_params()  # (the model's generation defaults)
+        return self._run(prompts, params, use_tqdm, "Generating", lora_request, priority)
 
     def embed(
         self,

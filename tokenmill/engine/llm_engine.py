@@ -97,6 +97,8 @@ class LLMEngine:
         self.device = parts.device
         self.model_dir = parts.model_dir
         self.model_name = parts.model_name
+        self.served_model_names = parts.served_model_names
+        self.generation_defaults = parts.generation_defaults
         self.model = parts.model
         self.spec = parts.spec
         self.precision = parts.precision
@@ -128,6 +130,10 @@ class LLMEngine:
         self.num_steps = 0
 
     # -- requests ----------------------------------------------------------------------------
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation defaults (--generation-config) for what is unset."""
+        return SamplingParams.from_dict(dict(self.generation_defaults))
 
     def make_request(
         self,

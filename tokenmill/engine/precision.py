@@ -24,17 +24,14 @@ from tokenmill.kernels.cpu_caps import CpuCaps, detect
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's other names for them
 _HALF_PRECISION = {"float16", "bfloat16"}
 
 
 def model_source_dtype(model_dir: Path | None) -> str | None:
     """The dtype a model was published in: its config's `dtype` (`torch_dtype` before transformers 5)."""
-    from tokenmill.models.model_loader.hub import DEFAULT_MODEL_SOURCE_DTYPE, is_default_model
-
     if model_dir is None:
         return None
-    if is_default_model(model_dir):
-        return DEFAULT_MODEL_SOURCE_DTYPE
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -59,7 +56,7 @@ def choose_cpu_dtype(caps: CpuCaps, source_dtype: str | None) -> tuple[torch.dty
 def resolve_dtype(name: str, device: torch.device, model_dir: Path | None = None) -> torch.dtype:
     """The dtype `--dtype NAME` means on `device` for the model in `model_dir`; auto is logged with its reason."""
     if name != "auto":
-        return DTYPES[name]
+        return DTYPES[DTYPE_ALIASES.get(name, name)]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     dtype, reason = choose_cpu_dtype(detect(), model_source_dtype(model_dir))

@@ -14,7 +14,8 @@ MAX_N = 16
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 MAX_LOGIT_BIAS = 300
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # --max-logprobs' default (vLLM's): the engine refuses more (InputProcessor)
+MAX_LOGPROBS_CEILING = 1 << 20  # what SamplingParams accepts at all (a vocabulary's worth)
 
 
 @dataclass
@@ -96,7 +97,7 @@ class SamplingParams:
 
         integer("max_tokens", self.max_tokens, 0, 1 << 20)
         if self.prompt_logprobs is not None:
-            integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
+            integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS_CEILING)
         elif self.max_tokens == 0:
             raise InvalidRequest(
                 "max_tokens must be at least 1 (0 only scores the prompt: set prompt_logprobs)", param="max_tokens"
@@ -129,6 +130,6 @@ class SamplingParams:
         for v in self.logit_bias.values():
             number("logit_bias value", v, -100.0, 100.0, param="logit_bias")
         if self.logprobs is not None:
-            integer("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+            integer("logprobs", self.logprobs, 0, MAX_LOGPROBS_CEILING)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidRequest("structured_outputs must be a StructuredOutputsParams", param="structured_outputs")

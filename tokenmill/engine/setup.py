@@ -106,11 +106,15 @@ def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.de
         model.forward = torch.compile(model.forward, dynamic=True)
 
 
-def load_tokenizer(model_dir: Path) -> Any:
-    """The model's tokenizer, or None (then only token-id prompts work)."""
+def load_tokenizer(model_dir: Path, chat_template: str | None = None) -> Any:
+    """The model's tokenizer, or None (then only token-id prompts work); `chat_template`
+    (--chat-template: a file or the template itself) replaces the tokenizer's."""
+    template = load_chat_template(chat_template) if chat_template is not None else None
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as exc:
+        if template is not None:
+            raise ValueError(f"--chat-template needs a tokenizer, and {model_dir} has no usable one ({exc})") from None
         logger.warning("no usable tokenizer in %s (%s): only token-id prompts will work", model_dir, exc)
         return None
     if getattr(tokenizer, "backend_tokenizer", None) is None:  # incremental detokenization needs `tokenizers`
@@ -118,4 +122,72 @@ def load_tokenizer(model_dir: Path) -> Any:
             f"the tokenizer in {model_dir} ({type(tokenizer).__name__}) has no fast (tokenizers) "
             "backend; tokenmill needs one (a tokenizer.json)"
         )
+    if template is not None:
+        tokenizer.chat_template = template
     return tokenizer
+
+
+_JINJA_MARKS = ("{", "}", "\n")
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template, as vLLM reads it: the file it names, or else (when it looks like a template,
+    not a path) the template itself, with backslash escapes such as \\n decoded. Checked to parse."""
+    import codecs
+
+    import jinja2
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        template = path.read_text()
+    elif any(mark in value for mark in _JINJA_MARKS):
+        template = codecs.decode(value, "unicode_escape")
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file (and not a Jinja template either)")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {exc.lineno}: {exc.message})") from None
+    return template
+
+
+# generation_config.json keys that become request defaults (as vLLM applies them), by their
+# SamplingParams name.
+GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(choice: str, model_dir: Path) -> dict[str, Any]:
+    """--generation-config: the sampling settings requests get where they set none (by SamplingParams
+    name): from the model's generation_config.json (auto), none (vllm), or another directory's.
+    Only the values it sets apart from transformers' defaults count (its top_k of 50 does not)."""
+    if choice == "vllm":
+        return {}
+    directory = model_dir if choice == "auto" else Path(choice).expanduser()
+    if not (directory / "generation_config.json").is_file():
+        if choice == "auto":
+            return {}
+        raise ValueError(
+            f"--generation-config {choice}: no generation_config.json there (expected auto, vllm or a directory)"
+        )
+    from transformers import GenerationConfig
+
+    try:
+        diff = GenerationConfig.from_pretrained(directory).to_diff_dict()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--generation-config: {directory / 'generation_config.json'}: {exc}") from None
+    defaults = {ours: diff[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if diff.get(theirs) is not None}
+    if defaults:
+        logger.info(
+            "requests that do not set them get the model's sampling defaults %s (from %s; --generation-config vllm: "
+            "none)",
+            defaults,
+            directory / "generation_config.json",
+        )
+    return defaults

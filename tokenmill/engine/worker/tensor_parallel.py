@@ -113,7 +113,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str) -> None:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(threads_per_rank(world))
-    model_dir = resolve_model(config.model)
+    model_dir = resolve_model(config.model, config.hub_options())  # (in the cache: rank 0 fetched it)
     precision = resolve_precision(config.dtype, device, model_dir)
     dist.init_process_group(
         backend_for(device), init_method=init_method, rank=rank, world_size=world, timeout=_INIT_TIMEOUT

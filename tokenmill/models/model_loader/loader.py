@@ -27,6 +27,7 @@ from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.models.layers.linear import PartNames
 from tokenmill.models.layers.parallel import NO_TP, TPInfo, check_shardable, local_spec, shard_state
 from tokenmill.models.layers.quantization import QuantizationConfig, quantization_config
+from tokenmill.models.model_loader.gguf import ConvertedGGUF
 from tokenmill.models.model_loader.linear_setup import assign_linear_methods, linear_backend
 from tokenmill.models.model_loader.registry import GENERIC, NATIVE, Architecture, lookup
 from tokenmill.models.spec import ModelSpec, as_list
@@ -329,6 +330,7 @@ def load_model(
     packed for tokenmill's CPU kernels with `packed_linear`; their tensors are then as the checkpoint
     holds them, until linear_setup.process_weights_after_loading."""
     arch, full_spec = _architecture_and_spec(model_dir, model_impl)
+    _log_dequantized_gguf(model_dir, dtype)
     if max_model_len:
         full_spec.context_len = min(max_model_len, full_spec.max_position)
     backend = linear_backend(device, dtype, packed_linear)
@@ -386,3 +388,17 @@ def load_model(
     model.to(device)
     model.eval()
     return model, spec
+
+
+def _log_dequantized_gguf(model_dir: Path, dtype: torch.dtype) -> None:
+    """One line at start for a converted GGUF file whose quantized tensors of some types run dequantized."""
+    converted = ConvertedGGUF.read(model_dir)
+    if converted is not None and converted.dequantized_types:
+        count = sum(converted.tensor_types[t] for t in converted.dequantized_types)
+        logger.info(
+            "%s: %d %s tensors of the GGUF file run dequantized to %s (no kernels for those types)",
+            Path(converted.source).name,
+            count,
+            "/".join(converted.dequantized_types),
+            str(dtype).removeprefix("torch."),
+        )
