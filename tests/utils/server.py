@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -35,10 +36,23 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m tokenmill.cli serve ...` with its log in a file; stops it (SIGKILL fallback) on exit."""
 
-    def __init__(self, model_dir: Path, log_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_dir: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        positional_model: bool = False,
+        tls_ca: Path | None = None,
+    ) -> None:
+        """`positional_model`: `serve MODEL ...` (as `vllm serve` takes it) instead of `--model MODEL`;
+        `tls_ca`: the server runs HTTPS (--ssl-certfile in `extra`) with a certificate this CA signed."""
         self.port = free_port()
         self.grpc_port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{'https' if tls_ca else 'http'}://127.0.0.1:{self.port}"
+        self.tls_ca = tls_ca
+        # httpx's verify: the CA for https
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca else True
         self.grpc_target = f"127.0.0.1:{self.grpc_port}"
         self.log_path = log_dir / f"server-{self.port}.log"
         cmd = [
@@ -46,8 +60,7 @@ class ServerProcess:
             "-m",
             "tokenmill.cli",
             "serve",
-            "--model",
-            str(model_dir),
+            *([str(model_dir)] if positional_model else ["--model", str(model_dir)]),
             "--host",
             "127.0.0.1",
             "--port",
@@ -70,7 +83,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(f"{self.base_url}/health/ready", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.base_url}/health/ready", timeout=1.0, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

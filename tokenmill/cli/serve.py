@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tokenmill.cli.vllm_flags import add_vllm_flags, check_always_so
 from tokenmill.engine.config import EngineConfig
 from tokenmill.options import add_options, from_args
 from tokenmill.server.settings import (
@@ -29,10 +30,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="serve a model over an OpenAI-compatible HTTP API (and gRPC)",
         description="Serve a model: OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/responses, "
         "Anthropic's /v1/messages, gRPC (tokenmill.v1.Generation), /metrics (Prometheus) and /health/{live,ready}. "
-        "SIGTERM drains.",
+        "SIGTERM drains. vLLM's serve flags mean the same here where tokenmill has the feature; the others are "
+        "refused by name (docs/model-sources.md).",
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as --model takes it (`tokenmill serve ORG/NAME`, as `vllm serve` takes it; put it first)",
     )
     EngineConfig.add_cli_args(parser)
     add_server_args(parser)
+    add_vllm_flags(parser)
     parser.set_defaults(func=run_serve, server_omp=True)
 
 
@@ -80,11 +89,23 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return lines[0].strip()
 
 
+def take_model_tag(args: argparse.Namespace) -> None:
+    """The positional MODEL as --model (both given: they must agree)."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model_tag
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from tokenmill.server.logs import configure_logging
 
+    take_model_tag(args)
+    check_always_so(args)
     settings = settings_from_args(args)  # ValueError -> the CLI's one-line error
     config = EngineConfig.from_cli_args(args)
+    config.check_sources()
     if args.enable_lora_runtime_updates and not config.lora_enabled:
         raise ValueError(
             "--enable-lora-runtime-updates needs --enable-lora (or --lora-modules): without it "

@@ -36,6 +36,14 @@ class EngineClient(Protocol):
     def model_name(self) -> str: ...
 
     @property
+    def served_model_names(self) -> list[str]:
+        """Every name requests may give the base model (--served-model-name); model_name is the first."""
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Sampling settings of requests that leave them unset (--generation-config), by SamplingParams name."""
+
+    @property
     def loras(self) -> LoRARegistry | None:
         """The LoRA adapters requests may name (None: LoRA is off)."""
 

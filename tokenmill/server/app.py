@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -294,6 +295,14 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMet
         state.tracing = RequestTracing(settings, engine.model_name)
         state.tracing.instrument_http(app)
     app.add_middleware(RequestIdMiddleware)
+    if settings.allowed_origins:  # (outermost: it answers browsers' preflight requests itself)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.allowed_origins,
+            allow_methods=settings.allowed_methods or ["*"],
+            allow_headers=settings.allowed_headers or ["*"],
+            allow_credentials=settings.allow_credentials,
+        )
     _add_error_handlers(app)
 
     auth = [Depends(_require_api_key)]
@@ -360,9 +369,9 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMet
         """Anthropic's Messages API (text, tools, thinking blocks), for Anthropic-SDK clients."""
         return await _serve_generation(request, MESSAGES, prepare_messages)
 
-    def model_card(adapter: Any = None) -> ModelCard:
+    def model_card(adapter: Any = None, name: str | None = None) -> ModelCard:
         if adapter is None:
-            return ModelCard(id=engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
+            return ModelCard(id=name or engine.model_name, created=state.started_at, max_model_len=engine.max_model_len)
         return ModelCard(  # (root is the name, not the adapter's path: server paths stay private)
             id=adapter.name,
             created=state.started_at,
@@ -374,11 +383,13 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMet
     @app.get("/v1/models", dependencies=auth, responses=openapi.errors(401))
     async def models() -> ModelList:
         adapters = engine.loras.adapters() if engine.loras is not None else []
-        return ModelList(data=[model_card()] + [model_card(a) for a in adapters])
+        bases = [model_card(name=name) for name in engine.served_model_names]
+        return ModelList(data=bases + [model_card(a) for a in adapters])
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth, responses=openapi.errors(401, 404))
     async def retrieve_model(model_id: str) -> ModelCard:
-        return model_card(state.resolve_model(model_id))
+        adapter = state.resolve_model(model_id)
+        return model_card(adapter, name=model_id if adapter is None else None)
 
     # Success is vLLM's plain-text line; errors are JSON like everywhere else.
     lora_responses = openapi.text_responses(

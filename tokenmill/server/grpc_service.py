@@ -135,7 +135,7 @@ class GenerationService:
         escape = self.state.settings.escape_special_tokens_in_prompts
         adapter = self.state.resolve_model(request.model or None)  # NOT_FOUND for an unknown name
         try:
-            params = _sampling_params(request)
+            params = _sampling_params(request, self.state.engine.generation_defaults)
             prompt = await asyncio.to_thread(
                 self.state.engine.input_processor.process,
                 _prompt_of(request),
@@ -183,13 +183,11 @@ def _prompt_of(request: pb.GenerateRequest) -> str | list[int]:
     return request.prompt
 
 
-def _sampling_params(request: pb.GenerateRequest) -> SamplingParams:
-    values: dict[str, Any] = {
-        "max_tokens": request.max_tokens if request.HasField("max_tokens") else 16,
-        "stop": list(request.stop),
-        "ignore_eos": request.ignore_eos,
-    }
-    for name in ("temperature", "top_p", "top_k", "seed"):
+def _sampling_params(request: pb.GenerateRequest, defaults: dict[str, Any]) -> SamplingParams:
+    """The request's settings; the model's generation defaults (--generation-config) for those unset."""
+    values: dict[str, Any] = {"max_tokens": 16, **defaults}
+    values.update(stop=list(request.stop), ignore_eos=request.ignore_eos)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         if request.HasField(name):
             values[name] = getattr(request, name)
     return SamplingParams.from_dict(values)
@@ -231,8 +229,11 @@ class GrpcServer:
         await self.server.stop(grace=grace)
 
 
-async def start_grpc_server(state: ServerState, host: str, port: int) -> GrpcServer:
-    """Bind and start the gRPC server on the running loop; raises RuntimeError if the port is taken."""
+async def start_grpc_server(
+    state: ServerState, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> GrpcServer:
+    """Bind and start the gRPC server on the running loop (over TLS with `credentials`); raises
+    RuntimeError if the port is taken."""
     limit = state.settings.max_body_bytes
     interceptors = state.tracing.grpc_interceptors() if state.tracing is not None else None
     server = grpc.aio.server(
@@ -245,6 +246,9 @@ async def start_grpc_server(state: ServerState, host: str, port: int) -> GrpcSer
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((SERVICE_NAME, health_name, reflection.SERVICE_NAME), server)
-    server.add_insecure_port(f"{host}:{port}")
+    if credentials is None:
+        server.add_insecure_port(f"{host}:{port}")
+    else:
+        server.add_secure_port(f"{host}:{port}", credentials)
     await server.start()
     return GrpcServer(server, health_servicer)

@@ -312,9 +312,13 @@ async def prepare_completion(state: ServerState, record: RequestRecord, raw: byt
     req: CompletionRequest = parse_request(CompletionRequest, raw)
     adapter = state.resolve_model(req.model)
     req.check_unsupported()
-    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    defaults = state.engine.generation_defaults
+    max_tokens = defaults.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS) if req.max_tokens is None else req.max_tokens
     params = req.sampling_params(
-        max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=req.engine_prompt_logprobs(max_tokens)
+        max_tokens=max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=req.engine_prompt_logprobs(max_tokens),
+        defaults=defaults,
     )
     batch = req.prompts()
     processor = state.engine.input_processor
@@ -505,11 +509,17 @@ async def plan_chat(state: ServerState, record: RequestRecord, req: ChatCompleti
     reasoning = reasoning_plan(state.settings.reasoning_parser, processor.tokenizer, rendered.prompt_token_ids)
     section = reasoning.section() if reasoning is not None else None
     requested = req.requested_max_tokens()
-    try:  # OpenAI's default max_tokens is "the rest of the context"
-        max_tokens = processor.remaining_context(len(rendered.prompt_token_ids)) if requested is None else requested
-    except InvalidRequest as exc:
-        raise from_invalid_request(exc) from None
-    params = req.sampling_params(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
+    defaults = state.engine.generation_defaults
+    max_tokens = requested
+    if max_tokens is None:  # OpenAI's default: the rest of the context (at most the generation config's)
+        try:
+            max_tokens = processor.remaining_context(len(rendered.prompt_token_ids))
+        except InvalidRequest as exc:
+            raise from_invalid_request(exc) from None
+        max_tokens = min(max_tokens, defaults.get("max_tokens", max_tokens))
+    params = req.sampling_params(
+        max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs, defaults=defaults
+    )
     if tools is not None and tools.output_schema is not None:  # tool_choice required / named
         params = await asyncio.to_thread(constrained, tools, req, params, section)  # parses the schema: off the loop
     elif params.structured_outputs is not None and section is not None:

@@ -7,7 +7,8 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 import uvicorn
@@ -77,6 +78,19 @@ class Lifecycle:
                 self.http.should_exit = True
 
 
+def grpc_tls(settings: ServerSettings) -> Any:
+    """gRPC's server credentials from --ssl-certfile/--ssl-keyfile (client certificates as --ssl-cert-reqs
+    asks, against --ssl-ca-certs); None: plaintext."""
+    if not settings.tls:
+        return None
+    import grpc
+
+    assert settings.ssl_certfile is not None and settings.ssl_keyfile is not None
+    pair = (Path(settings.ssl_keyfile).read_bytes(), Path(settings.ssl_certfile).read_bytes())
+    roots = Path(settings.ssl_ca_certs).read_bytes() if settings.ssl_ca_certs and settings.ssl_cert_reqs else None
+    return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=settings.ssl_cert_reqs == 2)
+
+
 async def serve(engine: EngineClient, settings: ServerSettings) -> int:
     """Serve until SIGTERM/SIGINT (after draining) or engine death; returns the process exit code."""
     # `_created` series double the exposition and no dashboard reads them (process-wide switch,
@@ -95,6 +109,12 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # (declared int; any seconds work)
         lifespan="off",
+        log_level=settings.uvicorn_log_level,
+        root_path=settings.root_path or "",
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_ca_certs=settings.ssl_ca_certs,
+        ssl_cert_reqs=settings.ssl_cert_reqs,
     )
     http = _Uvicorn(config)
     grpc_server = None
@@ -102,12 +122,12 @@ async def serve(engine: EngineClient, settings: ServerSettings) -> int:
         from tokenmill.server.grpc_service import start_grpc_server  # grpc is only imported when served
 
         try:
-            grpc_server = await start_grpc_server(state, settings.host, settings.grpc_port)
+            grpc_server = await start_grpc_server(state, settings.host, settings.grpc_port, grpc_tls(settings))
         except RuntimeError as exc:
             logger.error("cannot serve gRPC on %s:%d: %s", settings.host, settings.grpc_port, exc)
             engine.shutdown()
             return 1
-        logger.info("gRPC listening on %s:%d", settings.host, settings.grpc_port)
+        logger.info("gRPC listening on %s:%d%s", settings.host, settings.grpc_port, " (TLS)" if settings.tls else "")
 
     life = Lifecycle(state, http, grpc_server)
     loop = asyncio.get_running_loop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from dataclasses import dataclass
 
@@ -12,6 +14,7 @@ from tokenmill.server.reasoning import REASONING_PARSERS
 from tokenmill.server.tools.catalog import PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime LoRA endpoints
 # The standard OpenTelemetry variables that turn tracing on when --otlp-traces-endpoint is not given.
 OTLP_ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -25,6 +28,17 @@ TRACING_MODULES = (
     "opentelemetry.instrumentation.fastapi",
     "opentelemetry.instrumentation.grpc",
 )
+
+
+def json_list(text: str) -> list[str]:
+    """A flag value given as a JSON list of strings (vLLM's form for --allowed-origins and friends)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def env_setting(names: tuple[str, ...]) -> str | None:
@@ -81,6 +95,45 @@ class ServerSettings:
     keep_alive_timeout: float = option(5.0, "seconds an idle keep-alive HTTP connection stays open")
     log_format: str = option("json", "log line format", choices=["json", "text"])
     log_prompts: bool = option(False, "include prompt text in request logs (off: prompts are never logged)")
+    disable_log_requests: bool = option(
+        False, "no log line per finished request (failed ones with a server error are still logged)"
+    )
+    uvicorn_log_level: str = option(
+        "info", "level of uvicorn's own log (the HTTP server's)", choices=list(UVICORN_LOG_LEVELS)
+    )
+    # TLS for HTTP and gRPC (off while ssl_certfile is None).
+    ssl_certfile: str | None = option(None, "serve HTTPS (and gRPC over TLS) with this PEM certificate", metavar="FILE")
+    ssl_keyfile: str | None = option(None, "the private key of --ssl-certfile (PEM)", metavar="FILE")
+    ssl_ca_certs: str | None = option(
+        None, "CA certificates (PEM) to verify client certificates with (see --ssl-cert-reqs)", metavar="FILE"
+    )
+    ssl_cert_reqs: int = option(
+        0, "client certificates over HTTPS: 0 = not asked for, 1 = optional, 2 = required (Python's ssl.CERT_*)"
+    )
+    # CORS (off while allowed_origins is None: no cross-origin headers are sent).
+    allowed_origins: list[str] | None = option(
+        None,
+        "origins browsers may call the API from, as a JSON list (e.g. '[\"https://app.example\"]' or '[\"*\"]'); "
+        "default: none (vLLM's default is every origin)",
+        type=json_list,
+        metavar="JSON",
+    )
+    allowed_methods: list[str] | None = option(
+        None,
+        "with --allowed-origins: the methods allowed, as a JSON list (default: all)",
+        type=json_list,
+        metavar="JSON",
+    )
+    allowed_headers: list[str] | None = option(
+        None,
+        "with --allowed-origins: the request headers allowed, as a JSON list (default: all)",
+        type=json_list,
+        metavar="JSON",
+    )
+    allow_credentials: bool = option(False, "with --allowed-origins: allow credentials (cookies, HTTP auth)")
+    root_path: str | None = option(
+        None, "the path prefix a reverse proxy serves the API under (ASGI root_path: links, /docs)", metavar="PATH"
+    )
     # Chat role injection (see tokenmill.engine.input_processor).
     allow_special_tokens_in_messages: bool = option(
         False,
@@ -189,3 +242,25 @@ class ServerSettings:
             )
         if self.otlp_traces_endpoint:
             check_tracing_installed()
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"--uvicorn-log-level must be one of {', '.join(UVICORN_LOG_LEVELS)}")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs both")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if self.ssl_cert_reqs and (self.ssl_ca_certs is None or self.ssl_certfile is None):
+            raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-certfile/--ssl-keyfile and --ssl-ca-certs")
+        for flag, path in (
+            ("--ssl-certfile", self.ssl_certfile),
+            ("--ssl-keyfile", self.ssl_keyfile),
+            ("--ssl-ca-certs", self.ssl_ca_certs),
+        ):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path}: no such file")
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None

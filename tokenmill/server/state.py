@@ -93,7 +93,7 @@ class ServerState:
     def resolve_model(self, model: str | None) -> Any:
         """The LoRA adapter a request's `model` names (None: the base model, also when `model` is
         unset); 404 in OpenAI's shape for a name this server does not serve."""
-        if model is None or model == self.engine.model_name:
+        if model is None or model in self.engine.served_model_names:
             return None
         loras = self.engine.loras
         adapter = loras.get(model) if loras is not None else None
@@ -114,7 +114,7 @@ class ServerState:
         return self.engine.model_name if adapter is None else adapter.name
 
     def _served_names(self) -> str:
-        base = f"`{self.engine.model_name}`"
+        base = ", ".join(f"`{name}`" for name in self.engine.served_model_names)
         adapters = [a.name for a in self.engine.loras.adapters()] if self.engine.loras is not None else []
         if not adapters:
             return base
@@ -231,6 +231,8 @@ class ServerState:
         if record.prompt_text is not None:
             fields["prompt"] = record.prompt_text
         level = logging.ERROR if http_status >= 500 else logging.INFO
+        if level < logging.ERROR and self.settings.disable_log_requests:
+            return
         request_log.log(level, "request finished", extra=fields)
 
 

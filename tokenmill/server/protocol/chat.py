@@ -12,7 +12,6 @@ from pydantic import (
     model_serializer,
 )
 
-from tokenmill.engine.sampling_params import MAX_TOP_LOGPROBS
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol.base import ChoicesEnvelope, LenientModel, OmitUnset, ignored, not_supported_yet
 from tokenmill.server.protocol.completions import PromptLogprobs
@@ -126,7 +125,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # the newer name for max_tokens; wins when both are set
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
     parallel_tool_calls: bool = True  # false: at most one call per choice
@@ -148,6 +147,10 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def api_param(self, param: str | None, source: str | None = None) -> str | None:
+        """(chat asks for the engine's logprobs count as top_logprobs)"""
+        return "top_logprobs" if param == "logprobs" else super().api_param(param, source)
 
     def engine_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

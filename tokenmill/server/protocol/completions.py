@@ -9,7 +9,6 @@ from pydantic import (
     Field,
 )
 
-from tokenmill.engine.sampling_params import MAX_TOP_LOGPROBS
 from tokenmill.server.errors import bad_request
 from tokenmill.server.protocol.base import ChoicesEnvelope, as_batch, not_supported_yet
 from tokenmill.server.protocol.sampling import SamplingRequest
@@ -17,7 +16,7 @@ from tokenmill.server.protocol.sampling import SamplingRequest
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     best_of: int | None = None
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' first)
     suffix: str | None = not_supported_yet()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import (
     Field,
 )
 
-from tokenmill.engine.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
+from tokenmill.engine.sampling_params import MAX_N, SamplingParams
 from tokenmill.engine.structured_output.params import StructuredOutputsParams
 from tokenmill.errors import InvalidRequest
 from tokenmill.server.errors import bad_request, from_invalid_request
@@ -61,7 +62,7 @@ class SamplingRequest(NullMeansDefault):
     skip_special_tokens: bool = True
     priority: int = 0  # with --scheduling-policy priority: lower values are scheduled first
     # vLLM's scoring extra: the prompt tokens' logprobs with this many top alternatives each (not with stream).
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0)
     # Accepted, no effect here.
     user: str | None = ignored("end-user ids are only logged with --log-prompts")
     store: bool | None = ignored()
@@ -132,9 +133,14 @@ class SamplingRequest(NullMeansDefault):
             raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
-        """Translate to engine params; SamplingParams' own validation errors become 400s."""
+        """Translate to engine params; SamplingParams' own validation errors become 400s. `defaults`:
+        the model's sampling settings (--generation-config) for the fields the request leaves unset."""
         values: dict[str, Any] = dict(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -155,6 +161,9 @@ class SamplingRequest(NullMeansDefault):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
         )
+        for name, value in (defaults or {}).items():
+            if name in values and name != "max_tokens" and name not in self.model_fields_set:
+                values[name] = value
         constraint = self.structured_output()
         if constraint is not None:
             values["structured_outputs"] = constraint[0]
