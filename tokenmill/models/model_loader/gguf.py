@@ -29,20 +29,21 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.paths import cache_root
+
+if TYPE_CHECKING:  # (imported where used: resolving a model must not load torch before it has to)
+    import numpy as np
+    import torch
 
 logger = logging.getLogger(__name__)
 
 # general.architecture values served (transformers maps each to a family tokenmill runs natively;
 # a Mistral file is a "llama" one that transformers tells apart by its name).
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # (torch dtype names)
 INT8_TYPES = ("Q8_0",)
 DEQUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = (*FLOAT_TYPES, *INT8_TYPES, *DEQUANTIZED_TYPES)
@@ -134,6 +135,7 @@ def _convert(source: Path, target: Path, *, q8_0_as_int8: bool, published_dtype:
         from gguf import GGUFReader
     except ImportError:
         raise ModelLoadError(f"{source}: reading GGUF needs the gguf package: pip install 'tokenmill[gguf]'") from None
+    import torch
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import (
@@ -206,7 +208,7 @@ def _published_dtype(reader: Any) -> str | None:
     """The dtype of a file whose matrices are all in one float type (else None: quantized)."""
     kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
     if len(kinds) == 1 and next(iter(kinds)) in FLOAT_TYPES:
-        return str(FLOAT_TYPES[next(iter(kinds))]).removeprefix("torch.")
+        return FLOAT_TYPES[next(iter(kinds))]
     return None
 
 
@@ -214,6 +216,9 @@ def _convert_tensor(
     tensor: Any, names: dict[str, str], processor: Any, int8_types: tuple[str, ...]
 ) -> list[tuple[str, torch.Tensor]] | None:
     """The checkpoint tensors one GGUF tensor becomes (None: transformers gives it no place)."""
+    import numpy as np
+    import torch
+
     kind = tensor.tensor_type.name
     if kind in int8_types:
         values, scales = q8_0_values(tensor)
@@ -234,7 +239,7 @@ def _convert_tensor(
     if name is None:
         return None
     values = torch.from_numpy(np.array(result.weights, dtype=np.float32))  # (a copy: the file is memory-mapped)
-    dtype = FLOAT_TYPES.get(kind)
+    dtype = getattr(torch, FLOAT_TYPES[kind]) if kind in FLOAT_TYPES else None
     if dtype is not None and torch.equal(values.to(dtype).float(), values):
         values = values.to(dtype)  # (a processed value F16/BF16 cannot hold stays fp32)
     return [(name, values)]
@@ -247,6 +252,7 @@ def _hf_name(result: Any, names: dict[str, str]) -> str | None:
 def dequantize_tensor(tensor: Any) -> np.ndarray:
     """A GGUF tensor's values as fp32 [rows, columns] (gguf's reference dequantization, which
     transformers loads GGUF files with). The 4/5/6-bit types come here."""
+    import numpy as np
     from gguf import dequantize
 
     return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
@@ -254,6 +260,8 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 
 def q8_0_values(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
     """A Q8_0 tensor's int8 values [rows, columns] and fp16 scales [rows, columns / 32], as stored."""
+    import numpy as np
+
     rows = tensor.data.shape[0]
     blocks = np.ascontiguousarray(tensor.data).reshape(rows, -1, 2 + Q8_0_BLOCK)
     scales = blocks[..., :2].copy().view(np.float16).reshape(rows, -1)
@@ -279,7 +287,7 @@ class _ShardWriter:
         self.pending_bytes += size
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # (imports torch)
 
         index = len(self.shards) + 1
         save_file(self.pending, self.directory / f"shard-{index}.safetensors", metadata={"format": "pt"})
