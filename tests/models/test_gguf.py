@@ -1,6 +1,6 @@
 """GGUF files as models (tokenmill/models/model_loader/gguf.py): every supported tensor type read as
-transformers reads it, Q8_0 on the int8 kernels with the file's own values and scales, the cached
-copy keyed by the file, and refusals by name.
+transformers reads it, Q8_0 layers on the int8 kernels and Q4_0 / Q4_1 layers on the 4-bit kernels
+with the file's own values and scales, the cached copy keyed by the file, and refusals by name.
 
 The files are written by the `gguf` package's writer (tests/utils/gguf_files.py) from small random
 models; the reference is transformers' own reading of the same file (its dequantization)."""
@@ -26,10 +26,12 @@ from tests.utils.gguf_files import (
     write_gguf,
 )
 from tokenmill.errors import ModelLoadError
+from tokenmill.kernels import build
 from tokenmill.models.model_loader import gguf as gguf_loader
-from tokenmill.models.model_loader.gguf import ConvertedGGUF, gguf_model_dir
+from tokenmill.models.model_loader.gguf import ConvertedGGUF, dequantized_model_dir, gguf_model_dir
 
 ALL_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+KEPT_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # (the linear layers' blocks run as they are)
 
 
 @pytest.fixture(autouse=True)
@@ -72,24 +74,27 @@ def gguf_files(tmp_path_factory, hf_models) -> dict[tuple[str, str], Path]:
 
 
 def _dequantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A converted copy's tensors as values (int8 weights times their scales)."""
-    out = {}
-    for name, tensor in tensors.items():
-        if name.endswith(gguf_loader.SCALE_SUFFIX):
-            continue
-        if tensor.dtype == torch.int8:
-            scales = tensors[name + gguf_loader.SCALE_SUFFIX]
-            tensor = tensor.float() * scales.float().repeat_interleave(gguf_loader.Q8_0_BLOCK, dim=1)
-        out[name] = tensor
+    """A converted copy's tensors as values (a kept layer's blocks as the weight they encode)."""
+    out = {name: tensor for name, tensor in tensors.items() if name.endswith((".weight", ".bias"))}
+    for name in tensors:
+        module, _, part = name.rpartition(".")
+        if part == "qweight":
+            parts = {
+                p: tensors[f"{module}.{p}"].numpy()
+                for p in ("qweight", "scales", "offsets")
+                if f"{module}.{p}" in tensors
+            }
+            out[f"{module}.weight"] = torch.from_numpy(gguf_loader.blocks_dequantized(parts))
     return out
 
 
 @pytest.mark.parametrize("kind", ALL_TYPES)
 def test_every_type_converts_to_transformers_values(gguf_files, kind):
     """Each type's tensors come out as transformers dequantizes the file: float types in their own
-    dtype, Q8_0 as its int8 values with their fp16 scales (exactly the blocks' numbers), the 4/5/6-bit
-    types dequantized to fp32; with transformers' config and the tokenizer and chat template of the
-    file's metadata."""
+    dtype; the linear layers' Q8_0 / Q4_0 / Q4_1 blocks as their values and fp16 scales (exactly the
+    blocks' numbers; the tied head given the embedding's blocks, the embedding dequantized); the
+    K-quant types dequantized to fp32; with transformers' config and the tokenizer and chat template
+    of the file's metadata."""
     from transformers import AutoTokenizer
 
     path = gguf_files["llama", kind]
@@ -99,18 +104,29 @@ def test_every_type_converts_to_transformers_values(gguf_files, kind):
         tensors.update(load_file(shard))
     reference = hf_model_from_gguf(path).state_dict()
     ours = _dequantized(tensors)
-    assert set(ours) == set(reference) - {"lm_head.weight"}  # (tied to the embedding)
+    kept = kind in KEPT_TYPES
+    assert set(ours) == set(reference) - ({"lm_head.weight"} if not kept else set())  # (else tied: the embedding)
     for name, values in ours.items():
         assert torch.equal(values.float(), reference[name].float()), name
-    matrices = {t.dtype for name, t in tensors.items() if t.dim() == 2 and not name.endswith("_scale")}
-    expected = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "Q8_0": torch.int8}
-    assert matrices == {expected.get(kind, torch.float32)}
-    if kind == "Q8_0":
-        scales = {t.dtype for name, t in tensors.items() if name.endswith("_scale")}
-        assert scales == {torch.float16}
+    floats = {t.dtype for name, t in tensors.items() if t.dim() == 2 and name.endswith(".weight")}
+    expected = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    assert floats == {expected.get(kind, torch.float32)}
+    config = json.loads((converted / "config.json").read_text())
     summary = ConvertedGGUF.read(converted)
-    dequantized = [kind] if kind in gguf_loader.DEQUANTIZED_TYPES else []
-    assert summary.tensor_types[kind] > 0 and summary.dequantized_types == dequantized
+    if kept:
+        values = {t.dtype for name, t in tensors.items() if name.endswith(".qweight")}
+        assert values == {torch.int8 if kind == "Q8_0" else torch.uint8}
+        assert {t.dtype for name, t in tensors.items() if name.endswith((".scales", ".offsets"))} == {torch.float16}
+        assert any(name.endswith(".offsets") for name in tensors) == (kind == "Q4_1")
+        layers = config["quantization_config"]["layers"]
+        assert set(layers) == {name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight")}
+        assert "lm_head" in layers and set(layers.values()) == {kind} and not config["tie_word_embeddings"]
+        assert summary.kept == {kind: len(layers) - 1}  # (the head: the embedding's blocks)
+        assert summary.dequantized == {kind: 1}  # (the embedding)
+    else:
+        assert "quantization_config" not in config and not summary.kept
+        dequantized = {kind: summary.tensor_types[kind]} if kind not in expected else {}
+        assert summary.tensor_types[kind] > 0 and summary.dequantized == dequantized
     tokenizer = AutoTokenizer.from_pretrained(converted)
     assert tokenizer.chat_template == CHAT_TEMPLATE and len(tokenizer) == TINY_VOCAB_SIZE
     file_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -151,37 +167,94 @@ def test_float_and_dequantized_types_generate_transformers_greedy_tokens(gguf_fi
     assert ours == [_hf_greedy(reference, p, 8) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
-def test_q8_0_runs_on_int8_kernels_with_the_files_scales(gguf_files, arch):
-    """Q8_0: every linear layer (the tied lm_head too) is an int8 weight-only layer holding the file's
-    int8 values and fp16 scales, nothing quantized again; greedy tokens equal transformers' on its
-    dequantized reading of the file; --quantization none runs the same weights dequantized."""
-    from tokenmill.kernels.ops import cpu_kernels_available
-    from tokenmill.models.layers.quant import WeightOnlyInt8Linear
-
-    path = gguf_files[arch, "Q8_0"]
-    llm, ours = _tokenmill_greedy(path, 8)
-    assert llm.engine.model_name == f"{arch}.Q8_0"  # (the file's name: what the API serves it as)
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, WeightOnlyInt8Linear)]
-    linears = [m for m in llm.engine.model.modules() if isinstance(m, torch.nn.Linear)]
-    kept = [m for m in linears if m.out_features == TINY_VOCAB_SIZE]  # a head kept in float without kernels
-    assert layers and all(layer.from_checkpoint for layer in layers) and len(linears) == len(kept)
-    assert not cpu_kernels_available(torch.device("cpu")) or not kept
+@pytest.mark.parametrize(("arch", "kind"), [("llama", "Q8_0"), ("qwen3", "Q8_0"), ("phi3", "Q8_0"), ("llama", "Q4_1")])
+def test_kept_blocks_run_with_the_files_numbers(gguf_files, arch, kind):
+    """Q8_0 layers (the lm_head too, from the tied embedding's blocks) are int8 weight-only layers and
+    Q4_0 / Q4_1 layers 4-bit ones, holding the file's values and fp16 scales, nothing quantized again;
+    greedy tokens equal transformers' on its dequantized reading of the file, and the fully
+    dequantized copy (the agreement benchmark's reference) gives them too."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    q8 = {t.name: t for t in reader.tensors if t.tensor_type.name == "Q8_0"}
-    values, scales = gguf_loader.q8_0_values(q8["blk.0.ffn_down.weight"])
-    down = next(m for name, m in llm.engine.model.named_modules() if name.endswith("0.mlp.down_proj"))
-    q, s = down.quantized()
-    assert torch.equal(q, torch.from_numpy(values)) and s.dtype == torch.float16
-    assert np.array_equal(s.numpy(), scales)
+    from tokenmill.models.layers.linear import Linear
+    from tokenmill.models.layers.quantization.gguf import GGUFBlocks
+    from tokenmill.models.layers.quantization.int4 import Int4LinearMethod
+    from tokenmill.models.layers.quantization.int8 import Int8LinearMethod
+
+    path = gguf_files[arch, kind]
+    llm, ours = _tokenmill_greedy(path, 8)
+    assert llm.engine.model_name == f"{arch}.{kind}"  # (the file's name: what the API serves it as)
+    methods = {name: m.quant_method for name, m in llm.engine.model.named_modules() if isinstance(m, Linear)}
+    method_class = Int8LinearMethod if kind == "Q8_0" else Int4LinearMethod
+    assert all(type(m) is method_class and isinstance(m.source, GGUFBlocks) for m in methods.values()), methods
+    assert any(name.endswith("lm_head") for name in methods)
+    down_name, down = next((n, m) for n, m in llm.engine.model.named_modules() if n.endswith("0.mlp.down_proj"))
+    blocks = gguf_loader.gguf_blocks(
+        next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+    )
+    if kind == "Q8_0":
+        q, s = down.quant_method.quantized(down)
+        assert torch.equal(q, torch.from_numpy(blocks["qweight"])) and s.dtype == torch.float16, down_name
+        assert np.array_equal(s.numpy(), blocks["scales"])
+    expected = torch.from_numpy(gguf_loader.blocks_dequantized(blocks))
+    assert torch.equal(down.dequantized(torch.float32), expected)
     reference = hf_model_from_gguf(path)
     assert ours == [_hf_greedy(reference, p, 8) for p in PROMPTS]
     llm.engine.close()
-    float_llm, float_tokens = _tokenmill_greedy(path, 8, quantization="none")
-    assert not any(isinstance(m, WeightOnlyInt8Linear) for m in float_llm.engine.model.modules())
+    dequantized = dequantized_model_dir(gguf_model_dir(path))
+    assert ConvertedGGUF.read(dequantized).kept == {}
+    float_llm, float_tokens = _tokenmill_greedy(dequantized, 8)
+    assert not any(
+        isinstance(m.quant_method, (Int8LinearMethod, Int4LinearMethod))
+        for m in float_llm.engine.model.modules()
+        if isinstance(m, Linear)
+    )
     assert float_tokens == ours
+
+
+def _q8_0_layer(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor, kernels: bool):
+    from tokenmill.models.layers.linear import Linear
+    from tokenmill.models.layers.quantization.gguf import GGUFBlocks
+    from tokenmill.models.layers.quantization.int8 import Int8LinearMethod
+
+    layer = Linear(q.shape[1], q.shape[0], bias=True)
+    layer.use_method(Int8LinearMethod(kernels, source=GGUFBlocks("Q8_0")))
+    layer.qweight = torch.nn.Parameter(q, requires_grad=False)
+    layer.scales = torch.nn.Parameter(scales, requires_grad=False)
+    layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+    layer.quant_method.process_weights_after_loading(layer, [])
+    return layer
+
+
+@pytest.mark.skipif(not build.load(), reason="tokenmill's CPU kernels are not built here")
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+@pytest.mark.parametrize(("in_features", "out_features"), [(96, 70), (576, 200)])
+def test_q8_0_layers_multiply_by_the_files_fp16_scales(rows, in_features, out_features):
+    """Q8_0 values with fp16 scales (most of them no bf16 values) run on the int8 kernels as they
+    are: the product is the exact dequantized weight's (int8 x fp16 is exact in fp32) times the
+    int16-rounded activations, as for tokenmill's own bf16 scales; the fused decoder layers get the
+    fp16 scales too; without the kernels the exact product."""
+    from tests.kernels.test_cpu_kernels import _int8_reference
+
+    gen = torch.Generator().manual_seed(rows + in_features)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(out_features, in_features // 32, generator=gen) * 0.01 + 1e-3).half()
+    assert not torch.equal(scales.bfloat16().half(), scales)
+    bias = torch.randn(out_features, generator=gen)
+    kernel, fallback = _q8_0_layer(q, scales, bias, True), _q8_0_layer(q, scales, bias, False)
+    assert all(torch.equal(a, b) for a, b in zip(kernel.quant_method.quantized(kernel), (q, scales)))
+    assert kernel.quant_method.fused_projection(kernel, torch.float32).scales.dtype == torch.float16
+    weight = q.double() * scales.double().repeat_interleave(32, dim=1)
+    assert torch.equal(kernel.dequantized(torch.float32).double(), weight)
+    x = torch.randn(rows, in_features, generator=gen)
+    fp32_rounding = 1e-6 * (x.double().abs() @ weight.abs().t()) + 1e-5
+    reference = _int8_reference(x, q, scales.float(), 32) + bias.double()
+    assert bool(((kernel(x).double() - reference).abs() <= fp32_rounding).all())
+    assert bool(((kernel.logits(x).double() - reference).abs() <= fp32_rounding).all())
+    exact = x.double() @ weight.t() + bias.double()
+    assert bool(((fallback(x).double() - exact).abs() <= fp32_rounding).all())
+    bf16 = kernel(x.bfloat16())
+    assert bf16.dtype == torch.bfloat16
+    assert bool(((bf16.double() - exact).abs() <= exact.abs() * 2.0**-7 + 0.05 * exact.abs().mean()).all())
 
 
 def test_the_copy_is_made_once_per_file_version(gguf_files, monkeypatch):
@@ -264,8 +337,8 @@ def test_cli_refuses_an_unsupported_gguf_in_one_line(tmp_path):
     assert "GGUF architecture 'mamba' is not supported" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_an_int8_weight_without_its_scales_fails_loudly(gguf_files, tmp_path):
-    """A converted copy whose int8 weight lost its scales (or the reverse) is refused by name."""
+def test_a_kept_layer_without_its_scales_fails_loudly(gguf_files, tmp_path):
+    """A converted copy whose Q8_0 layer lost its scales is refused by name."""
     import shutil
 
     from safetensors.torch import save_file
@@ -274,9 +347,9 @@ def test_an_int8_weight_without_its_scales_fails_loudly(gguf_files, tmp_path):
 
     copy = Path(shutil.copytree(gguf_model_dir(gguf_files["llama", "Q8_0"]), tmp_path / "copy"))
     tensors = load_file(copy / "model.safetensors")
-    del tensors["model.layers.0.mlp.up_proj.weight_scale"]
+    del tensors["model.layers.0.mlp.up_proj.scales"]
     save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="without their pair: model.layers.0.mlp.up_proj.weight$"):
+    with pytest.raises(ModelLoadError, match="weights missing from the checkpoint: layers.0.mlp.gate_up_proj.scales"):
         load_model(copy, torch.float32, torch.device("cpu"), progress=False)
 
 
@@ -284,6 +357,7 @@ def test_the_default_model_is_the_bundled_gguf_dequantized(default_model_dir):
     """The bundled SmolLM2 goes through the same conversion, every tensor dequantized (its Q8_0
     embedding too) and its published dtype (bf16) recorded for --dtype auto."""
     summary = ConvertedGGUF.read(default_model_dir)
-    assert summary is not None and not summary.q8_0_as_int8 and "Q8_0" in summary.dequantized_types
+    assert summary is not None and not summary.keep_quantized and not summary.kept
+    assert "Q8_0" in summary.dequantized and "Q4_1" in summary.dequantized
     config = json.loads((default_model_dir / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and "quantization_config" not in config

@@ -4,7 +4,7 @@ The text (real English prose and code: the topic pages of CPython's own referenc
 `pydoc_data.topics`, shipped with every Python) is tokenized and cut into chunks; each chunk runs
 as one prefill through each engine's model (its real layers, quantization, dtype and attention),
 and at every position the argmax of the next-token logits is compared. The engine under test is
-the one the flags describe (`--quantization int8`, `--dtype bfloat16`, a GGUF file's own Q8_0 weights,
+the one the flags describe (`--quantization int8`, `--dtype bfloat16`, a GGUF file's own Q8_0 or Q4 blocks,
 ...); references are plain engines in the given dtypes (default fp32), every weight dequantized.
 Agreement is the fraction of positions with the same top-1 token: near-ties flip under any
 rounding, so even bf16 vs fp32 is below 100%.
@@ -95,6 +95,8 @@ def predictions(llm: Any, chunks: list[list[int]], step: int | None = None) -> t
 
 
 def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
+    from tokenmill.models.model_loader.gguf import dequantized_model_dir
+
     model_dir = resolve_bench_model(args.model)
     llm = make_llm(args, model_dir)
     setting = (
@@ -106,9 +108,9 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Agreement]]:
     llm.engine.close()
     del llm
     results = []
+    reference_dir = dequantized_model_dir(model_dir)  # (a GGUF file's kept blocks dequantized too)
     for dtype in args.references:
-        # (unquantized: a checkpoint's own int8 weights, such as a GGUF file's Q8_0, dequantized too)
-        reference = make_llm(args, model_dir, dtype=dtype, quantization=None, kv_cache_dtype="auto")
+        reference = make_llm(args, reference_dir, dtype=dtype, quantization=None, kv_cache_dtype="auto")
         expected = predictions(reference, chunks, args.step)
         reference.engine.close()
         results.append(Agreement(dtype, len(expected), float((tested == expected).float().mean())))

@@ -9,7 +9,6 @@ from typing import Any
 
 # Switches whose meaning tokenmill always provides: accepted.
 ALWAYS_SO = {
-    "--enable-auto-tool-choice": 'tool_choice "auto" is always served (--tool-call-parser picks the format)',
     "--enable-chunked-prefill": "prefills are always chunked to --max-num-batched-tokens",
     "--disable-log-stats": "tokenmill logs no periodic stats (they are on /metrics)",
     "--enforce-eager": "no CUDA graphs unless --cuda-graphs (and no torch.compile unless --compile)",

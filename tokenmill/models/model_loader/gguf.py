@@ -10,11 +10,13 @@ a plain directory in seconds; a changed file gets a new copy (and the old one is
 
 What each tensor type becomes:
 - F32, F16, BF16: the same values, in that dtype;
-- Q8_0 (blocks of 32 int8 values with one fp16 scale): the int8 values and fp16 scales as they are
-  (`<name>.weight` int8, `<name>.weight_scale` fp16), run on tokenmill's int8 weight-only kernels,
-  which take groups of 32 with fp16 scales: the file's own numbers, nothing quantized again;
-- Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: dequantized (gguf's reference dequantization, fp32) and run in
-  `--dtype` (`dequantize_tensor` is where a 4-bit kernel path would take them instead).
+- the linear layers' Q8_0, Q4_0 and Q4_1 blocks: kept, unpacked (int8 or 4-bit values with their
+  fp16 scales, and Q4_1's minimums), and run on tokenmill's int8 and 4-bit weight-only kernels with
+  the file's own numbers, nothing quantized again (layers/quantization/gguf.py); a tied output
+  matrix (the token embedding's blocks) becomes an lm_head of its own, so that the largest matrix
+  a step reads runs on those kernels too;
+- Q4_K, Q5_K, Q6_K (their sub-block scales are not fp16 values), and any quantized token embedding:
+  dequantized (gguf's reference dequantization, fp32) and run in `--dtype`, one log line saying so.
 Any other tensor type, and architectures tokenmill does not run from GGUF, are refused by name
 before anything is converted.
 """
@@ -44,17 +46,15 @@ logger = logging.getLogger(__name__)
 # a Mistral file is a "llama" one that transformers tells apart by its name).
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}  # (torch dtype names)
-INT8_TYPES = ("Q8_0",)
-DEQUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-SUPPORTED_TYPES = (*FLOAT_TYPES, *INT8_TYPES, *DEQUANTIZED_TYPES)
-Q8_0_BLOCK = 32  # values per Q8_0 block (one fp16 scale, then 32 int8 values)
-SCALE_SUFFIX = "_scale"  # `<name>.weight_scale`: the fp16 scales of an int8 `<name>.weight`
-# config.json's quantization_config of a copy with int8 weights (read by the loader).
-INT8_QUANT_METHOD = "tokenmill_int8"
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = (*FLOAT_TYPES, *QUANTIZED_TYPES)
+BLOCK = 32  # weights per Q8_0 / Q4_0 / Q4_1 block
+# Bytes before a block's values: its fp16 scale (and Q4_1's fp16 minimum).
+_BLOCK_HEADER = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}
 METADATA_FILE = "tokenmill_gguf.json"  # what the copy was made from, and its tensor types
 _DONE_MARKER = ".tokenmill-complete"
 # Bump when the converted layout changes: copies made by an older layout are converted again.
-_LAYOUT_VERSION = 1
+_LAYOUT_VERSION = 2
 _SHARD_BYTES = 2 << 30
 
 
@@ -67,14 +67,15 @@ class ConvertedGGUF:
     """What a converted directory's metadata says about the file it came from."""
 
     source: str
-    tensor_types: dict[str, int]  # GGUF tensor type -> tensors of that type
-    q8_0_as_int8: bool
+    tensor_types: dict[str, int]  # GGUF tensor type -> tensors of that type in the file
+    kept: dict[str, int]  # GGUF type -> tensors of it the copy keeps in their blocks
+    keep_quantized: bool  # made to keep blocks (False: every tensor dequantized)
 
     @property
-    def dequantized_types(self) -> list[str]:
-        """The quantized types whose tensors the copy holds dequantized."""
-        int8 = INT8_TYPES if self.q8_0_as_int8 else ()
-        return sorted(t for t in self.tensor_types if t not in FLOAT_TYPES and t not in int8)
+    def dequantized(self) -> dict[str, int]:
+        """Quantized GGUF type -> tensors of it the copy holds dequantized."""
+        counts = {kind: n - self.kept.get(kind, 0) for kind, n in sorted(self.tensor_types.items())}
+        return {kind: n for kind, n in counts.items() if kind not in FLOAT_TYPES and n > 0}
 
     @classmethod
     def read(cls, model_dir: Path) -> ConvertedGGUF | None:
@@ -82,16 +83,21 @@ class ConvertedGGUF:
         if not path.exists():
             return None
         raw = json.loads(path.read_text())
-        return cls(raw["source"], dict(raw["tensor_types"]), bool(raw["q8_0_as_int8"]))
+        return cls(raw["source"], dict(raw["tensor_types"]), dict(raw["kept"]), bool(raw["keep_quantized"]))
 
     def write(self, model_dir: Path) -> None:
-        metadata = {"source": self.source, "tensor_types": self.tensor_types, "q8_0_as_int8": self.q8_0_as_int8}
+        metadata = {
+            "source": self.source,
+            "tensor_types": self.tensor_types,
+            "kept": self.kept,
+            "keep_quantized": self.keep_quantized,
+        }
         (model_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
 
 
-def gguf_model_dir(path: str | os.PathLike, *, q8_0_as_int8: bool = True, published_dtype: str | None = None) -> Path:
-    """The converted copy of the GGUF file at `path`, converting it on first use. `q8_0_as_int8`:
-    Q8_0 tensors kept as int8 with their scales (False: dequantized like the 4-bit types);
+def gguf_model_dir(path: str | os.PathLike, *, keep_quantized: bool = True, published_dtype: str | None = None) -> Path:
+    """The converted copy of the GGUF file at `path`, converting it on first use. `keep_quantized`:
+    the layers' Q8_0, Q4_0 and Q4_1 blocks kept as they are (False: every tensor dequantized);
     `published_dtype`: the dtype the model was published in, when the file does not say (recorded
     in config.json, where `--dtype auto` reads it)."""
     source = Path(path).expanduser().resolve()
@@ -99,14 +105,24 @@ def gguf_model_dir(path: str | os.PathLike, *, q8_0_as_int8: bool = True, publis
         raise FileNotFoundError(f"GGUF file {path} not found")
     stat = source.stat()
     key = hashlib.sha256(
-        f"{source}|{stat.st_size}|{stat.st_mtime_ns}|{q8_0_as_int8}|{published_dtype}|{_LAYOUT_VERSION}".encode()
+        f"{source}|{stat.st_size}|{stat.st_mtime_ns}|{keep_quantized}|{published_dtype}|{_LAYOUT_VERSION}".encode()
     ).hexdigest()[:16]
     target = cache_root() / "gguf" / f"{source.stem}-{key}"
     if (target / _DONE_MARKER).exists():
         return target
-    _convert(source, target, q8_0_as_int8=q8_0_as_int8, published_dtype=published_dtype)
-    _remove_stale_copies(source, q8_0_as_int8, keep=target)
+    _convert(source, target, keep_quantized=keep_quantized, published_dtype=published_dtype)
+    _remove_stale_copies(source, keep_quantized, keep=target)
     return target
+
+
+def dequantized_model_dir(model_dir: Path) -> Path:
+    """The same model with every weight dequantized: for a GGUF file's copy that keeps quantized
+    layers, its fully dequantized copy; any other directory as it is (the references of
+    `tokenmill bench agreement`)."""
+    converted = ConvertedGGUF.read(model_dir)
+    if converted is None or not converted.kept:
+        return model_dir
+    return gguf_model_dir(converted.source, keep_quantized=False)
 
 
 def read_architecture(reader: Any, path: Path) -> str:
@@ -130,7 +146,7 @@ def read_architecture(reader: Any, path: Path) -> str:
     return architecture
 
 
-def _convert(source: Path, target: Path, *, q8_0_as_int8: bool, published_dtype: str | None) -> None:
+def _convert(source: Path, target: Path, *, keep_quantized: bool, published_dtype: str | None) -> None:
     try:
         from gguf import GGUFReader
     except ImportError:
@@ -144,6 +160,8 @@ def _convert(source: Path, target: Path, *, q8_0_as_int8: bool, published_dtype:
         get_gguf_hf_weights_map,
         load_gguf_checkpoint,
     )
+
+    from tokenmill.models.layers.quantization.gguf import KEPT_TYPES, QUANT_METHOD
 
     try:
         reader = GGUFReader(source)
@@ -163,33 +181,47 @@ def _convert(source: Path, target: Path, *, q8_0_as_int8: bool, published_dtype:
             hf_model = AutoModelForCausalLM.from_config(config)
         names = get_gguf_hf_weights_map(hf_model, processor)
         config.architectures = [type(hf_model).__name__]
-        summary = ConvertedGGUF(str(source), dict(Counter(t.tensor_type.name for t in reader.tensors)), q8_0_as_int8)
-        int8_types = INT8_TYPES if q8_0_as_int8 else ()
+        modules = {id(module): name for name, module in hf_model.named_modules()}
+        linear = {name for name, module in hf_model.named_modules() if isinstance(module, torch.nn.Linear)}
+        embedding = modules[id(hf_model.get_input_embeddings())] + ".weight"
+        # A head tied to the embedding (no output matrix in the file) gets the embedding's blocks.
+        tied_head = None
+        if config.tie_word_embeddings and not any(t.name == "output.weight" for t in reader.tensors):
+            tied_head = modules[id(hf_model.get_output_embeddings())]
+        kept_types = KEPT_TYPES if keep_quantized else ()
+        layers: dict[str, str] = {}  # kept layers: {checkpoint module: GGUF type}
+        kept: Counter[str] = Counter()  # tensors kept, by GGUF type
         unmapped: list[str] = []
         writer = _ShardWriter(tmp)
         progress = tqdm(reader.tensors, desc=f"Converting {source.name} (first use only)", unit=" tensors")
         for tensor in progress:
-            converted = _convert_tensor(tensor, names, processor, int8_types)
-            if converted is None:
+            kind = tensor.tensor_type.name
+            processed = processor.process(dequantize_tensor(tensor), tensor.name)
+            name = names.get(processed.name) if processed.name is not None else None
+            if name is None:
                 unmapped.append(tensor.name)
                 continue
-            for name, value in converted:
-                writer.add(name, value)
+            module = name.removesuffix(".weight")
+            blocks = _kept_blocks(tensor, processor, processed.weights) if kind in kept_types else None
+            if blocks is not None and module in linear:
+                writer.add_blocks(module, blocks)
+                layers[module] = kind
+                kept[kind] += 1
+            else:
+                writer.add(name, _float_tensor(processed.weights, kind))
+            if blocks is not None and name == embedding and tied_head is not None:
+                writer.add_blocks(tied_head, blocks)
+                layers[tied_head] = kind
         writer.close()
         if unmapped:  # (as transformers does: derived tables such as Llama 3's rope_freqs)
             logger.warning("%s: tensors without a place in the model, not used: %s", source.name, ", ".join(unmapped))
-        if summary.dequantized_types:
-            logger.info(
-                "%s: %s tensors dequantized (fp32 in the copy)", source.name, ", ".join(summary.dequantized_types)
-            )
+        tensor_types = dict(Counter(t.tensor_type.name for t in reader.tensors))
+        summary = ConvertedGGUF(str(source), tensor_types, dict(kept), keep_quantized)
         config.dtype = published_dtype or _published_dtype(reader)
-        if any(t in int8_types for t in summary.tensor_types):
-            config.quantization_config = {
-                "quant_method": INT8_QUANT_METHOD,
-                "group_size": Q8_0_BLOCK,
-                "scale_dtype": "float16",
-                "source": "GGUF Q8_0",
-            }
+        if layers:
+            config.quantization_config = {"quant_method": QUANT_METHOD, "source": source.name, "layers": layers}
+            if tied_head in layers:
+                config.tie_word_embeddings = False  # (the head holds its blocks, the embedding its values)
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(tmp)
@@ -212,61 +244,73 @@ def _published_dtype(reader: Any) -> str | None:
     return None
 
 
-def _convert_tensor(
-    tensor: Any, names: dict[str, str], processor: Any, int8_types: tuple[str, ...]
-) -> list[tuple[str, torch.Tensor]] | None:
-    """The checkpoint tensors one GGUF tensor becomes (None: transformers gives it no place)."""
+def _kept_blocks(tensor: Any, processor: Any, expected: np.ndarray) -> dict[str, np.ndarray] | None:
+    """A Q8_0 / Q4_0 / Q4_1 tensor's blocks unpacked (`gguf_blocks`) under transformers' fixes, or
+    None where those fixes do not keep the blocks whole (they move whole rows: Llama's q/k
+    permutation): the blocks must give the dequantized tensor's values exactly."""
+    import numpy as np
+
+    parts = {part: processor.process(values, tensor.name).weights for part, values in gguf_blocks(tensor).items()}
+    if not np.array_equal(blocks_dequantized(parts), expected):
+        return None
+    return {part: np.ascontiguousarray(values) for part, values in parts.items()}
+
+
+def _float_tensor(values: np.ndarray, kind: str) -> torch.Tensor:
+    """A dequantized tensor for the copy: a float type's values in its dtype, others fp32."""
     import numpy as np
     import torch
 
-    kind = tensor.tensor_type.name
-    if kind in int8_types:
-        values, scales = q8_0_values(tensor)
-        processed = processor.process(values, tensor.name)
-        name = _hf_name(processed, names)
-        if name is None:
-            return None
-        q, scales = processed.weights, processor.process(scales, tensor.name).weights
-        # transformers' fixes move whole rows (Llama's q/k permutation): the blocks must come out as
-        # the dequantized tensor does, or they are not this layout's any more.
-        expected = processor.process(dequantize_tensor(tensor), tensor.name).weights
-        dequantized = q.astype(np.float32) * np.repeat(scales.astype(np.float32), Q8_0_BLOCK, axis=-1)
-        if not np.array_equal(dequantized, expected):
-            raise ModelLoadError(f"{tensor.name}: transformers' processing of it does not keep its Q8_0 blocks whole")
-        return [(name, torch.from_numpy(np.array(q))), (name + SCALE_SUFFIX, torch.from_numpy(np.array(scales)))]
-    result = processor.process(dequantize_tensor(tensor), tensor.name)
-    name = _hf_name(result, names)
-    if name is None:
-        return None
-    values = torch.from_numpy(np.array(result.weights, dtype=np.float32))  # (a copy: the file is memory-mapped)
+    tensor = torch.from_numpy(np.array(values, dtype=np.float32))  # (a copy: the file is memory-mapped)
     dtype = getattr(torch, FLOAT_TYPES[kind]) if kind in FLOAT_TYPES else None
-    if dtype is not None and torch.equal(values.to(dtype).float(), values):
-        values = values.to(dtype)  # (a processed value F16/BF16 cannot hold stays fp32)
-    return [(name, values)]
-
-
-def _hf_name(result: Any, names: dict[str, str]) -> str | None:
-    return names.get(result.name) if result.name is not None else None
+    if dtype is not None and torch.equal(tensor.to(dtype).float(), tensor):
+        tensor = tensor.to(dtype)  # (a processed value F16/BF16 cannot hold stays fp32)
+    return tensor
 
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:
     """A GGUF tensor's values as fp32 [rows, columns] (gguf's reference dequantization, which
-    transformers loads GGUF files with). The 4/5/6-bit types come here."""
+    transformers loads GGUF files with)."""
     import numpy as np
     from gguf import dequantize
 
     return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
 
 
-def q8_0_values(tensor: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 tensor's int8 values [rows, columns] and fp16 scales [rows, columns / 32], as stored."""
+def gguf_blocks(tensor: Any) -> dict[str, np.ndarray]:
+    """A Q8_0, Q4_0 or Q4_1 tensor's blocks as stored, unpacked: `qweight` [rows, columns] (Q8_0's
+    int8 values; the 4-bit types' values 0-15 as uint8), `scales` [rows, columns / 32] fp16, and
+    Q4_1's minimums `offsets` likewise (see layers/quantization/gguf.py for what they compute)."""
     import numpy as np
 
+    kind = tensor.tensor_type.name
+    header = _BLOCK_HEADER[kind]
     rows = tensor.data.shape[0]
-    blocks = np.ascontiguousarray(tensor.data).reshape(rows, -1, 2 + Q8_0_BLOCK)
-    scales = blocks[..., :2].copy().view(np.float16).reshape(rows, -1)
-    values = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
-    return values, scales
+    blocks = np.ascontiguousarray(tensor.data).reshape(rows, -1, header + (BLOCK if kind == "Q8_0" else BLOCK // 2))
+    parts: dict[str, np.ndarray] = {"scales": blocks[..., :2].copy().view(np.float16).reshape(rows, -1)}
+    if kind == "Q8_0":
+        parts["qweight"] = blocks[..., header:].copy().view(np.int8).reshape(rows, -1)
+        return parts
+    packed = blocks[..., header:]  # (byte j: value j in its low nibble, value j + 16 in its high one)
+    parts["qweight"] = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
+    if kind == "Q4_1":
+        parts["offsets"] = blocks[..., 2:4].copy().view(np.float16).reshape(rows, -1)
+    return parts
+
+
+def blocks_dequantized(parts: dict[str, np.ndarray]) -> np.ndarray:
+    """The fp32 weights unpacked blocks encode, computed as llama.cpp's (and gguf's) dequantization."""
+    import numpy as np
+
+    def per_weight(values: np.ndarray) -> np.ndarray:
+        return np.repeat(values.astype(np.float32), BLOCK, axis=-1)
+
+    q, scales = parts["qweight"], per_weight(parts["scales"])
+    if q.dtype == np.int8:  # Q8_0
+        return q.astype(np.float32) * scales
+    if "offsets" not in parts:  # Q4_0
+        return (q.astype(np.float32) - 8) * scales
+    return q.astype(np.float32) * scales + per_weight(parts["offsets"])
 
 
 class _ShardWriter:
@@ -278,6 +322,12 @@ class _ShardWriter:
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
         self.shards: list[list[str]] = []  # the tensor names of each shard written
+
+    def add_blocks(self, module: str, blocks: dict[str, np.ndarray]) -> None:
+        import torch
+
+        for part, values in blocks.items():
+            self.add(f"{module}.{part}", torch.from_numpy(values))
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
@@ -309,7 +359,7 @@ class _ShardWriter:
         (self.directory / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=1) + "\n")
 
 
-def _remove_stale_copies(source: Path, q8_0_as_int8: bool, keep: Path) -> None:
+def _remove_stale_copies(source: Path, keep_quantized: bool, keep: Path) -> None:
     """Copies made the same way from an earlier version of the same file (another size or time)."""
     for metadata in (cache_root() / "gguf").glob(f"*/{METADATA_FILE}"):
         copy = metadata.parent
@@ -319,6 +369,6 @@ def _remove_stale_copies(source: Path, q8_0_as_int8: bool, keep: Path) -> None:
             made = ConvertedGGUF.read(copy)
         except (OSError, ValueError, KeyError):
             continue
-        if made is not None and made.source == str(source) and made.q8_0_as_int8 == q8_0_as_int8:
+        if made is not None and made.source == str(source) and made.keep_quantized == keep_quantized:
             logger.info("removing %s, converted from an earlier version of %s", copy, source)
             shutil.rmtree(copy, ignore_errors=True)

@@ -155,10 +155,10 @@ def _wanted_files(repo_id: str, files: set[str], kind: str, read: Callable[[str]
     if kind == ADAPTER:
         if ADAPTER_CONFIG not in files:
             raise ModelSourceError(f"{repo_id!r} is no PEFT LoRA adapter: it has no {ADAPTER_CONFIG}")
-        weights = next((w for w in ADAPTER_WEIGHTS if w in files), None)
-        if weights is None:
+        adapter_weights = next((w for w in ADAPTER_WEIGHTS if w in files), None)
+        if adapter_weights is None:
             raise ModelSourceError(f"LoRA adapter {repo_id!r} has none of {', '.join(ADAPTER_WEIGHTS)}")
-        return [ADAPTER_CONFIG, weights]
+        return [ADAPTER_CONFIG, adapter_weights]
     if "config.json" not in files:
         raise ModelSourceError(f"{repo_id!r} has no config.json: not a Hugging Face (transformers) model repository")
     try:

@@ -52,7 +52,7 @@ def default_model_dir() -> Path:
     path = _gguf_package_dir() / _GGUF_FILE
     if not path.exists():
         raise FileNotFoundError(f"missing {path}")
-    return gguf_model_dir(path, q8_0_as_int8=False, published_dtype=DEFAULT_MODEL_SOURCE_DTYPE)
+    return gguf_model_dir(path, keep_quantized=False, published_dtype=DEFAULT_MODEL_SOURCE_DTYPE)
 
 
 def is_default(model: str | os.PathLike | None) -> bool:

@@ -391,14 +391,12 @@ def load_model(
 
 
 def _log_dequantized_gguf(model_dir: Path, dtype: torch.dtype) -> None:
-    """One line at start for a converted GGUF file whose quantized tensors of some types run dequantized."""
+    """One line at start for a converted GGUF file some of whose quantized tensors run dequantized."""
     converted = ConvertedGGUF.read(model_dir)
-    if converted is not None and converted.dequantized_types:
-        count = sum(converted.tensor_types[t] for t in converted.dequantized_types)
+    if converted is not None and converted.dequantized:
         logger.info(
-            "%s: %d %s tensors of the GGUF file run dequantized to %s (no kernels for those types)",
+            "%s: tensors of the GGUF file that run dequantized to %s: %s",
             Path(converted.source).name,
-            count,
-            "/".join(converted.dequantized_types),
             str(dtype).removeprefix("torch."),
+            ", ".join(f"{n} {kind}" for kind, n in converted.dequantized.items()),
         )

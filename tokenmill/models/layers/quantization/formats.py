@@ -27,6 +27,8 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.models.layers.linear import FusedProjection, Linear, LinearBackend, LinearMethod, linear_parameter
 from tokenmill.models.layers.quantization import QuantizationConfig
 from tokenmill.models.layers.quantization.fp8 import FP8LinearKernelMethod, FP8Weight
+from tokenmill.models.layers.quantization.gguf import QUANT_METHOD as GGUF_METHOD
+from tokenmill.models.layers.quantization.gguf import GGUFConfig
 from tokenmill.models.layers.quantization.int4 import Int4LinearMethod, Int4Weight
 from tokenmill.models.layers.quantization.int8 import Int8LinearMethod, Int8Weight
 from tokenmill.models.layers.quantization.w8a8 import W8A8LinearMethod
@@ -599,4 +601,5 @@ FORMATS: dict[str, type[QuantizationConfig]] = {
     "awq": AWQConfig,
     "compressed-tensors": CompressedTensorsConfig,
     "fp8": FP8Config,
+    GGUF_METHOD: GGUFConfig,  # (a converted GGUF file's kept layers: model_loader/gguf.py)
 }
