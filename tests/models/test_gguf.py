@@ -257,6 +257,22 @@ def test_q8_0_layers_multiply_by_the_files_fp16_scales(rows, in_features, out_fe
     assert bool(((bf16.double() - exact).abs() <= exact.abs() * 2.0**-7 + 0.05 * exact.abs().mean()).all())
 
 
+def test_bf16_weights_keep_the_files_scales(gguf_files):
+    """--dtype bfloat16 on a CPU without native bf16 rounds the float weights to bf16 values (fp32
+    arithmetic); a kept layer's fp16 scales are the file's numbers and stay as they are."""
+    from tokenmill.engine.setup import round_weights
+    from tokenmill.models.model_loader.loader import load_model
+
+    model, _ = load_model(gguf_model_dir(gguf_files["llama", "Q8_0"]), torch.float32, torch.device("cpu"), False)
+    down = model.get_submodule("layers.0.mlp.down_proj")
+    scales = down.scales.detach().clone()
+    assert not torch.equal(scales.bfloat16().half(), scales)
+    round_weights(model, torch.bfloat16)
+    assert torch.equal(down.scales, scales)
+    norm = model.get_submodule("layers.0.input_layernorm").weight
+    assert torch.equal(norm, norm.bfloat16().float())  # (float weights: rounded)
+
+
 def test_the_copy_is_made_once_per_file_version(gguf_files, monkeypatch):
     """A second start reuses the converted copy (nothing read from the file); a changed file (its
     modification time) gets a new copy and the old one is removed."""

@@ -92,7 +92,8 @@ class EngineConfig:
         "weight-only quantization of a float checkpoint's linear layers at load: int8 in groups of 32 inputs, "
         "each group's bf16 scale the least-error one; int4 in groups of 32, each an fp16 scale and offset of least "
         "error (the lm_head in int8); activations stay in --dtype. Pre-quantized checkpoints (GPTQ, AWQ, "
-        "compressed-tensors, FP8) are detected from their config.json and need no flag (docs/quantization.md)",
+        "compressed-tensors, FP8) are detected from their config.json and need no flag (docs/quantization.md), as do "
+        "a GGUF file's Q8_0, Q4_0 and Q4_1 layers (run with the file's own scales: docs/model-sources.md)",
         choices=["int8", "int4"],
     )
     block_size: int = option(16, "tokens per KV cache block")

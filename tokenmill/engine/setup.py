@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.precision import Precision
 from tokenmill.models.layers.fused_layer import fuse_decoder_layers
+from tokenmill.models.layers.linear import UNQUANTIZED, Linear
 from tokenmill.models.layers.parallel import TPInfo, check_shardable
 from tokenmill.models.model_loader.linear_setup import process_weights_after_loading
 from tokenmill.models.model_loader.loader import load_model, load_spec, resolve_architecture
@@ -76,16 +77,25 @@ def load_prepared_model(
 def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Every floating-point parameter rounded to `dtype`'s values. In place (the storage keeps the
     compute dtype: packing then holds the linear weights in `dtype`, see packed_linear.panel_dtype),
-    except in modules that compute in their weights' dtype (MoE expert stacks): held in `dtype`."""
+    except in modules that compute in their weights' dtype (MoE expert stacks): held in `dtype`. The
+    tensors a quantized layer's method declared (a checkpoint's scales) stay as they are."""
     for module in model.modules():
         narrow = getattr(module, "computes_in_weight_dtype", False)
-        for parameter in module.parameters(recurse=False):
-            if not parameter.is_floating_point():
+        kept = _quantized_tensor_names(module)
+        for name, parameter in module.named_parameters(recurse=False):
+            if not parameter.is_floating_point() or name in kept:
                 continue
             if narrow:
                 parameter.data = parameter.data.to(dtype)
             else:
                 parameter.copy_(parameter.to(dtype))
+
+
+def _quantized_tensor_names(module: torch.nn.Module) -> tuple[str, ...]:
+    """The tensors a linear layer's quantized method declared (none for a float weight)."""
+    if isinstance(module, Linear) and module.quant_method.tensor_names != UNQUANTIZED.tensor_names:
+        return module.quant_method.tensor_names
+    return ()
 
 
 def packs_linear_weights(config: EngineConfig, device: torch.device) -> bool:
