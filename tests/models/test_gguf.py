@@ -156,7 +156,7 @@ def _tokenmill_greedy(path: Path, new_tokens: int, **engine_args):
 @pytest.mark.parametrize(
     ("arch", "kind"),
     [("llama", "F32"), ("llama", "Q4_K"), ("llama", "Q6_K"), ("qwen2", "F32"), ("qwen3", "F16"), ("phi3", "BF16")]
-    + [("gemma2", "F32")],
+    + [("gemma2", "F32"), ("gemma3", "F32")],
 )
 def test_float_and_dequantized_types_generate_transformers_greedy_tokens(gguf_files, arch, kind):
     """fp32: exactly transformers' greedy tokens on its own reading of the file, for the float

@@ -18,7 +18,16 @@ import numpy as np
 import torch
 
 # The test models' architectures, by their GGUF name.
-ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "phi3": "PHI3", "gemma2": "GEMMA2"}
+ARCHITECTURES = {
+    "llama": "LLAMA",
+    "qwen2": "QWEN2",
+    "qwen3": "QWEN3",
+    "phi3": "PHI3",
+    "gemma2": "GEMMA2",
+    "gemma3": "GEMMA3",
+}
+# transformers' model types of the GGUF architectures, where they differ
+MODEL_TYPES = {"gemma3": "gemma3_text"}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 (as SmolLM2's)
 MERGES = (("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("r", "e"))
@@ -37,7 +46,7 @@ def write_gguf(model_dir: Path, target: Path, tensor_type: str, *, seed: int = 0
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
-    arch = config.model_type
+    arch = {model_type: name for name, model_type in MODEL_TYPES.items()}.get(config.model_type, config.model_type)
     writer = gguf.GGUFWriter(target, arch)
     writer.add_name(f"tiny {arch}")
     writer.add_context_length(config.max_position_embeddings)
@@ -47,12 +56,16 @@ def write_gguf(model_dir: Path, target: Path, tensor_type: str, *, seed: int = 0
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    # (Gemma 3: one RoPE a layer type; the file holds the global layers', as llama.cpp writes it)
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
-    if arch in ("qwen3", "gemma2"):
+    if arch in ("qwen3", "gemma2", "gemma3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
     if arch == "gemma2":
         writer.add_sliding_window(config.sliding_window)
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
@@ -74,7 +87,7 @@ def write_gguf(model_dir: Path, target: Path, tensor_type: str, *, seed: int = 0
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
             values = _permute_for_rope(values, heads)
-        if arch == "gemma2" and gguf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             values = values + 1  # (llama.cpp stores Gemma's (1 + w) norm weights)
         _add_tensor(writer, gguf_name, values, tensor_type if values.ndim == 2 else "F32", rng)
     writer.write_header_to_file()
@@ -175,9 +188,9 @@ def tiny_config(architecture: str = "llama", **overrides):
     )
     if architecture == "qwen3":
         values["head_dim"] = 128  # (transformers reads no head_dim from a Qwen3 GGUF: its default, 128)
-    if architecture == "gemma2":
+    if architecture in ("gemma2", "gemma3"):
         values.update(head_dim=64, sliding_window=16, query_pre_attn_scalar=64)
-    return AutoConfig.for_model(architecture, **{**values, **overrides})
+    return AutoConfig.for_model(MODEL_TYPES.get(architecture, architecture), **{**values, **overrides})
 
 
 def hf_model_from_gguf(path: Path) -> torch.nn.Module:
