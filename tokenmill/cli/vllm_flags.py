@@ -48,12 +48,15 @@ class _AlwaysSo(argparse.Action):
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags above, hidden from --help (docs/model-sources.md lists them)."""
+    """The flags above, in a group of their own (docs/model-sources.md maps every vLLM flag)."""
+    group = parser.add_argument_group(
+        "vLLM flags without a tokenmill equivalent", "accepted where tokenmill always does what they ask, else refused"
+    )
     aliases = {flag: [short for short, long in SHORT_ALIASES.items() if long == flag] for flag in REFUSED}
-    for flag in REFUSED:
-        parser.add_argument(flag, *aliases[flag], nargs="?", action=_Refuse, help=argparse.SUPPRESS)
-    for flag in ALWAYS_SO:
-        parser.add_argument(flag, nargs=0, action=_AlwaysSo, dest="vllm_always_so", help=argparse.SUPPRESS)
+    for flag, instead in REFUSED.items():
+        group.add_argument(flag, *aliases[flag], nargs="?", action=_Refuse, metavar="VALUE", help=f"refused: {instead}")
+    for flag, meaning in ALWAYS_SO.items():
+        group.add_argument(flag, nargs=0, action=_AlwaysSo, dest="vllm_always_so", help=f"accepted: {meaning}")
 
 
 def check_always_so(args: argparse.Namespace) -> None:
