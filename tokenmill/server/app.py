@@ -471,17 +471,23 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMet
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    # As FastAPI's own routes do: behind a proxy's path prefix (--root-path) the spec names it as its
+    # server and the docs pages load the spec under it.
     @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
-    async def openapi_json() -> JSONResponse:
-        return JSONResponse(app.openapi())
+    async def openapi_json(request: Request) -> JSONResponse:
+        spec = app.openapi()
+        root = _root_path(request)
+        if root and not any(server.get("url") == root for server in spec.get("servers", [])):
+            spec = {**spec, "servers": [{"url": root}, *spec.get("servers", [])]}
+        return JSONResponse(spec)
 
     @app.get("/docs", dependencies=auth, include_in_schema=False)
-    async def swagger_ui() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=f"{_root_path(request)}/openapi.json", title=f"{app.title} - Swagger UI")
 
     @app.get("/redoc", dependencies=auth, include_in_schema=False)
-    async def redoc() -> HTMLResponse:
-        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+    async def redoc(request: Request) -> HTMLResponse:
+        return get_redoc_html(openapi_url=f"{_root_path(request)}/openapi.json", title=f"{app.title} - ReDoc")
 
     openapi.install(
         app,
@@ -563,3 +569,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             )
         err = APIError(exc.status_code, message, headers=getattr(exc, "headers", None))
         return error_response(err)
+
+
+def _root_path(request: Request) -> str:
+    """The path prefix a reverse proxy serves the app under (ASGI root_path), without a trailing /."""
+    return str(request.scope.get("root_path", "")).rstrip("/")
