@@ -9,10 +9,11 @@
 // x then run as the fp32 panels do (one FMA chain over k in order per output: a row's result does not
 // depend on the other rows of its step). A step streams one byte per weight, a quarter of fp32's.
 //
-// e4m3 to fp32 exactly, with no table: the byte's 7 magnitude bits shifted into an fp16's exponent and
-// mantissa (bits 14-7) give the same value times 2^-8 (fp16's exponent bias is 15, e4m3's 7; e4m3's
-// subnormals become fp16 subnormals the same way), which F16C widens exactly; the 2^8 is folded into
-// the scales when they are packed (a power of two: exact). e4m3fn's NaN (0x7F, 0xFF) has no place here:
+// e4m3 to fp32 exactly, with no table: the byte's 4 exponent and 3 mantissa bits moved into an fp16's
+// bits 13-7 (the low exponent bits and the top of the mantissa), its sign into bit 15, give the same
+// value times 2^-8 (fp16's exponent bias is 15, e4m3's 7; e4m3's subnormals become fp16 subnormals
+// the same way), which F16C widens exactly; the 2^8 is folded into the scales when they are packed
+// (a power of two: exact). e4m3fn's NaN (0x7F, 0xFF) has no place here:
 // the loader refuses checkpoints holding it.
 
 #include <ATen/ATen.h>
@@ -34,22 +35,23 @@
 namespace tokenmill {
 namespace {
 
-// kVec e4m3 bytes as fp32, times 2^-8 (see the top).
+// All of an fp16's bits but bit 14 (see load_fp8).
+constexpr int16_t kFp16Bits = static_cast<int16_t>(0xBFFF);
+
+// kVec e4m3 bytes as fp32, times 2^-8 (see the top): each byte sign-extended to 16 bits and shifted
+// left by 7 puts its sign in bit 15 and its exponent and mantissa in fp16's bits 13-7; bit 14 (a copy
+// of the sign) is cleared.
 inline Vec load_fp8(const uint8_t* src) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  const __m256i half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7),
-                                       _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8));
-  return Vec(_mm512_cvtph_ps(half));
+  const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return Vec(_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16(kFp16Bits))));
 #elif defined(CPU_CAPABILITY_AVX2)
-  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
-  const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7F)), 7),
-                                    _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8));
-  return Vec(_mm256_cvtph_ps(half));
+  const __m128i wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  return Vec(_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(kFp16Bits))));
 #else
   float widened[kVec];
   for (int64_t i = 0; i < kVec; ++i) {
-    const uint16_t bits = static_cast<uint16_t>(((src[i] & 0x7F) << 7) | ((src[i] & 0x80) << 8));
+    const auto bits = static_cast<uint16_t>(((src[i] & 0x80) << 8) | ((src[i] & 0x7F) << 7));
     widened[i] = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
   }
   return Vec::loadu(widened);
