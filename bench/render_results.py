@@ -126,6 +126,18 @@ def roofline(data: Json) -> Iterable[Row]:
     ]
 
 
+def eight_bit_checkpoints(data: Json) -> Iterable[Row]:
+    for r in data["rows"]:
+        yield [
+            r["variant"],
+            _num(r["param_bytes"] / 1e6),
+            _num(r["weight_bytes"] / 1e6),
+            _num(r["measured_step_s"] * 1e3, ".2f"),
+            _num(1 / r["measured_step_s"]),
+            f"{r['ratio']:.2f}x",
+        ]
+
+
 def features(data: Json) -> Iterable[Row]:
     rows = data["rows"]
     for off, on in zip(rows[0::2], rows[1::2]):
@@ -287,6 +299,14 @@ SECTIONS = (
         ),
         ("weights MB", "copy GB/s", "bound ms", "measured ms", "measured / bound"),
         roofline,
+    ),
+    Section(
+        "Pre-quantized 8-bit checkpoints against the float model (`bench/eight_bit_checkpoints.py`)",
+        "The default model written by compressed-tensors (weights per channel, the lm_head in bf16); "
+        "batch-1 decode, each variant in its own process; bound = streamed bytes / copy bandwidth.",
+        ("eight-bit-checkpoints.json",),
+        ("variant", "weights MB", "streamed MB", "step ms", "tok/s", "measured / bound"),
+        eight_bit_checkpoints,
     ),
     Section(
         "Each speed feature off and on (`tokenmill bench features`)",
