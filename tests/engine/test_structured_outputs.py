@@ -77,11 +77,16 @@ def test_json_schema_outputs_validate_for_sampled_requests(llm) -> None:
 
 
 def test_without_a_constraint_the_random_model_writes_no_json(llm) -> None:
-    """The control: the same model and sampling unconstrained is not JSON, so the tests above can fail."""
+    """The control: the same model and sampling unconstrained mostly writes no JSON, so the tests above
+    can fail (a short random text, such as digits, may happen to be a JSON prefix)."""
     outs = llm.generate(["Hello"] * 8, SamplingParams(temperature=1.0, max_tokens=24))
+    not_json = 0
     for text in texts(outs):
-        with pytest.raises(ValueError):
+        try:
             jiter.from_json(text.encode(), partial_mode="trailing-strings")
+        except ValueError:
+            not_json += 1
+    assert not_json >= 6, texts(outs)
 
 
 def test_compact_json_has_no_free_whitespace(llm) -> None:
