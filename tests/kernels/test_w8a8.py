@@ -33,12 +33,15 @@ def _case(rows: int, k: int, n: int, seed: int, bias: bool = True):
 
 def _reference(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Each row rounded to int8 by max|row| / 127 (torch.round of the quotient), the integer sums exact,
-    then float(sum) * s_x * s_w (+ bias) in fp32, in that order (the kernel's)."""
+    then (float(sum) * s_x) * s_w + bias in fp32, the last step one fused multiply-add (as the kernel
+    computes it: here the product is exact in fp64 and the sum rounded to fp64, then to fp32)."""
     sx = (x.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-12)
     q = torch.round(x / sx).clamp(-127, 127)
     sums = (q.double() @ values.double().t()).float()  # (exact: |sum| < 2^24 here)
-    out = sums * sx * scales
-    return out + bias if bias is not None else out
+    product = sums * sx
+    if bias is None:
+        return product * scales
+    return (product.double() * scales.double() + bias.double()).float()
 
 
 def _run(x, values, scales, bias):

@@ -5,6 +5,10 @@
 // scaled once: y = float(sum) * s_x * s_w[column] (+ bias). A row's result does not depend on the
 // other rows of its step.
 //
+// The last step, (sum * s_x) * s_w + bias, is one fused multiply-add on every path (the compiler may
+// not contract a product and a sum on some paths and not others: the rows of one step would differ in
+// the last bit from the same rows alone).
+//
 // Layout: panels of kPanel output columns by quads of inputs, packed[p, j, 4c + t] = W[p * kPanel + c,
 // 4j + t] (K padded with zero weights to a multiple of kQuadDepth), the form vpdpbusd and AMX's
 // tdpbssd read: one 32-bit lane per column, its four weights of a quad. Per column (padded to whole
@@ -133,6 +137,24 @@ inline Int32Sums dpbusd_widened(Int32Sums sums, const QuadBytes& x, const QuadBy
 #endif
 
 #define TOKENMILL_W8A8_TARGET
+// The bias of columns [from, from + kVec) of a tile, those of them below `count` (the rest, and
+// every one without a bias, zero).
+inline Vec column_bias(const float* bias, int64_t from, int64_t count) {
+  if (bias == nullptr || count <= 0) return Vec(0.f);
+  return count >= kVec ? Vec::loadu(bias + from) : Vec::loadu(bias + from, count);
+}
+
+// a * b + c rounded once (ATen's generic fmadd rounds twice).
+inline Vec fused_multiply_add(const Vec& a, const Vec& b, const Vec& c) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return at::vec::fmadd(a, b, c);
+#else
+  float lanes[kVec];
+  for (int64_t i = 0; i < kVec; ++i) lanes[i] = std::fma(a[i], b[i], c[i]);
+  return Vec::loadu(lanes);
+#endif
+}
+
 namespace widened {
 inline Int32Sums dpbusd(Int32Sums sums, QuadBytes x, QuadBytes w) { return dpbusd_widened(sums, x, w); }
 #include "w8a8_tiles.h"
@@ -238,12 +260,11 @@ TOKENMILL_AMX_W8A8 void amx_w8a8_range(const int8_t* xs, const float* sx, const 
       for (int64_t r = 0; r < count; ++r) {
         alignas(64) float row[kPanel];
         for (int h = 0; h < 2; ++h) {
-          const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[h][r])),
-                                                            _mm512_set1_ps(sx[r0 + r])),
-                                              _mm512_loadu_ps(w.scales + col + 16 * h));
-          _mm512_store_ps(row + 16 * h, scaled);
+          const __m512 product = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[h][r])), _mm512_set1_ps(sx[r0 + r]));
+          const Vec b = column_bias(bias, col + 16 * h, cols - 16 * h);
+          _mm512_store_ps(row + 16 * h, _mm512_fmadd_ps(product, _mm512_loadu_ps(w.scales + col + 16 * h), b));
         }
-        for (int64_t c = 0; c < cols; ++c) out[(r0 + r) * n + col + c] = row[c] + (bias != nullptr ? bias[col + c] : 0.f);
+        std::copy(row, row + cols, out + (r0 + r) * n + col);
       }
     }
   }

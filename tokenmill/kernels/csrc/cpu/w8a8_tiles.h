@@ -44,17 +44,18 @@ TOKENMILL_W8A8_TARGET void w8a8_tile(const uint8_t* xu, int64_t ldx, const float
   quad_sums<R, P, Prefetch>(xu, ldx, w.packed + first * w.panel_bytes, w.panel_bytes, w.quads, next, sums);
   #pragma GCC unroll 16
   for (int p = 0; p < P; ++p) {
-    const int64_t column = (first + p) * kPanel;
+    const int64_t column = (first + p) * kPanel, width = p == P - 1 ? cols : kPanel;
     Vec acc[R][2];
     #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const Int32Sums offset = load_sums(w.offsets + column + h * kVec);
       const Vec scale = Vec::loadu(w.scales + column + h * kVec);
+      const Vec b = column_bias(bias, p * kPanel + h * kVec, width - h * kVec);
       #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[r][h] = to_float(subtract(sums[p][r][h], offset)) * Vec(sx[r]) * scale;
+      for (int r = 0; r < R; ++r)
+        acc[r][h] = fused_multiply_add(to_float(subtract(sums[p][r][h], offset)) * Vec(sx[r]), scale, b);
     }
-    store_tile<R>(acc, bias != nullptr ? bias + p * kPanel : nullptr, out + p * kPanel, ldo,
-                  p == P - 1 ? cols : kPanel);
+    store_tile<R>(acc, nullptr, out + p * kPanel, ldo, width);
   }
 }
 
