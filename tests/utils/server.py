@@ -154,8 +154,14 @@ def server_fixture(tiny_model_dir: Path, server_log_dir: Path) -> Iterator[Serve
 
 
 def model_id(server: ServerProcess) -> str:
-    """The name the server serves its model under (the model directory's name)."""
-    return Path(server.proc.args[server.proc.args.index("--model") + 1]).name
+    """The name the server reports for its model (`GET /v1/models`, the first entry), as a client
+    that discovers it would use."""
+    args = list(server.proc.args)
+    key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=30, verify=server.verify)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
 
 
 def openai_client(server: ServerProcess, api_key: str = "unused", **kwargs):
