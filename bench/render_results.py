@@ -296,6 +296,7 @@ SECTIONS = (
             "roofline-bf16.json",
             "roofline-int8.json",
             "roofline-int4.json",
+            "roofline-gguf-q8_0.json",
         ),
         ("weights MB", "copy GB/s", "bound ms", "measured ms", "measured / bound"),
         roofline,

@@ -135,6 +135,8 @@ def test_tls_cors_root_path_and_quiet_request_log(vllm_server):
     assert simple.headers["access-control-allow-origin"] == ORIGIN
     spec = httpx.get(vllm_server.base_url + "/openapi.json", verify=vllm_server.verify).json()
     assert spec["servers"] == [{"url": "/proxied"}]
+    docs = httpx.get(vllm_server.base_url + "/docs", verify=vllm_server.verify).text
+    assert "'/proxied/openapi.json'" in docs  # (the page fetches the spec under the proxy's prefix)
     records = vllm_server.log_records()
     assert records and not [r for r in records if r.get("msg") == "request finished"]
 
