@@ -138,6 +138,27 @@ def eight_bit_checkpoints(data: Json) -> Iterable[Row]:
         ]
 
 
+def hostile_items(data: Json) -> Iterable[Row]:
+    for item, figures in data["items"].items():
+        if "unfinished" in figures:
+            yield [item, data["server"], figures["unfinished"], "–", "–", "–", "–", "–"]
+            continue
+        solo, hostile = figures["solo"], figures["hostile"]
+        answers = "; ".join(
+            f"{case}: {', '.join(row['answers'])} ({_secs(row['max_s'])} s)" for case, row in hostile["cases"].items()
+        )
+        yield [
+            item,
+            data["server"],
+            answers,
+            f"{_secs(solo['ttft']['p50'])} / {_secs(hostile['ttft']['p50'])}",
+            f"{_secs(solo['gap']['p50'])} / {_secs(hostile['gap']['p50'])}",
+            f"{_secs(solo['gap']['p95'])} / {_secs(hostile['gap']['p95'])}",
+            f"{_secs(hostile['health']['p50'])} / {_secs(hostile['health']['max'])}",
+            _num(figures["rss_after_mb"] - figures["rss_before_mb"], ".0f"),
+        ]
+
+
 def features(data: Json) -> Iterable[Row]:
     rows = data["rows"]
     for off, on in zip(rows[0::2], rows[1::2]):
@@ -308,6 +329,26 @@ SECTIONS = (
         ("eight-bit-checkpoints.json",),
         ("variant", "weights MB", "streamed MB", "step ms", "tok/s", "measured / bound"),
         eight_bit_checkpoints,
+    ),
+    Section(
+        "Hostile input, each case alone next to a well-behaved client (`tests/stress/hostile_mix.py --items`)",
+        "A user-supplied program (schema, grammar, choice list, tool schema) sent while another client streams "
+        "48-token completions back to back: that client's figures alone, then next to it (s); the hostile "
+        "requests' answers and their longest wait; /health while it runs; the server's memory growth (MB). "
+        "Server: `tokenmill serve --model TINY --max-num-seqs 32 --max-queue 64` (TINY from `tokenmill make-tiny-model`) "
+        "before the hardening (a35fbb7) and after it (RELIABILITY.md).",
+        ("hostile-items-before.json", "hostile-items-after.json"),
+        (
+            "case",
+            "server",
+            "hostile requests' answers (longest wait)",
+            "TTFT p50 alone / next to it",
+            "gap p50",
+            "gap p95",
+            "/health p50 / max",
+            "RSS growth MB",
+        ),
+        hostile_items,
     ),
     Section(
         "Each speed feature off and on (`tokenmill bench features`)",

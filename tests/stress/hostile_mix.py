@@ -270,13 +270,18 @@ async def solo_phase(url: str, streams: int) -> dict[str, Any]:
     }
 
 
-async def hostile_phase(url: str, min_streams: int, tool_loop_s: float, copies: int) -> dict[str, Any]:
-    """The hostile mix at once (plus two tool-schema loops) while the well-behaved client streams."""
+async def hostile_phase(
+    url: str, min_streams: int, tool_loop_s: float, copies: int, cases: frozenset[str] | None = None
+) -> dict[str, Any]:
+    """The hostile mix at once (plus two tool-schema loops) while the well-behaved client streams for
+    at least `tool_loop_s`; `cases`: only these (by name, `tool-schema-loop` included)."""
     start = time.monotonic()
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+    requests = [req for req in hostile_requests(copies) if cases is None or req[0] in cases]
+    loopers = 2 if cases is None or "tool-schema-loop" in cases else 0
     async with httpx.AsyncClient(limits=limits) as client:
-        hostile = asyncio.gather(*(_send(client, url, *req) for req in hostile_requests(copies)))
-        loops = asyncio.gather(*(tool_schema_loop(client, url, start + tool_loop_s) for _ in range(2)))
+        hostile = asyncio.gather(*(_send(client, url, *req) for req in requests))
+        loops = asyncio.gather(*(tool_schema_loop(client, url, start + tool_loop_s) for _ in range(loopers)))
         streams = asyncio.ensure_future(well_behaved(url, start + tool_loop_s, min_streams))
         health = asyncio.ensure_future(health_probe(url, start + tool_loop_s))
         outcomes = list(await hostile)
@@ -328,9 +333,16 @@ async def wait_idle(url: str, timeout_s: float = 120.0) -> None:
             await asyncio.sleep(0.5)
 
 
-async def run(url: str, pid: int, streams: int = 4, tool_loop_s: float = 40.0, copies: int = 2) -> dict[str, Any]:
-    """Warm-up, the well-behaved client solo, then the hostile mix next to it; figures of both and
-    the server's memory before and after."""
+async def run(
+    url: str,
+    pid: int,
+    streams: int = 4,
+    tool_loop_s: float = 40.0,
+    copies: int = 2,
+    cases: frozenset[str] | None = None,
+) -> dict[str, Any]:
+    """Warm-up, the well-behaved client solo, then the hostile mix (or only `cases` of it) next to
+    it; figures of both and the server's memory before and after."""
     async with httpx.AsyncClient() as client:  # warm-up: the first stream and the first compile
         await well_behaved_stream(client, url, StreamFigures(), seed=-1)
         await _send(
@@ -338,7 +350,7 @@ async def run(url: str, pid: int, streams: int = 4, tool_loop_s: float = 40.0, c
         )
     solo = await solo_phase(url, streams)
     rss_before = rss_mb(pid)
-    hostile = await hostile_phase(url, streams, tool_loop_s, copies)
+    hostile = await hostile_phase(url, streams, tool_loop_s, copies, cases)
     await wait_idle(url)
     await asyncio.sleep(3)  # (an idle server hands freed memory back within a couple of seconds)
     return {
@@ -364,18 +376,70 @@ def printable(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The hardening findings the mix reproduces, each measured on its own (`--items`): the cases that
+# stand for it, sent next to the well-behaved client for at least ITEM_PHASE_S.
+ITEMS: dict[str, tuple[str, ...]] = {
+    "schema given as text, nested deep": ("deep-schema-text",),
+    "grammar compiles: slow, endless, abandoned, 200 KB and 1 MB choice lists": (
+        "slow-regex",
+        "slow-regex-left",
+        "endless-grammar",
+        "big-choices",
+        "huge-choices",
+    ),
+    "per-token matcher work: an ambiguous grammar": ("ambiguous-grammar",),
+    "per-token matcher work: a 1,000-branch anyOf sampled 16 times": ("any-of-1000-n16",),
+    "tool schemas: one of 830 KB, two clients looping 60 KB ones": ("huge-tool-schema", "tool-schema-loop"),
+}
+ITEM_PHASE_S = 20.0
+
+
+async def run_items(url: str, pid: int, items: list[str]) -> dict[str, Any]:
+    """Each of `items` (of ITEMS) in turn on one server: the well-behaved client solo, then next to
+    that item's cases; the server's memory before and after each."""
+    out = {}
+    for item in items:
+        cases = ITEMS[item]
+        result = await run(url, pid, streams=4, tool_loop_s=ITEM_PHASE_S, copies=1, cases=frozenset(cases))
+        out[item] = printable(result)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True)
     parser.add_argument("--pid", type=int, required=True, help="the server's process id (for its memory)")
+    parser.add_argument("--items", action="store_true", help="each finding's cases on their own (ITEMS), in turn")
+    parser.add_argument("--item", action="append", choices=list(ITEMS), help="with --items: only this one (repeatable)")
+    parser.add_argument("--label", default="", help="what the server is (e.g. the commit it runs), kept in --json")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
-    result = printable(asyncio.run(run(args.url.rstrip("/"), args.pid)))
+    url = args.url.rstrip("/")
+    if args.items:
+        result = asyncio.run(run_items(url, args.pid, args.item or list(ITEMS)))
+    else:
+        result = printable(asyncio.run(run(url, args.pid)))
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        write_record(args.json, args.label, result if args.items else {"the whole mix": result})
+
+
+def write_record(path: str, label: str, items: dict[str, Any]) -> None:
+    """The figures with their provenance, as bench/results/ keeps them (bench/render_results.py)."""
+    import shlex
+    import sys
+
+    from tokenmill.bench import provenance
+
+    environment = {
+        "command": " ".join(shlex.quote(a) for a in ["python", "-m", "tests.stress.hostile_mix", *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+        "machine": provenance.machine(),
+        "commit": provenance.commit(),
+    }
+    with open(path, "w") as f:
+        f.write(json.dumps({"environment": environment, "server": label, "items": items}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
