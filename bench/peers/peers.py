@@ -191,17 +191,19 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
 def run_step(engine: str, args: argparse.Namespace, workload: Path, model_dir: Path, out: Path) -> Step:
     """The command that runs `engine` on the workload and writes its result JSON to `out`."""
     threads = str(args.threads)
+    gguf_file = getattr(args, "gguf", None)
     common = [
         "--workload",
         str(workload),
         "--model",
-        str(model_dir),
+        # (with --gguf, tokenmill loads the file itself, as a user passing it to --model)
+        str(gguf_file) if gguf_file and engine == "tokenmill" else str(model_dir),
         "--precision",
         args.precision,
         "--kv-cache",
         args.kv_cache,
         "--weights",
-        args.weights,
+        "gguf" if gguf_file else args.weights,
         "--threads",
         threads,
         "--out",
@@ -226,7 +228,11 @@ def run_step(engine: str, args: argparse.Namespace, workload: Path, model_dir: P
             ]
         )
     if engine == "llamacpp":
-        gguf = peers_dir() / "models" / f"{model_dir.name}-{args.precision}{weights}.gguf"
+        gguf = (
+            Path(gguf_file)
+            if gguf_file
+            else peers_dir() / "models" / f"{model_dir.name}-{args.precision}{weights}.gguf"
+        )
         extra = ["--no-repack"] if args.llamacpp_no_repack else []
         return Step(
             [
@@ -544,6 +550,8 @@ def default_out(args: argparse.Namespace) -> Path:
     name += "-kv8" if getattr(args, "kv_cache", "compute") == "int8" else ""
     name += "-w8" if getattr(args, "weights", "compute") == "int8" else ""
     name += "-sampled" if getattr(args, "temperature", 0.0) > 0 else ""
+    if getattr(args, "gguf", None):
+        name += "-gguf-" + Path(args.gguf).stem.lower().replace("_", "-").replace(".", "-")
     return HERE.parent / "results" / "peers" / name
 
 
@@ -573,7 +581,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tokenmill.models.model_loader.hub import resolve_model
 
     log = lambda m: print(m, file=sys.stderr)
-    model_dir = resolve_model(args.model)
+    model_dir = resolve_model(args.gguf or args.model)
     out_dir = Path(args.out)
     workload = out_dir / "workload.json"
     log(
@@ -586,6 +594,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     for engine in args.engines:
         if engine == "vllm" and args.kv_cache == "int8":
             log("[vllm] skipped: vLLM-CPU has no 8-bit KV cache")
+            continue
+        if args.gguf and engine not in ("tokenmill", "llamacpp"):
+            log(f"[{engine}] skipped: it does not load GGUF files")
             continue
         if engine == "vllm" and args.weights == "int8":
             log("[vllm] skipped: vLLM-CPU runs int8 weights only from a checkpoint quantized ahead (w8a8)")
@@ -645,6 +656,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight precision of every engine: the compute precision (default), or 8-bit "
         "(tokenmill --quantization int8, groups of 32; OpenVINO NNCF int8, per channel; "
         "llama.cpp q8_0, blocks of 32; vLLM-CPU needs a checkpoint quantized ahead and is skipped)",
+    )
+    run.add_argument(
+        "--gguf",
+        metavar="FILE",
+        help="a GGUF file that tokenmill (--model FILE, its quantized layers kept) and llama.cpp both load as it "
+        "is, in place of --model and --weights; the other engines are skipped",
     )
     serve = sub.add_parser(
         "serve",

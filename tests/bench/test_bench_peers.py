@@ -94,6 +94,30 @@ def test_int8_weight_runs_reach_every_engine_that_loads_them(tmp_path):
     assert re.search(r"SmolLM2-135M-Instruct\S*-bf16-int8\.gguf", plan), plan
 
 
+def test_a_gguf_file_runs_as_it_is_on_tokenmill_and_llamacpp(default_model_dir, tmp_path):
+    from tokenmill.models.model_loader.hub import _GGUF_FILE, _gguf_package_dir
+
+    gguf = _gguf_package_dir() / _GGUF_FILE
+    result = _run(
+        "run",
+        "--dry-run",
+        "--gguf",
+        str(gguf),
+        "--precision",
+        "fp32",
+        env_extra={"TOKENMILL_PEERS_DIR": str(tmp_path / "peers")},
+    )
+    assert result.returncode == 0, result.stderr
+    plan = result.stderr
+    for engine in ("vllm", "openvino"):
+        assert f"[{engine}] skipped: it does not load GGUF files" in plan
+    (tokenmill,) = [line for line in plan.splitlines() if "tokenmill_runner.py" in line and "$" in line]
+    assert f"--model {gguf} " in tokenmill and "--weights gguf" in tokenmill
+    (llamacpp,) = [line for line in plan.splitlines() if "llamacpp_runner.py" in line and "$" in line]
+    assert f"--gguf {gguf}" in llamacpp and "--weights gguf" in llamacpp
+    assert "results/peers/fp32-gguf-smollm2-135m-instruct-q4-1/" in tokenmill
+
+
 def test_unknown_engine_is_a_clear_error():
     result = _run("run", "--dry-run", "tgi")
     assert result.returncode == 2 and "unknown engine(s) tgi" in result.stderr

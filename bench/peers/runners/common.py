@@ -25,8 +25,9 @@ def parser(engine: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--weights",
         default="compute",
-        choices=["compute", "int8"],
-        help="weight precision: the compute precision, or 8-bit integers with scales",
+        choices=["compute", "int8", "gguf"],
+        help="weight precision: the compute precision, 8-bit integers with scales, or a GGUF file's own "
+        "(--model is the file)",
     )
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--out", required=True, help="result JSON path")

@@ -115,7 +115,7 @@ def main() -> None:
         t.seconds,
         sum(r["output_len"] for r in workload),
         kv_cache=kv_cache,
-        weights="q8_0, blocks of 32" if args.weights == "int8" else None,
+        weights={"int8": "q8_0, blocks of 32", "gguf": "GGUF as is"}.get(args.weights),
         slots=slots,
     )
 

@@ -9,13 +9,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Timer, load_workload, parser, write_result
 
 
-def int8_format(llm) -> str | None:
-    """The int8 weight format the engine's model really holds (None: none of its layers is int8)."""
+def weight_format(llm, weights: str) -> str | None:
+    """The weight format the engine's model really holds: int8's groups, or a GGUF file's layers by
+    the linear method each runs on (None: every layer in the compute precision)."""
     from tokenmill.models.layers.linear import linear_layers
     from tokenmill.models.layers.quantization.int8 import GROUP_SIZE
 
-    int8 = any(layer.quant_method.name == "int8" for _, layer in linear_layers(llm.engine.model))
-    return f"int8, groups of {GROUP_SIZE}" if int8 else None
+    methods = sorted({layer.quant_method.name for _, layer in linear_layers(llm.engine.model)})
+    if weights == "gguf":
+        return "GGUF as is: " + ", ".join(methods)
+    return f"int8, groups of {GROUP_SIZE}" if "int8" in methods else None
 
 
 def main() -> None:
@@ -38,7 +41,7 @@ def main() -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in workload]
     # Warm-up on prompts that are not the measured ones (reversed): the prefix cache would answer
     # those, and the peers run without one.
-    llm.generate([p[::-1] for p in prompts[:2]], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2)
+    llm.generate([p[::-1] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     with Timer() as t:
         outputs = llm.generate(prompts, params)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -50,7 +53,7 @@ def main() -> None:
         t.seconds,
         sum(r["output_len"] for r in workload),
         kv_cache=str(llm.engine.kv_cache.data.dtype).removeprefix("torch."),
-        weights=int8_format(llm),
+        weights=weight_format(llm, args.weights),
         cached_prompt_tokens=sum(o.num_cached_tokens for o in outputs),
     )  # (0: no prompt seen before)
 
