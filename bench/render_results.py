@@ -335,8 +335,8 @@ SECTIONS = (
         "A user-supplied program (schema, grammar, choice list, tool schema) sent while another client streams "
         "48-token completions back to back: that client's figures alone, then next to it (s); the hostile "
         "requests' answers and their longest wait; /health while it runs; the server's memory growth (MB). "
-        "Server: `tokenmill serve --model TINY --max-num-seqs 32 --max-queue 64` (TINY from `tokenmill make-tiny-model`) "
-        "before the hardening (a35fbb7) and after it (RELIABILITY.md).",
+        "Server: `tokenmill serve --model TINY --max-num-seqs 32 --max-queue 64` "
+        "(TINY from `tokenmill make-tiny-model`) before the hardening (a35fbb7) and after it (RELIABILITY.md).",
         ("hostile-items-before.json", "hostile-items-after.json"),
         (
             "case",
