@@ -201,6 +201,18 @@ def long_outputs(data: Json) -> Iterable[Row]:
         ]
 
 
+def long_prompts(data: Json) -> Iterable[Row]:
+    dtype = data["engine"]["dtype"]
+    for point in data["long_prompts"]:
+        yield [
+            dtype,
+            f"{point['prompt_len']:,}",
+            str(point["streams"]),
+            _secs(point["mean_ttft_s"]),
+            _secs(point["min_ttft_s"]),
+        ]
+
+
 def profile(data: Json) -> Iterable[Row]:
     for p in data["profiles"]:
         shares = p["shares"]
@@ -379,6 +391,13 @@ SECTIONS = (
         _files("long-outputs-*.json"),
         ("output tokens", "host ms/token, cumulative", "host ms/token, delta", "total ms/token"),
         long_outputs,
+    ),
+    Section(
+        "Long prompts (`--long-prompts`)",
+        "Time to the first token of prompts of one length, submitted `streams` at a time; one output token.",
+        _files("long-prompts-*.json"),
+        ("dtype", "prompt tokens", "streams", "mean TTFT s", "min TTFT s"),
+        long_prompts,
     ),
     Section(
         "Where a step's time goes (`tokenmill bench profile`)",

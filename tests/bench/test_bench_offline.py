@@ -320,6 +320,20 @@ def test_long_outputs_runs_both_modes(tiny_llm):
         run_long_outputs(tiny_llm, [10**6], streams=1, prompt_len=5, vocab_size=49152)
 
 
+@pytest.mark.engine
+def test_long_prompts_times_every_request_without_cache_hits(tiny_llm):
+    from tokenmill.bench.long_prompts import format_long_prompts, run_long_prompts
+
+    points = run_long_prompts(tiny_llm, [40, 90], streams=[1, 3], repeats=2, vocab_size=49152)
+    assert [(p.prompt_len, p.streams) for p in points] == [(40, 1), (40, 3), (90, 1), (90, 3)]
+    assert [len(p.ttft_s) for p in points] == [2, 6, 2, 6]  # every request of every repeat
+    assert all(t > 0 for p in points for t in p.ttft_s)
+    assert all(p.cached_prompt_tokens == 0 for p in points)  # fresh prompts: the prefix cache answers none
+    assert "mean TTFT s" in format_long_prompts(points)
+    with pytest.raises(ValueError, match="context"):
+        run_long_prompts(tiny_llm, [10**6], streams=[1], repeats=1, vocab_size=49152)
+
+
 @pytest.mark.slow
 @pytest.mark.engine
 def test_features_bench_multi_lora_row(tiny_model_dir, monkeypatch, features_in_this_process):

@@ -132,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
     # The engine of this process serves the main run, the roofline and the long outputs; sweep
     # points and the model-impl and structured-output comparisons build their own.
     main_here = not args.skip_main and args.compare not in ("model-impl", "structured-output")
-    llm = make_llm(args, model_dir) if main_here or args.roofline or args.long_outputs else None
+    llm = make_llm(args, model_dir) if main_here or args.roofline or args.long_outputs or args.long_prompts else None
     runs: list[RunResult] = []
     if args.compare == "model-impl":
         report["model_impl"] = compare_model_impls(args, model_dir, workload, progress)
@@ -213,6 +213,20 @@ def main(args: argparse.Namespace) -> int:
         )
         print(format_long_outputs(points))
         report["long_outputs"] = [p.to_dict() for p in points]
+
+    if args.long_prompts:
+        from tokenmill.bench.long_prompts import format_long_prompts, run_long_prompts
+
+        prompt_points = run_long_prompts(
+            llm,
+            args.long_prompts,
+            args.long_prompt_streams,
+            args.long_prompt_repeats,
+            load_spec(model_dir).vocab_size,
+            args.seed,
+        )
+        print(format_long_prompts(prompt_points))
+        report["long_prompts"] = [p.to_dict() for p in prompt_points]
 
     if args.roofline:
         from tokenmill.bench.roofline import format_roofline, measure_roofline
@@ -313,6 +327,28 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=32,
         metavar="TOKENS",
         help="prompt length of --long-outputs requests (default: 32)",
+    )
+    bench.add_argument(
+        "--long-prompts",
+        type=parse_values,
+        default=None,
+        metavar="LIST",
+        help="also time the first token of prompts of each of these lengths (e.g. 2000,8000), one output token "
+        "each, fresh random prompts every repeat (no prefix cache hits)",
+    )
+    bench.add_argument(
+        "--long-prompt-streams",
+        type=parse_values,
+        default=[1],
+        metavar="LIST",
+        help="--long-prompts: how many such prompts are submitted at once, per point (default: 1)",
+    )
+    bench.add_argument(
+        "--long-prompt-repeats",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="--long-prompts: timed repeats of each point (default: 3)",
     )
     bench.add_argument(
         "--skip-main", action="store_true", help="skip the main tokenmill run (e.g. only --sweep or --roofline)"
