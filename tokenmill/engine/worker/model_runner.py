@@ -129,6 +129,13 @@ class ForwardInput:
     has_placeholders: bool  # input_ids holds placeholders of the previous step's tokens
 
 
+# Chunks of at least this many tokens after cached context attend as two flash-attention calls
+# (the cached keys, then the chunk's own, causal) rather than through the paged kernel, whose
+# per-tile dot products run slower than GEMMs at thousands of queries (`tokenmill bench offline
+# --long-prompts`).
+LONG_CHUNK_QUERIES = 1024
+
+
 def _host(values: Any, dtype: Any = np.int64) -> torch.Tensor:
     """A host tensor of Python ints (or an array) through numpy: torch.tensor on a list costs a few
     times more a call than numpy and from_numpy, and a decode step builds about ten (host time:
@@ -188,6 +195,9 @@ def build_forward(chunks: Seq[Chunk], decodes: Seq[Chunk], block_size: int, fuse
         slot_chunks.append(_slots(table, positions, bs))
         if c == 0:
             segments.append(PrefillSegment(start, start + n, None, None))
+        elif fused_attention and n >= LONG_CHUNK_QUERIES:
+            cached = _host(_slots(table, np.arange(c, dtype=np.int64), bs))
+            segments.append(PrefillSegment(start, start + n, None, None, cached_slots=cached))
         elif fused_attention:
             paged.append((start, n, chunk.block_table, c + n))
         else:

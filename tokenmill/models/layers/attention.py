@@ -30,6 +30,9 @@ class PrefillSegment:
     # sequence (then the fresh K/V are used directly with a causal mask).
     context_slots: torch.Tensor | None
     causal_mask: torch.Tensor | None  # [q_len, ctx_len] bool, with context_slots
+    # Instead of context_slots: the slots of the cached keys before the chunk, the chunk's own keys
+    # being the fresh K/V (see _attend_after_context).
+    cached_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -142,6 +145,10 @@ def paged_attention(
     for seg in meta.prefills:
         n = seg.end - seg.start
         qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seg.cached_slots is not None:
+            o = _attend_after_context(qs, k, v, k_cache, v_cache, seg, meta, scale, window, softcap)
+            out[seg.start : seg.end] = o[0].transpose(0, 1)
+            continue
         if seg.context_slots is None:  # the chunk starts its sequence: keys are the fresh K/V
             ks, vs, mask = k[seg.start : seg.end], v[seg.start : seg.end], None
             if window is not None and n > window:
@@ -163,6 +170,49 @@ def paged_attention(
     if meta.decode_groups:
         _attend_decode_groups(q, k_cache, v_cache, out, meta, scale, window, softcap)
     return out.flatten(1)
+
+
+def _attend_after_context(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: PrefillSegment,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """A long chunk after cached context: attention over the cached keys (all visible) and over the
+    chunk's own keys (causal) as two flash-attention calls, merged by their log-sum-exps. PyTorch's
+    flash kernel runs the blocks of both as GEMMs, faster than the paged kernel's per-tile dot
+    products at thousands of queries (`tokenmill bench offline --long-prompts`). A sliding window or
+    softcap takes the masked path over all the keys."""
+    assert seg.cached_slots is not None
+    fresh = slice(seg.start, seg.end)
+    if window is not None or softcap is not None:
+        slots = torch.cat([seg.cached_slots, meta.slot_mapping[fresh]])
+        n, ctx = qs.shape[-2], slots.shape[0]
+        key_pos = torch.arange(ctx, device=qs.device)
+        mask = key_pos[None, :] <= key_pos[ctx - n :, None]
+        if window is not None:
+            first = max(0, ctx - n - window + 1)
+            slots, key_pos, mask = slots[first:], key_pos[first:], mask[:, first:]
+            mask = mask & _window_mask(torch.arange(ctx - n, ctx, device=qs.device), key_pos, window)
+        ks, vs = from_cache(k_cache[slots], qs.dtype), from_cache(v_cache[slots], qs.dtype)
+        return _attend(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), mask, scale, softcap)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cached_k = from_cache(k_cache[seg.cached_slots], qs.dtype).transpose(0, 1).unsqueeze(0)
+    cached_v = from_cache(v_cache[seg.cached_slots], qs.dtype).transpose(0, 1).unsqueeze(0)
+    before, lse_before = flash(qs, cached_k, cached_v, 0.0, False, scale=scale)[:2]
+    own, lse_own = flash(
+        qs, k[fresh].transpose(0, 1).unsqueeze(0), v[fresh].transpose(0, 1).unsqueeze(0), 0.0, True, scale=scale
+    )[:2]
+    lse = torch.logaddexp(lse_before, lse_own)
+    merged = before.float() * torch.exp(lse_before - lse).unsqueeze(-1)
+    merged += own.float() * torch.exp(lse_own - lse).unsqueeze(-1)
+    return merged.to(qs.dtype)
 
 
 def _attend_decode_groups(
