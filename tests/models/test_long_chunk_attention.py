@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import TEST_WINDOW, hf_greedy, mixed_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.worker import model_runner
 from tokenmill.engine.worker.model_runner import build_forward
@@ -68,3 +68,17 @@ def test_engine_with_long_chunks_after_context_matches_hf(sharp_tiny_model_dir, 
     outs = llm.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert any(seg.cached_slots is not None for m in seen for seg in m.prefills)
+
+
+@pytest.mark.engine
+@pytest.mark.skipif(not build.load(), reason="kernels off (no C++ toolchain or TOKENMILL_CPU_KERNELS=0)")
+@pytest.mark.parametrize("fixture", ["tiny_mistral_dir", "tiny_qwen2_window_dir"])
+def test_sliding_window_models_with_long_chunks_after_context_match_hf(request, fixture, monkeypatch):
+    """Sliding windows (every layer, or some): later chunks on the masked path give HF's tokens."""
+    monkeypatch.setattr(model_runner, "LONG_CHUNK_QUERIES", 8)
+    model_dir = request.getfixturevalue(fixture)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = mixed_prompts(3, 3 * TEST_WINDOW, 6 * TEST_WINDOW, seed=24)
+    llm = LLM(str(model_dir), progress=False, kv_cache_memory="32MiB", max_num_batched_tokens=24)
+    outs = llm.generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model_dir, p, greedy.max_tokens) for p in prompts]
