@@ -6,6 +6,12 @@ import os
 import random
 from pathlib import Path
 
+# Set before torch (and so libgomp) loads, here and in every process the tests start (server
+# subprocesses, pytest-xdist workers): OpenMP's threads sleep when they run out of work instead of
+# spinning. With the default active wait, a process whose OpenMP threads share the cores with another
+# busy process (a server and its client, two test workers) runs several times slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 
