@@ -493,20 +493,21 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
       srow[j] = s;
       max = std::max(max, s);
     }
+    // Every key's weight from the vectorised exp, and summed in lane j % kVec of its place j in the
+    // chunk (a last part-vector as a whole one, its lanes past `keys` -inf: weight 0): a query's bits
+    // do not depend on how many keys its tile reads past its own (later queries of a prefill tile or
+    // a verification pass, against the same query decoded alone). (A scalar tail here took another
+    // exp for the last keys: a decode and a chunk disagreed in fp32.)
     const Vec m(max);
     Vec sum_v(0.f);
-    j = 0;
-    for (; j + kVec <= keys; j += kVec) {
-      Vec e = (Vec::loadu(srow + j) - m).exp_u20();
-      e.store(srow + j);
+    for (j = 0; j < keys; j += kVec) {
+      const int64_t count = std::min<int64_t>(kVec, keys - j);
+      const Vec s = count == kVec ? Vec::loadu(srow + j) : Vec::set(Vec(neg_inf), Vec::loadu(srow + j, count), count);
+      const Vec e = (s - m).exp_u20();
+      e.store(srow + j, static_cast<int>(count));
       sum_v = sum_v + e;
     }
-    float sum = hsum(sum_v);
-    for (; j < keys; ++j) {
-      srow[j] = std::exp(srow[j] - max);
-      sum += srow[j];
-    }
-    row_sum[r] = sum;
+    row_sum[r] = hsum(sum_v);
     row_max[r] = max;
   }
   // Weighted V rows, a tile of keys at a time: from the cache, requesting the rows ahead, or from
@@ -676,7 +677,10 @@ std::shared_ptr<const AttentionWork> plan_paged_attention(const at::Tensor& q, c
   const int64_t num_blocks = k_cache.size(0) / block_size;
   auto tile_keys = [&](int64_t s, int64_t first, int64_t n) {  // [lo, hi): the keys a tile's queries can see
     const int64_t first_pos = ctx[s] - lens[s] + first, hi = first_pos + n;
-    return std::pair<int64_t, int64_t>{p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0, hi};
+    // (a window's first key rounded down to a whole vector: each key keeps its lane of the softmax sum
+    // whichever query of a tile starts it, see attend_chunk; the keys before the window are masked)
+    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) / kVec * kVec : 0;
+    return std::pair<int64_t, int64_t>{lo, hi};
   };
   // Tiles are split into an item per chunk only when there are too few tiles to share among the
   // threads (a batch-1 decode); else each item does its tile's chunks in turn (no partials kept
