@@ -307,9 +307,10 @@ def mixed_prompts(count: int, lo: int, hi: int, seed: int = 0) -> list[list[int]
     return [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
 
 
-def run_staggered(llm, prompts: list[list[int]], params, per_step: int = 2) -> list[list[int]]:
+def run_staggered(llm, prompts: list[list[int]], params, per_step: int = 2, pick=lambda out: out.token_ids) -> list:
     """Greedy tokens of each prompt with `per_step` new requests joining each engine step, so
-    requests join a batch that is already decoding (batches of many sizes and context widths)."""
+    requests join a batch that is already decoding (batches of many sizes and context widths).
+    `pick`: what of each prompt's CompletionOutput to return (its token ids)."""
     engine, pending, done = llm.engine, list(enumerate(prompts)), {}
     while pending or engine.has_unfinished():
         for _ in range(per_step):
@@ -318,7 +319,7 @@ def run_staggered(llm, prompts: list[list[int]], params, per_step: int = 2) -> l
                 engine.add_request(str(i), p, params)
         for out in engine.step():
             if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
+                done[int(out.request_id)] = pick(out.outputs[0])
     return [done[i] for i in range(len(prompts))]
 
 

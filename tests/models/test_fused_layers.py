@@ -76,26 +76,45 @@ def _native_bf16() -> bool:
     return detect().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def _bf16_method(batch_invariant: bool | None = None) -> str:
+    """The method a bf16 model's layers get here (batch_invariant: as asked, None: by default)."""
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.setup import batch_invariance
+    from tokenmill.models.layers.packed_linear import packed_method_for
+
+    invariant = batch_invariance(EngineConfig(batch_invariant=batch_invariant), torch.device("cpu"), torch.bfloat16)
+    method = packed_method_for(torch.bfloat16, invariant)
+    assert method is not None
+    return method.name
+
+
+def _bf16_projections_in_region() -> bool:
+    """Whether a bf16 model's projections (by default) are ones the one-region stack computes: bf16
+    or pair panels, or oneDNN weights on amx_linear's tiles (AMX)."""
+    return _bf16_method() != "onednn" or torch.ops.tokenmill.amx_bf16_usable()
+
+
 @pytest.mark.skipif(
     not _native_bf16(), reason="bf16 activations on oneDNN need a CPU with native bf16 (AMX or AVX512-BF16)"
 )
+@pytest.mark.parametrize("batch_invariant", [True, False])
 @pytest.mark.parametrize(("cache_dtype", "quantization"), [("auto", None), ("int8", None), ("auto", "int8")])
-def test_bf16_layers_on_onednn_fuse_bit_identically(sharp_tiny_model_dir, cache_dtype, quantization, fused_calls):
-    """`--dtype bfloat16` where the CPU has native bf16: bf16 activations, the projections on oneDNN
-    (AMX) or int8 panels, the layers fused into the native stack, with the same tokens, logprobs and
-    cache bytes as the Python layers (whose norms, RoPE and SiLU*up run as the same bf16 kernels)."""
+def test_bf16_layers_fuse_bit_identically(
+    sharp_tiny_model_dir, cache_dtype, quantization, batch_invariant, fused_calls
+):
+    """`--dtype bfloat16` where the CPU has native bf16: bf16 activations, the projections on this
+    CPU's bf16 method (oneDNN, or with batch invariance the panels or pair panels where oneDNN has
+    no AMX) or int8 panels, the layers fused into the native stack, with the same tokens, logprobs
+    and cache bytes as the Python layers (whose norms, RoPE and SiLU*up run as the same bf16 kernels)."""
     prompts = mixed_prompts(20, 1, 60, seed=13)  # (20 decodes a step: int8 steps of 16 rows and more on AMX tiles)
     params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
-    fused = _engine(sharp_tiny_model_dir, dtype="bfloat16", kv_cache_dtype=cache_dtype, quantization=quantization)
-    plain = _engine(
-        sharp_tiny_model_dir,
-        dtype="bfloat16",
-        kv_cache_dtype=cache_dtype,
-        quantization=quantization,
-        fused_layers=False,
+    flags = dict(
+        dtype="bfloat16", kv_cache_dtype=cache_dtype, quantization=quantization, batch_invariant=batch_invariant
     )
+    fused = _engine(sharp_tiny_model_dir, **flags)
+    plain = _engine(sharp_tiny_model_dir, fused_layers=False, **flags)
     model = fused.engine.model
-    projection = "int8" if quantization else "onednn"
+    projection = "int8" if quantization else _bf16_method(batch_invariant)
     assert fused.engine.dtype == torch.bfloat16 and model.layers[0].mlp.down_proj.quant_method.name == projection
     assert model.fused_stack is not None and plain.engine.model.fused_stack is None
     outs = [
@@ -189,7 +208,7 @@ def test_small_steps_run_every_layer_in_one_parallel_region(
         cache_dtype,
         dtype,
         sequences,
-        dtype == "float32" or quantization is not None or torch.ops.tokenmill.amx_bf16_usable(),
+        dtype == "float32" or quantization is not None or _bf16_projections_in_region(),
     )
 
 
@@ -200,16 +219,45 @@ def test_bf16_decode_batches_on_amx_tiles_run_in_one_region_up_to_64_rows(sharp_
     """A bf16 stack whose projections are all on amx_linear's tiles takes decode steps of up to 64
     tokens in the region (panels stop at 6): 20 or 48 sequences decoding (48: a last chunk of 16 rows
     after 32, its tiles reading the buffers' padding rows), the same bits as the Python layers (whose
-    amx_linear pads its rows the same way). Without AMX (an AVX2 build, or a CPU with AVX512-BF16
-    only) the steps stay layer by layer."""
-    _check_one_region(
-        sharp_tiny_model_dir, None, cache_dtype, "bfloat16", sequences, torch.ops.tokenmill.amx_bf16_usable()
-    )
+    amx_linear pads its rows the same way). Without AMX the batches' steps stay layer by layer (and
+    the last few sequences' steps on bf16 or pair panels in the region): the same bits all the same."""
+    amx = torch.ops.tokenmill.amx_bf16_usable()
+    _check_one_region(sharp_tiny_model_dir, None, cache_dtype, "bfloat16", sequences, True if amx else None)
 
 
-def _check_one_region(model_dir, quantization, cache_dtype, dtype, sequences, on_region: bool) -> None:
+@pytest.mark.skipif(
+    not (_native_bf16() and torch.ops.tokenmill.bf16_pair_linear_supported()),
+    reason="pair panels need AVX512-BF16 (and the kernels built for AVX-512)",
+)
+@pytest.mark.parametrize("sequences", [1, 3, 20])
+def test_bf16_pair_panels_fuse_bit_identically(sharp_tiny_model_dir, monkeypatch, sequences):
+    """The bf16 method of AMD CPUs with AVX512-BF16 under batch invariance (pair panels, bf16 dot
+    products; forced here): the layers fused, small steps in the one region (each thread its share of
+    the pair panels), the same tokens, logprobs and cache bytes as the Python layers."""
+    import dataclasses
+
+    from tokenmill.models.layers import packed_linear
+
+    caps = dataclasses.replace(packed_linear.detect(), vendor="AuthenticAMD", amx_bf16=False)
+    monkeypatch.setattr(packed_linear, "detect", lambda: caps)
+    fused = _engine(sharp_tiny_model_dir, dtype="bfloat16", batch_invariant=True)
+    plain = _engine(sharp_tiny_model_dir, dtype="bfloat16", batch_invariant=True, fused_layers=False)
+    assert fused.engine.model.layers[0].mlp.down_proj.quant_method is packed_linear.PAIR_PANELS
+    prompts = mixed_prompts(sequences, 130, 150, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
+    outs = [
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+        for llm in (fused, plain)
+    ]
+    assert outs[0] == outs[1]
+    if sequences <= 6:
+        assert fused.engine.model.fused_stack.native.region_steps() >= params.max_tokens - 1
+    assert torch.equal(fused.engine.kv_cache.data, plain.engine.kv_cache.data)
+
+
+def _check_one_region(model_dir, quantization, cache_dtype, dtype, sequences, on_region: bool | None) -> None:
     """fused and Python layers: the same tokens, logprobs and cache bytes; every decode step of the
-    fused engine in the one region (on_region) or none of them."""
+    fused engine in the one region (on_region), none of them (False), or either (None)."""
     if dtype == "bfloat16" and not _native_bf16():
         pytest.skip("bf16 activations need a CPU with native bf16 (AMX or AVX512-BF16)")
     prompts = mixed_prompts(sequences, 130, 150, seed=3)
@@ -225,14 +273,15 @@ def _check_one_region(model_dir, quantization, cache_dtype, dtype, sequences, on
     regions = fused.engine.model.fused_stack.native.region_steps()
     if on_region:
         assert regions >= params.max_tokens - 1  # every decode step
-    else:
+    elif on_region is not None:
         assert regions == 0
     assert torch.equal(fused.engine.kv_cache.data, plain.engine.kv_cache.data)
 
 
 def test_fused_layers_stand_aside_where_they_do_not_apply(sharp_tiny_model_dir, fused_calls):
     """--fused-layers off and projections LoRA wrapped after loading take the Python layer; so does a
-    first prefill chunk (SDPA)."""
+    first prefill chunk on SDPA (--no-batch-invariant; with batch invariance it is on the paged kernel,
+    and fused)."""
     prompt = mixed_prompts(1, 20, 20, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=4)
     _engine(sharp_tiny_model_dir, fused_layers=False).generate(prompt, params)
@@ -241,10 +290,13 @@ def test_fused_layers_stand_aside_where_they_do_not_apply(sharp_tiny_model_dir, 
     assert lora.engine.model.fused_stack is not None  # fused before the wrapping: it must stand aside itself
     lora.generate(prompt, params)
     assert fused_calls == []
-    llm = _engine(sharp_tiny_model_dir)
+    llm = _engine(sharp_tiny_model_dir, batch_invariant=False)
     llm.generate(prompt, params)
     layers = len(llm.engine.model.layers)
     assert fused_calls == [1] * layers * (params.max_tokens - 1)  # the decodes; not the 20-token first chunk
+    fused_calls.clear()
+    _engine(sharp_tiny_model_dir, batch_invariant=True).generate(prompt, params)
+    assert fused_calls == [20] * layers + [1] * layers * (params.max_tokens - 1)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma"])

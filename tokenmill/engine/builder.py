@@ -25,6 +25,7 @@ from tokenmill.engine.precision import Precision, resolve_kv_cache_dtype, resolv
 from tokenmill.engine.result_cache import ResultCache
 from tokenmill.engine.sample.sampler import Sampler
 from tokenmill.engine.setup import (
+    batch_invariance,
     check_tensor_parallel,
     generation_defaults,
     load_prepared_model,
@@ -65,6 +66,7 @@ class EngineParts:
     spec: ModelSpec
     max_model_len: int  # the context, within the model's, the draft model's and the KV cache's
     tp_group: TensorParallelGroup | None  # the other tensor-parallel ranks
+    batch_invariant: bool  # each request's output independent of what shares its steps (docs/batch-invariance.md)
     lora_model: LoRAModel | None  # the model's LoRA target layers (None: LoRA is off)
     loras: LoRARegistry | None  # the adapters requests may name
     allocator: BlockAllocator
@@ -125,6 +127,7 @@ def build_engine(config: EngineConfig, progress: bool = True) -> EngineParts:
     defaults = generation_defaults(config.generation_config, model_dir)
     check_speculative_config(config)
     config.check_lora()
+    config.check_batch_invariance()
     lora_modules = [parse_lora_module(text) for text in config.lora_modules or ()]
     check_tensor_parallel(config, model_dir, device)
     loaded = _load_model(config, progress, device, model_dir, precision, tokenizer)
@@ -207,6 +210,7 @@ def _assemble(
     runs steps over it."""
     spec, device, bs = loaded.spec, loaded.device, config.block_size
     dtype = loaded.precision.compute
+    invariant = batch_invariance(config, device, dtype)
     draft_bytes = DraftProposer.bytes_per_block(loaded.draft[1], bs, dtype) if loaded.draft else 0
     max_model_len = loaded.max_model_len
     num_blocks, per_block = num_kv_blocks(config, spec, kv_dtype, device, max_model_len, draft_bytes)
@@ -244,9 +248,10 @@ def _assemble(
         Sampler(spec.vocab_size, config.seed, device),
         device,
         loaded.tp_group,
-        _decode_graphs(config, loaded, kv_cache, max_model_len),
+        _decode_graphs(config, loaded, kv_cache, max_model_len, invariant),
         lora,
         LoRASlots(lora.max_loras) if lora else None,
+        invariant,
     )
     logger.info(
         "KV cache: %d blocks x %d tokens, %s (%.1f MiB%s)",
@@ -271,6 +276,7 @@ def _assemble(
         spec=spec,
         max_model_len=max_model_len,
         tp_group=loaded.tp_group,
+        batch_invariant=invariant,
         lora_model=lora,
         loras=(
             None
@@ -292,7 +298,7 @@ def _assemble(
 
 
 def _decode_graphs(
-    config: EngineConfig, loaded: _LoadedModel, kv_cache: KVCache, max_model_len: int
+    config: EngineConfig, loaded: _LoadedModel, kv_cache: KVCache, max_model_len: int, batch_invariant: bool
 ) -> DecodeGraphs | None:
     if not config.cuda_graphs:
         return None
@@ -301,6 +307,9 @@ def _decode_graphs(
         return None
     if loaded.tp_group is not None:
         logger.warning("--cuda-graphs is not used with tensor parallelism: decode steps run eagerly")
+        return None
+    if batch_invariant:  # (graphs replay padded batch shapes, not the fixed ones)
+        logger.warning("--cuda-graphs is not used with --batch-invariant: decode steps run eagerly")
         return None
     if not getattr(loaded.model, "supports_cuda_graphs", True):
         reason = getattr(loaded.model, "cuda_graphs_blocker", None) or (

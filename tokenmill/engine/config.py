@@ -145,6 +145,16 @@ class EngineConfig:
         "decode step as one C++ call (the same kernels in the same order, without the Python between them: "
         "bit-identical results)",
     )
+    # None = auto: see engine/setup.py's batch_invariance.
+    batch_invariant: bool | None = option(
+        None,
+        "each request's output independent of what else shares its steps: how many rows a step has, where "
+        "the request's rows sit, how its context is split into chunks (chunked prefill, prefix-cache hits, "
+        "preemption) and whether speculation verifies them (greedy output with speculation = without); "
+        "row-invariant GEMMs, every prompt chunk on the paged attention kernel (default: on with tokenmill's CPU "
+        "kernels where it costs little; per CPU kind, and what it costs: docs/batch-invariance.md)",
+        action=argparse.BooleanOptionalAction,
+    )
     compile: bool = option(
         False, "torch.compile the dense parts of the model step (dynamic token count; attention stays eager)"
     )
@@ -247,6 +257,22 @@ class EngineConfig:
             )
         if self.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be >= 0 (or -1: no limit), got {self.max_logprobs}")
+
+    def batch_invariance_blockers(self) -> list[str]:
+        """The settings under which --batch-invariant cannot hold: tensor parallelism (an all-reduce
+        sums each value in an order set by the step's size), --compile (inductor's own kernels), LoRA
+        (a step's adapter deltas on GEMMs shaped by the step)."""
+        blockers = {
+            "--tensor-parallel-size > 1": self.tensor_parallel_size > 1,
+            "--compile": self.compile,
+            "LoRA adapters": self.lora_enabled,
+        }
+        return [name for name, blocks in blockers.items() if blocks]
+
+    def check_batch_invariance(self) -> None:
+        """Refuse --batch-invariant where it cannot hold (before anything is loaded)."""
+        if self.batch_invariant and (named := self.batch_invariance_blockers()):
+            raise ValueError(f"--batch-invariant cannot hold with {' or '.join(named)}; leave it off there")
 
     @property
     def lora_enabled(self) -> bool:

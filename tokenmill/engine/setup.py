@@ -12,8 +12,12 @@ from transformers import AutoTokenizer
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.precision import Precision
+from tokenmill.kernels.ops import cpu_kernels_available
+from tokenmill.models.families.llama import RMSNorm
+from tokenmill.models.layers.fixed_shapes import fix_row_shapes
 from tokenmill.models.layers.fused_layer import fuse_decoder_layers
 from tokenmill.models.layers.linear import UNQUANTIZED, Linear
+from tokenmill.models.layers.packed_linear import has_row_invariant_method, invariance_costs_little
 from tokenmill.models.layers.parallel import TPInfo, check_shardable
 from tokenmill.models.model_loader.linear_setup import process_weights_after_loading
 from tokenmill.models.model_loader.loader import load_model, load_spec, resolve_architecture
@@ -47,6 +51,24 @@ def check_tensor_parallel(config: EngineConfig, model_dir: Path, device: torch.d
     check_shardable(load_spec(model_dir), world)
 
 
+def batch_invariance(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether steps run batch-invariant (docs/batch-invariance.md): --batch-invariant, refused where it
+    cannot hold, or by default on where tokenmill's CPU kernels compute the model and invariance costs
+    little on this CPU for `dtype` (off on CUDA: library kernels on fixed shapes cost more there)."""
+    config.check_batch_invariance()
+    kernels = cpu_kernels_available(device)
+    cpu_blockers = {
+        "--no-packed-linear": kernels and not packs_linear_weights(config, device),
+        f"--dtype {str(dtype).removeprefix('torch.')} on this CPU": kernels and not has_row_invariant_method(dtype),
+    }
+    blockers = [name for name, blocks in cpu_blockers.items() if blocks]
+    if config.batch_invariant is None:
+        return kernels and not blockers and not config.batch_invariance_blockers() and invariance_costs_little(dtype)
+    if config.batch_invariant and blockers:
+        raise ValueError(f"--batch-invariant cannot hold with {' or '.join(blockers)}; leave it off there")
+    return config.batch_invariant
+
+
 def load_prepared_model(
     config: EngineConfig,
     model_dir: Path,
@@ -66,10 +88,11 @@ def load_prepared_model(
         model_impl=config.model_impl,
         packed_linear=packs_linear_weights(config, device),
         quantization=config.quantization,
+        batch_invariant=batch_invariance(config, device, precision.compute),
     )
     if precision.weights != precision.compute:
         round_weights(model, precision.weights)
-    prepare_model(model, config, device)
+    prepare_model(model, config, device, precision.compute)
     return model, spec
 
 
@@ -104,12 +127,16 @@ def packs_linear_weights(config: EngineConfig, device: torch.device) -> bool:
     return config.packed_linear and device.type == "cpu" and not config.compile
 
 
-def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.device) -> None:
+def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
     """The loaded weights in their linear methods' layouts, decoder layers fused, the step
     compiled, as the config asks (every TP rank alike)."""
     process_weights_after_loading(model)
     if config.fused_layers and packs_linear_weights(config, device):
         fuse_decoder_layers(model)  # (where every projection's method takes the fused layer)
+    if batch_invariance(config, device, dtype) and not cpu_kernels_available(device):
+        # No row-invariant kernels here (CUDA, or a CPU without tokenmill's): library ops on fixed shapes.
+        count = fix_row_shapes(model, (Linear, RMSNorm, torch.nn.LayerNorm))
+        logger.info("--batch-invariant: %d linear layers and norms run on fixed-size chunks of rows", count)
     if config.compile:
         # The dense parts of the step (attention stays eager); the token count is dynamic.
         logger.info("compiling the model step with torch.compile (first steps are slow)")

@@ -24,11 +24,20 @@ class CpuCaps:
     avx512_vnni: bool = False  # int8 dot products on 512-bit vectors
     avx_vnni: bool = False  # int8 dot products on 256-bit vectors (Alder Lake, Sapphire Rapids, Zen 5)
     torch_capability: str = "DEFAULT"  # torch.backends.cpu.get_cpu_capability()
+    vendor: str = ""  # /proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD, ...
 
     @property
     def native_bf16(self) -> bool:
         """bf16 GEMMs in hardware (AMX or AVX512-BF16): bf16 runs faster than fp32 here, not slower."""
         return self.amx_bf16 or self.avx512_bf16
+
+    @property
+    def bf16_dot_outruns_fma(self) -> bool:
+        """AVX512-BF16 dot products (32 products an instruction) issued at the rate of 512-bit fp32 FMAs
+        (16): AMD Zen 4/5, by AMD's documented rates. On an Intel Xeon with AVX512-BF16 (AMX not
+        exposed) fp32 FMAs over bf16 weights widened as they stream ran its bf16 GEMMs faster than its
+        dot products did (docs/batch-invariance.md)."""
+        return self.avx512_bf16 and self.avx512 and self.vendor == "AuthenticAMD"
 
     @property
     def int8_dot(self) -> bool:
@@ -53,7 +62,7 @@ class CpuCaps:
         return f"{'+'.join(names) or 'no SIMD extensions'} (torch dispatch {self.torch_capability})"
 
 
-def caps_from_flags(flags: set[str], torch_capability: str) -> CpuCaps:
+def caps_from_flags(flags: set[str], torch_capability: str, vendor: str = "") -> CpuCaps:
     return CpuCaps(
         avx2="avx2" in flags,
         fma="fma" in flags,
@@ -64,21 +73,27 @@ def caps_from_flags(flags: set[str], torch_capability: str) -> CpuCaps:
         avx512_vnni="avx512_vnni" in flags,
         avx_vnni="avx_vnni" in flags,
         torch_capability=torch_capability,
+        vendor=vendor,
     )
 
 
-def _cpuinfo_flags(path: Path = Path("/proc/cpuinfo")) -> set[str]:
+def _cpuinfo(path: Path = Path("/proc/cpuinfo")) -> tuple[set[str], str]:
+    """The first processor's flags and vendor_id."""
+    vendor = ""
     try:
         for line in path.read_text().splitlines():
+            if line.startswith("vendor_id") and not vendor:
+                vendor = line.split(":", 1)[1].strip()
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return set(line.split(":", 1)[1].split()), vendor
     except OSError:
         pass
-    return set()
+    return set(), vendor
 
 
 @functools.cache
 def detect() -> CpuCaps:
     import torch
 
-    return caps_from_flags(_cpuinfo_flags(), torch.backends.cpu.get_cpu_capability())
+    flags, vendor = _cpuinfo()
+    return caps_from_flags(flags, torch.backends.cpu.get_cpu_capability(), vendor)

@@ -89,7 +89,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     _library().rope_(q, k, cos, sin)
 
 
-# -- linear layers (panel_linear.cpp, int8_linear.cpp, onednn_linear.cpp, amx_linear.cpp) ------------
+# -- linear layers (panel_linear, bf16_pair_linear, int8_linear, onednn_linear, amx_linear .cpp) -------
 
 
 def linear_panel_width() -> int:
@@ -109,6 +109,26 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def packed_logits(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """packed_linear's fp32 sums, not rounded to x's dtype."""
     return _library().packed_logits(x, packed, bias, n)
+
+
+def bf16_pair_linear_supported() -> bool:
+    """Whether bf16_pair_linear runs here (AVX512-BF16, and the kernels built for AVX-512)."""
+    return bool(_library().bf16_pair_linear_supported())
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight [N, K] as bf16 panels by pairs of inputs [panels, ceil(K / 2), 2 * width]."""
+    return _library().pack_bf16_pairs(weight)
+
+
+def bf16_pair_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """bf16 x W^T (+ bias) on AVX512-BF16 dot products over pair panels, rounded to bf16."""
+    return _library().bf16_pair_linear(x, packed, bias, n)
+
+
+def bf16_pair_logits(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """bf16_pair_linear's fp32 sums, not rounded."""
+    return _library().bf16_pair_logits(x, packed, bias, n)
 
 
 def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -273,6 +293,11 @@ def _register_fakes() -> None:
     fake("tokenmill::pack_linear_weight")(lambda w: w.new_empty((-(-w.shape[0] // width), w.shape[1], width)))
     fake("tokenmill::packed_linear")(lambda x, packed, bias, n: _rows(x, n))
     fake("tokenmill::packed_logits")(lambda x, packed, bias, n: _rows(x, n, torch.float32))
+    fake("tokenmill::pack_bf16_pairs")(
+        lambda w: w.new_empty((-(-w.shape[0] // width), (w.shape[1] + 1) // 2, 2 * width), dtype=torch.bfloat16)
+    )
+    fake("tokenmill::bf16_pair_linear")(lambda x, packed, bias, n: _rows(x, n))
+    fake("tokenmill::bf16_pair_logits")(lambda x, packed, bias, n: _rows(x, n, torch.float32))
     fake("tokenmill::pack_int8_weight")(
         lambda w: w.new_empty((-(-w.shape[0] // width), (w.shape[1] + 1) // 2, 2 * width))
     )

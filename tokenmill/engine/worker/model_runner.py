@@ -176,9 +176,14 @@ def _slots(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> n
     return block_table[positions // block_size] * block_size + positions % block_size
 
 
-def build_forward(chunks: Seq[Chunk], decodes: Seq[Chunk], block_size: int, fused_attention: bool) -> ForwardInput:
+def build_forward(
+    chunks: Seq[Chunk], decodes: Seq[Chunk], block_size: int, fused_attention: bool, paged_prefill: bool = False
+) -> ForwardInput:
     """Flatten chunks of several tokens (prefill chunks, speculative decodes) and then one-token
-    decodes (best sorted by block table length) into one forward pass over the paged cache."""
+    decodes (best sorted by block table length) into one forward pass over the paged cache.
+    `fused_attention`: decodes and chunks with cached context attend on the paged kernel;
+    `paged_prefill`: the chunks that start their sequence too (else SDPA over their fresh K/V, whose
+    sums are not the kernel's: other bits than the same positions in later chunks or decodes)."""
     bs = block_size
     ids: list[int] = []
     pos_chunks: list[np.ndarray] = []
@@ -193,7 +198,7 @@ def build_forward(chunks: Seq[Chunk], decodes: Seq[Chunk], block_size: int, fuse
         positions = np.arange(c, c + n, dtype=np.int64)
         pos_chunks.append(positions)
         slot_chunks.append(_slots(table, positions, bs))
-        if c == 0:
+        if c == 0 and not (fused_attention and paged_prefill):
             segments.append(PrefillSegment(start, start + n, None, None))
         elif fused_attention and n >= LONG_CHUNK_QUERIES:
             cached = _host(_slots(table, np.arange(c, dtype=np.int64), bs))
@@ -254,6 +259,7 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         lora: LoRAModel | None = None,
         lora_slots: LoRASlots | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.tp_group = tp_group  # TensorParallelGroup: workers replay each step's inputs
@@ -264,8 +270,12 @@ class ModelRunner:
         self.graphs = graphs
         self.lora = lora  # model thread: the wrapped layers and their slots
         self.lora_slots = lora_slots  # scheduling thread: which adapter goes to which slot
-        # Decodes and chunks with cached context attend with the fused CPU kernel, reading K/V in place.
-        self.fused_attention = cpu_kernels_available(device)
+        # Decodes and chunks with cached context attend with the fused CPU kernel, reading K/V in place
+        # (batch invariance where it does not run: the same metadata, attended on fixed shapes).
+        self.fused_attention = cpu_kernels_available(device) or batch_invariant
+        # Batch invariance: every prompt chunk on that kernel too, so that a position's bits do not
+        # depend on how its context was split into chunks.
+        self.paged_prefill = batch_invariant
         # Test hook (fault injection): a callable(rows: tuple[RowRef, ...]) run before the forward pass.
         self.before_forward = None
         # Model-thread state: the last step's sampled tokens (placeholders index them), and whether a
@@ -305,6 +315,7 @@ class ModelRunner:
                 [_chunk(item) for item in batch.decodes],
                 self.block_size,
                 self.fused_attention,
+                self.paged_prefill,
             )
             input_ids, positions, meta = forward.input_ids, forward.positions, forward.meta
             sample_rows, has_placeholders = forward.sample_rows, forward.has_placeholders

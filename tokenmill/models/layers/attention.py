@@ -6,8 +6,11 @@ prefill chunks first, then one token per decoding sequence, so decodes run as on
 
 On CPU with tokenmill's kernels built (tokenmill.kernels), decodes and chunks with cached context
 are attended by one fused kernel call that reads K/V blocks in place (`AttentionMetadata.paged`);
-chunks that start their sequence keep SDPA on the fresh K/V (no gather to avoid there). Elsewhere
-decodes gather whole blocks into a padded tensor for SDPA (`decode_groups`).
+chunks that start their sequence keep SDPA on the fresh K/V (no gather to avoid there), except under
+batch invariance, where they go to the kernel too: SDPA's sums over a chunk's keys are not the
+kernel's, so a position's bits would depend on whether its context came in one chunk or several.
+Elsewhere decodes gather whole blocks into a padded tensor for SDPA (`decode_groups`); under batch
+invariance every query is attended on fixed shapes there instead (fixed_shapes.fixed_block_attention).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels import ops
+from tokenmill.models.layers.fixed_shapes import fixed_block_attention
 from tokenmill.models.layers.kv_quant import from_cache, to_cache
 
 
@@ -124,9 +129,22 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, to_cache(v, v_cache.dtype))
     q = q.contiguous()
     out = torch.empty_like(q)
-    if meta.paged is not None:
-        from tokenmill.kernels import ops
-
+    if meta.paged is not None and not ops.cpu_kernels_available(q.device):  # (batch invariance: see fixed_shapes)
+        p = meta.paged
+        out = fixed_block_attention(
+            q,
+            k_cache,
+            v_cache,
+            p.query_start,
+            p.query_lens,
+            p.block_tables,
+            p.context_lens,
+            meta.block_size,
+            scale,
+            window,
+            softcap,
+        )
+    elif meta.paged is not None:
         p = meta.paged
         ops.paged_attention(
             q,

@@ -3,17 +3,23 @@
 
 PyTorch runs a CPU `nn.Linear` through MKL's sgemm, which on AMD CPUs takes a slow code path
 (below oneDNN's rate on decode-batch shapes: `tokenmill bench kernels`).
-Two packings replace it, chosen by the weight's dtype:
+Three packings replace it, chosen by the weight's dtype, the CPU and batch invariance:
 
 - fp32 (`PanelLinearMethod`): tokenmill's panel GEMM (kernels/csrc/cpu/panel_linear.cpp): the weight in
   panels of 16 (AVX2) or 32 (AVX-512) output columns, k-major, which one row streams at memory
   speed and many rows multiply from registers: faster than oneDNN's packed fp32 weights, most at
   few rows (`tokenmill bench kernels` on the model's layer shapes).
 - bf16 on a CPU without native bf16 (AMX or AVX512-BF16) goes to the same panel GEMM, each weight
-  widened to fp32 as it streams (half the bytes of fp32, fp32 arithmetic).
+  widened to fp32 as it streams (half the bytes of fp32, fp32 arithmetic); so does bf16 under batch
+  invariance on Intel CPUs with AVX512-BF16 but no AMX, where these FMAs outran oneDNN's bf16 GEMMs.
 - fp32 weights whose every value is a bf16 value (a model published in bf16, run in fp32: SmolLM2)
   are held in bf16 panels too: the kernel widens them back exactly, so the results are the fp32
   panels' bit for bit, from half the bytes (batch-1 decode streams the weights once per step).
+- bf16 under batch invariance on AMD CPUs with AVX512-BF16 (Zen 4/5, whose bf16 dot products issue
+  at the FMAs' rate; `PairPanelLinearMethod`): the weight in panels by pairs of inputs, bf16
+  activations multiplied by AVX512-BF16 dot products (kernels/csrc/cpu/bf16_pair_linear.cpp), fp32
+  sums. (oneDNN's bf16 GEMMs on CPUs without AMX block the inputs by the row count, so a row's bits
+  depended on how many rows shared its step: docs/batch-invariance.md.)
 - bf16 on CPUs with native bf16, or fp32 where tokenmill's kernels cannot be built (`OneDnnLinearMethod`):
   oneDNN with the weight reordered into its blocked layout (AMX / AVX512-BF16). On AMX CPUs, steps
   of up to 64 rows (decode) read that same weight with tokenmill's AMX tiles instead
@@ -22,7 +28,9 @@ Two packings replace it, chosen by the weight's dtype:
   blocking of those rows: `python bench/amx_linear_vs_onednn.py`).
 
 Either way the math stays in the weight's dtype with fp32 accumulation; only the blocking and the
-order of the sums differ, like any other BLAS. MoE expert weights are not linear layers and
+order of the sums differ, like any other BLAS. The panel and pair packings compute each output as one
+chain over the inputs in order, whatever the step's row count: a row's result does not depend on the
+other rows of its step. MoE expert weights are not linear layers and
 stay stacked on `grouped_mm` (see moe.py).
 """
 
@@ -86,7 +94,11 @@ class PanelLinearMethod(LinearMethod):
         return packed.transpose(1, 2).reshape(-1, packed.shape[1])[: layer.out_features].to(dtype)
 
     def fused_projection(self, layer: Linear, activations: torch.dtype) -> FusedProjection | None:
-        return FusedProjection(layer.packed_weight, None, layer.bias) if activations == torch.float32 else None
+        # (bf16 activations on bf16 panels: widened to fp32, as packed_linear widens them)
+        bf16_panels = activations == torch.bfloat16 and layer.packed_weight.dtype == torch.bfloat16
+        if activations == torch.float32 or bf16_panels:
+            return FusedProjection(layer.packed_weight, None, layer.bias)
+        return None
 
     def tied_embedding(self, layer: Linear, embedding: nn.Embedding) -> nn.Module | None:
         return PanelEmbedding(embedding, layer)
@@ -97,6 +109,43 @@ class PanelLinearMethod(LinearMethod):
     def describe(self, layer: Linear) -> str:
         held = getattr(layer, "packed_weight", None)
         return self.name if held is None else f"{self.name} ({str(held.dtype).removeprefix('torch.')})"
+
+
+class PairPanelLinearMethod(LinearMethod):
+    """bf16 on AVX512-BF16 dot products (kernels/csrc/cpu/bf16_pair_linear.cpp): the weight in
+    panels by pairs of inputs (`layer.packed_weight`), bf16 activations, fp32 sums; any row count,
+    and a row's result does not depend on the other rows of its step."""
+
+    name = "pair panels"
+
+    def packed_sizes(self, layer: Linear) -> list[tuple[int, torch.dtype]]:
+        width = ops.linear_panel_width()
+        pairs = -(-layer.in_features // 2)
+        return [(-(-layer.out_features // width) * width * 2 * pairs, torch.bfloat16)]
+
+    def process_weights_after_loading(self, layer: Linear, storage: list[torch.Tensor]) -> None:
+        layer.packed_weight = stored(storage, 0, ops.pack_bf16_pairs(layer.weight.detach()))
+        del layer.weight
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return ops.bf16_pair_linear(x, layer.packed_weight, layer.bias, layer.out_features)
+
+    def logits(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return ops.bf16_pair_logits(x, layer.packed_weight, layer.bias, layer.out_features)
+
+    def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        packed = layer.packed_weight  # [panels, K / 2, 2 * width]: [p, j, 2c + t] = W[p * width + c, 2j + t]
+        panels, pairs, width = packed.shape[0], packed.shape[1], packed.shape[2] // 2
+        weight = packed.view(panels, pairs, width, 2).permute(0, 2, 1, 3).reshape(panels * width, 2 * pairs)
+        return weight[: layer.out_features, : layer.in_features].to(dtype)
+
+    def fused_projection(self, layer: Linear, activations: torch.dtype) -> FusedProjection | None:
+        if activations == torch.bfloat16 and layer.in_features % 2 == 0:
+            return FusedProjection(layer.packed_weight, None, layer.bias)
+        return None
+
+    def streamed_tensors(self, layer: Linear) -> list[torch.Tensor]:
+        return [layer.packed_weight]
 
 
 class PanelEmbedding(nn.Module):
@@ -170,13 +219,20 @@ class OneDnnLinearMethod(LinearMethod):
 
 
 PANELS = PanelLinearMethod()
+PAIR_PANELS = PairPanelLinearMethod()
 ONEDNN = OneDnnLinearMethod()
 
 
-def packed_method_for(dtype: torch.dtype) -> LinearMethod | None:
-    """The packed method a CPU weight of this dtype gets, or None (it keeps the default GEMMs)."""
-    panel_dtypes = (torch.float32,) if detect().native_bf16 else (torch.float32, torch.bfloat16)
-    if dtype in panel_dtypes and build.load() and detect().vector_isa != "generic":
+def packed_method_for(dtype: torch.dtype, batch_invariant: bool = False) -> LinearMethod | None:
+    """The packed method a CPU weight of this dtype gets, or None (it keeps the default GEMMs).
+    `batch_invariant`: only methods whose rows do not depend on their step: on CPUs with AVX512-BF16
+    but no AMX a bf16 weight leaves oneDNN for the pair panels (AMD) or the bf16 panels (Intel)."""
+    caps = detect()
+    panels = build.load() and caps.vector_isa != "generic"
+    if dtype == torch.bfloat16 and batch_invariant and panels and not caps.amx_bf16:
+        return PAIR_PANELS if caps.bf16_dot_outruns_fma and ops.bf16_pair_linear_supported() else PANELS
+    panel_dtypes = (torch.float32,) if caps.native_bf16 else (torch.float32, torch.bfloat16)
+    if dtype in panel_dtypes and panels:
         # (a generic build is scalar code; oneDNN picks vector code at run time. bf16 where the CPU
         # has no native bf16: torch's bf16 GEMMs are slower there than its fp32 ones.)
         return PANELS
@@ -195,3 +251,17 @@ def panel_dtype(weight: torch.Tensor) -> torch.dtype:
     if weight.dtype == torch.float32 and not (weight.detach().view(torch.int32) & 0xFFFF).any():
         return torch.bfloat16
     return weight.dtype
+
+
+def has_row_invariant_method(dtype: torch.dtype) -> bool:
+    """Whether packed_method_for(dtype, batch_invariant=True) is a method whose rows do not depend on
+    their step here: the panels, the pair panels, or bf16 on AMX tiles."""
+    method = packed_method_for(dtype, batch_invariant=True)
+    return method in (PANELS, PAIR_PANELS) or (method is ONEDNN and dtype == torch.bfloat16 and detect().amx_bf16)
+
+
+def invariance_costs_little(dtype: torch.dtype) -> bool:
+    """Whether this CPU's row-invariant methods for `dtype` run about as fast as the ones batch
+    invariance replaces (under 5% of offline throughput: docs/batch-invariance.md has the figures per
+    CPU kind): only bf16 on CPUs with AVX512-BF16 and no AMX changes method (oneDNN -> pair panels)."""
+    return True

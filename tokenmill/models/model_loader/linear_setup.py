@@ -22,10 +22,14 @@ from tokenmill.models.layers.quantization import QuantizationConfig
 logger = logging.getLogger(__name__)
 
 
-def linear_backend(device: torch.device, dtype: torch.dtype, packed: bool) -> LinearBackend:
+def linear_backend(
+    device: torch.device, dtype: torch.dtype, packed: bool, batch_invariant: bool = False
+) -> LinearBackend:
     """How float layers run on `device` in `dtype`: packed for tokenmill's CPU kernels or oneDNN
-    (`packed`: `--packed-linear` on CPU, not under --compile) or torch's GEMMs."""
-    float_method = (packed_method_for(dtype) if packed and device.type == "cpu" else None) or UNQUANTIZED
+    (`packed`: `--packed-linear` on CPU, not under --compile; `batch_invariant`: on kernels whose
+    rows do not depend on their step) or torch's GEMMs."""
+    packed_method = packed_method_for(dtype, batch_invariant) if packed and device.type == "cpu" else None
+    float_method = packed_method or UNQUANTIZED
     kernels = cpu_kernels_available(device)
     return LinearBackend(device, dtype, float_method, _head_method(float_method, dtype, kernels), kernels)
 

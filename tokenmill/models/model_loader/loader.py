@@ -323,17 +323,19 @@ def load_model(
     model_impl: str = "auto",
     packed_linear: bool = False,
     quantization: str | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[nn.Module, ModelSpec]:
     """The model (this rank's shard of it under tensor parallelism) and the spec of its shapes,
     built for contexts of up to `max_model_len` tokens (default: the model's maximum). Its linear
     layers get their methods here: the checkpoint's quantization (or `--quantization`), else float,
-    packed for tokenmill's CPU kernels with `packed_linear`; their tensors are then as the checkpoint
+    packed for tokenmill's CPU kernels with `packed_linear` (on row-invariant kernels only with
+    `batch_invariant`); their tensors are then as the checkpoint
     holds them, until linear_setup.process_weights_after_loading."""
     arch, full_spec = _architecture_and_spec(model_dir, model_impl)
     _log_dequantized_gguf(model_dir, dtype)
     if max_model_len:
         full_spec.context_len = min(max_model_len, full_spec.max_position)
-    backend = linear_backend(device, dtype, packed_linear)
+    backend = linear_backend(device, dtype, packed_linear, batch_invariant)
     quant = quantization_config(
         read_config(model_dir), quantization, cpu_kernels_available(device), str(model_dir / "config.json")
     )

@@ -21,6 +21,11 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("linear_panel_width() -> int", []() -> int64_t { return tokenmill::kPanel; });  // no tensor: every backend
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("packed_logits(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  // bf16_pair_linear.cpp
+  m.def("bf16_pair_linear_supported() -> bool", &tokenmill::bf16_pair_linear_supported);
+  m.def("pack_bf16_pairs(Tensor weight) -> Tensor");
+  m.def("bf16_pair_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("bf16_pair_logits(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   // int8_linear.cpp
   m.def("pack_int8_weight(Tensor weight) -> Tensor");
   m.def("packed_int8_linear(Tensor x, Tensor packed, Tensor packed_scales, Tensor? bias, int n) -> Tensor");
@@ -74,6 +79,9 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("pack_linear_weight", &tokenmill::pack_linear_weight);
   m.impl("packed_linear", &tokenmill::packed_linear);
   m.impl("packed_logits", &tokenmill::packed_logits);
+  m.impl("pack_bf16_pairs", &tokenmill::pack_bf16_pairs);
+  m.impl("bf16_pair_linear", &tokenmill::bf16_pair_linear);
+  m.impl("bf16_pair_logits", &tokenmill::bf16_pair_logits);
   m.impl("pack_int8_weight", &tokenmill::pack_int8_weight);
   m.impl("packed_int8_linear", &tokenmill::packed_int8_linear);
   m.impl("packed_int8_logits", &tokenmill::packed_int8_logits);

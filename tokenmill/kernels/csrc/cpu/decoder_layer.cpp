@@ -1,7 +1,8 @@
 // One Llama-shaped decoder layer (CPU) in one call, for steps whose attention runs entirely on the
 // paged kernel (decodes and chunks with cached context). fp32 activations with each projection's
 // weight panel-packed fp32/bf16, or int8 with its packed scales (--quantization int8); or bf16
-// activations with bf16 weights on oneDNN (CPUs with AMX / AVX512-BF16, `--dtype bfloat16`):
+// activations with bf16 weights on oneDNN (CPUs with AMX / AVX512-BF16, `--dtype bfloat16`), on
+// bf16 panels, or on bf16 pair panels (AVX512-BF16 dot products, bf16_pair_linear.cpp):
 //   h = rms_norm(x); q, k, v = split(h W_qkv^T + b); rope(q, k); cache <- k, v; a = attention(q)
 //   x = x + a W_o^T + b;  x = x + silu_mul(rms_norm(x) W_gate_up^T + b) W_down^T + b
 // The same kernels, in the same order, as the Python layer (tokenmill/models/families/llama.py) on
@@ -34,7 +35,7 @@ namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
 
-// One projection's weight: panels of fp32/bf16, int8 panels with their scales, 4-bit panels (uint8)
+// One projection's weight: panels of fp32/bf16, bf16 pair panels, int8 panels with their scales, 4-bit panels (uint8)
 // with their scales, zero points (or one for all: `zero`) and offsets, or a weight reordered for oneDNN
 // (an opaque MkldnnCPU tensor); its bias if any.
 struct Projection {
@@ -49,11 +50,17 @@ struct Projection {
   bool int4() const { return !onednn() && weight.scalar_type() == at::kByte; }
   bool int8() const { return !onednn() && weight.scalar_type() == at::kChar; }
   bool onednn() const { return weight.is_mkldnn(); }
+  // bf16 panels by pairs of inputs (pack_bf16_pairs: [panels, K / 2, 2 * kPanel], where bf16 panels
+  // are [panels, K, kPanel]), multiplied by AVX512-BF16 dot products
+  bool pairs() const {
+    return !onednn() && weight.scalar_type() == at::kBFloat16 && weight.size(2) == 2 * tokenmill::kPanel;
+  }
   const char* op_name() const {
-    return onednn() ? "tokenmill::amx_linear"
-           : int8() ? "tokenmill::packed_int8_linear"
-           : int4() ? "tokenmill::packed_int4_linear"
-                    : "tokenmill::packed_linear";
+    return onednn()  ? "tokenmill::amx_linear"
+           : int8()  ? "tokenmill::packed_int8_linear"
+           : int4()  ? "tokenmill::packed_int4_linear"
+           : pairs() ? "tokenmill::bf16_pair_linear"
+                     : "tokenmill::packed_linear";
   }
 };
 
@@ -65,6 +72,7 @@ at::Tensor linear(const at::Tensor& x, const Projection& p, int64_t n) {
   if (p.onednn()) return tokenmill::onednn_linear(x, p.weight, p.bias);
   RECORD_FUNCTION(p.op_name(), std::vector<c10::IValue>());
   if (p.int4()) return tokenmill::packed_int4_linear(x, p.weight, *p.scales, p.zeros, p.zero, p.offsets, p.bias, n);
+  if (p.pairs()) return tokenmill::bf16_pair_linear(x, p.weight, p.bias, n);
   return p.int8() ? tokenmill::packed_int8_linear(x, p.weight, *p.scales, p.bias, n)
                   : tokenmill::packed_linear(x, p.weight, p.bias, n);
 }
@@ -329,7 +337,7 @@ struct RegionScratch {
 
 // One projection of m rows of T on the calling thread, its share of out [m, N] of T, as the layer
 // path's op computes it: fp32 x on the panels (project_rows); bf16 x on a oneDNN weight's 32-output
-// blocks as amx_linear runs them; bf16 x on panels (int8, or bf16 weights) widened to fp32 as
+// blocks as amx_linear runs them, or on a share of pair panels as bf16_pair_linear runs them; bf16 x on panels (int8, or bf16 weights) widened to fp32 as
 // packed_(int8_)linear widen it, summed into `wide_out` [m, N] (fp32, shared) and this thread's
 // columns rounded to bf16 once, bias included, as the op's .to(bf16) rounds them.
 template <typename T>
@@ -342,6 +350,11 @@ void project_share(const Projection& p, const float* bias, const T* x, int64_t m
     if (p.onednn()) {
       const auto [begin, end] = share_of(tokenmill::amx_linear_blocks(p.weight), tid, team);
       if (begin < end) tokenmill::amx_linear_rows(x, m, p.weight, bias, out, begin, end);
+      return;
+    }
+    if (p.pairs()) {
+      const auto [begin, end] = share_of(p.weight.size(0), tid, team);
+      if (begin < end) tokenmill::bf16_pair_linear_rows(x, m, p.weight, bias, out, n, begin, end);
       return;
     }
     scratch.wide.assign(x, x + m * k);
@@ -451,7 +464,7 @@ struct DecoderStack : torch::CustomClassHolder {
   // Whether the step is fp32 or bf16 tokens (kRegionRows says how many) over caches write_head
   // writes, every layer of one shape, its norms in x's dtype and each projection one the region
   // computes as the layer path does (project_share): panels under fp32 x (oneDNN runs its own
-  // threads); under bf16 x, int8 or bf16 panels, or a oneDNN weight amx_linear takes whole tiles of
+  // threads); under bf16 x, int8, bf16 or pair panels, or a oneDNN weight amx_linear takes whole tiles of
   // (K a multiple of 32).
   bool fits_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                        const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
@@ -472,6 +485,7 @@ struct DecoderStack : torch::CustomClassHolder {
     const int64_t m = x.size(0);
     auto computes = [&](const Projection& p) {
       if (p.onednn()) return dtype == at::kBFloat16 && p.amx_tiles && m <= tokenmill::kAmxMaxRows;
+      if (p.pairs()) return dtype == at::kBFloat16 && m <= kRegionRows;
       return m <= kRegionRows &&
              (dtype == at::kFloat || p.int8() || p.int4() || p.weight.scalar_type() == at::kBFloat16);
     };

@@ -92,6 +92,21 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 // "scalar" (kernels built without vector extensions).
 std::string w8a8_instructions(int64_t rows);
 
+// bf16_pair_linear.cpp: bf16 x [M, K] times a weight packed by pairs of inputs (pack_bf16_pairs:
+// [panels, ceil(K / 2), 2 * kPanel] bf16) on AVX512-BF16 dot products: each output one chain over the
+// pairs in order, a row's result independent of its step.
+bool bf16_pair_linear_supported();  // AVX512-BF16 here, and these kernels built for AVX-512
+at::Tensor pack_bf16_pairs(const at::Tensor& weight);
+at::Tensor bf16_pair_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t n);
+// The same sums in fp32, unrounded (logits).
+at::Tensor bf16_pair_logits(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t n);
+// Rows x [m, K] (K even) times panels [begin, end) into their columns of out [m, N] bf16 (bias: fp32
+// [N] or nullptr), on the calling thread, as bf16_pair_linear computes them.
+void bf16_pair_linear_rows(const at::BFloat16* x, int64_t m, const at::Tensor& packed, const float* bias,
+                           at::BFloat16* out, int64_t n, int64_t begin, int64_t end);
+
 // onednn_linear.cpp: x W^T + b with W reordered for oneDNN (bf16 on AMX / AVX512-BF16 CPUs); x's dtype.
 // Decode-sized bf16 steps on AMX CPUs run amx_linear on the same reordered weight.
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
