@@ -282,3 +282,20 @@ def test_json_schema_outputs_validate_on_cuda(tiny_model_dir):
     for out in outs:
         value = json.loads(out.outputs[0].text)
         assert set(value) == {"name", "age"} and 0 <= value["age"] <= 120 and len(value["name"]) <= 8
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_batch_invariance_on_cuda(tiny_model_dir, dtype):
+    """--batch-invariant on CUDA (library kernels on fixed shapes, models/layers/fixed_shapes.py): each
+    prompt's greedy tokens alone equal those in staggered batches with chunked prefill and prefix-cache
+    hits, and with n-gram speculation (its verification pass)."""
+    from tests.engine.test_batch_invariance import _prompts
+
+    prompts = _prompts()
+    plain = _cuda_llm(tiny_model_dir, dtype=dtype, batch_invariant=True, enable_prefix_caching=False)
+    alone = [_tokens(plain, [p])[0] for p in prompts]
+    mixed = _cuda_llm(tiny_model_dir, dtype=dtype, batch_invariant=True, max_num_batched_tokens=48)
+    assert run_staggered(mixed, prompts, GREEDY, per_step=3) == alone
+    speculative = _cuda_llm(tiny_model_dir, dtype=dtype, batch_invariant=True, speculative_method="ngram")
+    assert run_staggered(speculative, prompts, GREEDY, per_step=3) == alone
+    assert speculative.engine.stats().spec_decode_num_accepted_tokens > 0
