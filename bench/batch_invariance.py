@@ -49,9 +49,10 @@ def same_tokens(args: argparse.Namespace, engine_args: argparse.Namespace) -> di
         batch = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         parted = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(alone, batch)]
         same = sum(p is None for p in parted)
-        result[name] = {"prompts": len(prompts), "identical": same, "first_differing_token": parted}
+        dtype = str(llm.engine.dtype).removeprefix("torch.")
+        result[name] = {"dtype": dtype, "prompts": len(prompts), "identical": same, "first_differing_token": parted}
         print(
-            f"--dtype {engine_args.dtype}, batch invariance {name}: {same}/{len(prompts)} prompts give the same "
+            f"{dtype}, batch invariance {name}: {same}/{len(prompts)} prompts give the same "
             f"{args.output_len} greedy tokens alone and in one batch (first differing token: {parted})"
         )
     return result

@@ -176,6 +176,18 @@ def features(data: Json) -> Iterable[Row]:
         ]
 
 
+def batch_invariance(data: Json) -> Iterable[Row]:
+    flags = " ".join(data["flags"]) or "defaults"
+    if data["what"] == "same":
+        on, off = data["on"], data["off"]
+        measure = f"prompts whose {on['dtype']} greedy tokens alone = in one batch"
+        yield [measure, flags, f"{on['identical']}/{on['prompts']}", f"{off['identical']}/{off['prompts']}", "–"]
+    else:
+        median = data["median_tok_s"]
+        measure = f"offline output tok/s, peers workload (median of {len(data['tok_s']['on'])})"
+        yield [measure, flags, _num(median["on"]), _num(median["off"]), f"{data['cost']:.1%}"]
+
+
 def named_pair(key: str, ratio_key: str, first: str, second: str) -> Callable[[Json], Iterable[Row]]:
     def rows(data: Json) -> Iterable[Row]:
         runs = data[key]
@@ -368,6 +380,13 @@ SECTIONS = (
         _files("features-*.json"),
         ("feature", "workload", "off tok/s", "on tok/s", "speed-up", "TTFT", "weights", "greedy = off"),
         features,
+    ),
+    Section(
+        "Batch invariance (`bench/batch_invariance.py`)",
+        "With `--batch-invariant` and `--no-batch-invariant`; cost = 1 - on / off (docs/batch-invariance.md).",
+        _files("batch-invariance-*.json"),
+        ("measure", "flags", "on", "off", "cost"),
+        batch_invariance,
     ),
     Section(
         "Structured outputs (`--compare structured-output`)",

@@ -12,11 +12,13 @@ from transformers import AutoTokenizer
 
 from tokenmill.engine.config import EngineConfig
 from tokenmill.engine.precision import Precision
+from tokenmill.kernels.cpu_caps import detect
 from tokenmill.kernels.ops import cpu_kernels_available
 from tokenmill.models.families.llama import RMSNorm
 from tokenmill.models.layers.fixed_shapes import fix_row_shapes
 from tokenmill.models.layers.fused_layer import fuse_decoder_layers
 from tokenmill.models.layers.linear import UNQUANTIZED, Linear
+from tokenmill.models.layers.moe import GroupedExperts
 from tokenmill.models.layers.packed_linear import has_row_invariant_method, invariance_costs_little
 from tokenmill.models.layers.parallel import TPInfo, check_shardable
 from tokenmill.models.model_loader.linear_setup import process_weights_after_loading
@@ -60,6 +62,11 @@ def batch_invariance(config: EngineConfig, device: torch.device, dtype: torch.dt
     cpu_blockers = {
         "--no-packed-linear": kernels and not packs_linear_weights(config, device),
         f"--dtype {str(dtype).removeprefix('torch.')} on this CPU": kernels and not has_row_invariant_method(dtype),
+        # (the int8 kernel multiplies bf16 steps of 12 rows and more on AMX-bf16 tiles, by the weights
+        # rounded to bf16: other numbers than the int8 sums of smaller steps)
+        "--quantization int8 under bf16 activations on an AMX CPU": (
+            kernels and config.quantization == "int8" and dtype == torch.bfloat16 and detect().amx_bf16
+        ),
     }
     blockers = [name for name, blocks in cpu_blockers.items() if blocks]
     if config.batch_invariant is None:
@@ -133,14 +140,26 @@ def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.de
     process_weights_after_loading(model)
     if config.fused_layers and packs_linear_weights(config, device):
         fuse_decoder_layers(model)  # (where every projection's method takes the fused layer)
-    if batch_invariance(config, device, dtype) and not cpu_kernels_available(device):
-        # No row-invariant kernels here (CUDA, or a CPU without tokenmill's): library ops on fixed shapes.
-        count = fix_row_shapes(model, (Linear, RMSNorm, torch.nn.LayerNorm))
-        logger.info("--batch-invariant: %d linear layers and norms run on fixed-size chunks of rows", count)
+    if batch_invariance(config, device, dtype):
+        _hold_batch_invariance(model, device)
     if config.compile:
         # The dense parts of the step (attention stays eager); the token count is dynamic.
         logger.info("compiling the model step with torch.compile (first steps are slow)")
         model.forward = torch.compile(model.forward, dynamic=True)
+
+
+def _hold_batch_invariance(model: torch.nn.Module, device: torch.device) -> None:
+    """Where tokenmill's row-invariant kernels do not run (CUDA, or a CPU without them), linear layers
+    and norms on fixed shapes; a warning for what stays outside the contract (MoE experts)."""
+    if not cpu_kernels_available(device):
+        count = fix_row_shapes(model, (Linear, RMSNorm, torch.nn.LayerNorm))
+        logger.info("--batch-invariant: %d linear layers and norms run on fixed-size chunks of rows", count)
+    if any(isinstance(module, GroupedExperts) for module in model.modules()):
+        logger.warning(
+            "--batch-invariant: this model's MoE experts multiply the rows routed to each expert in one "
+            "GEMM whose size changes step by step: its attention and dense layers are batch-invariant, "
+            "its experts' sums are not (--quantization int8 runs them as invariant linear layers)"
+        )
 
 
 def load_tokenizer(model_dir: Path, chat_template: str | None = None) -> Any:

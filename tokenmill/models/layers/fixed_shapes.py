@@ -17,6 +17,9 @@ The price is the padding (a decode step of a few rows pays for ROWS) and one lib
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -27,7 +30,7 @@ QUERY_ROWS = 16  # queries per attention chunk
 KEY_BLOCK = 64  # keys per attention block
 
 
-def on_fixed_rows(fn, x: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
+def on_fixed_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int = ROWS) -> torch.Tensor:
     """fn (an op whose output rows depend only on the same input rows) over x's rows (its last
     dimension a row) in calls of exactly `rows` rows, zero-padded."""
     flat = x.reshape(-1, x.shape[-1])
@@ -53,7 +56,7 @@ class FixedRows(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return on_fixed_rows(self.inner.logits, x)
 
-    def __getattr__(self, name: str):  # (weight, bias, in_features ...: the wrapped module's)
+    def __getattr__(self, name: str) -> Any:  # (weight, bias, in_features ...: the wrapped module's)
         try:
             return super().__getattr__(name)
         except AttributeError:
