@@ -262,6 +262,7 @@ def _assemble(
         ", the draft model's included" if loaded.draft else "",
     )
     _log_speculation(config)
+    logger.info("batch-invariant steps: %s (docs/batch-invariance.md)", "on" if invariant else "off")
     result_cache = ResultCache(config.result_cache_size)
     return EngineParts(
         config=config,
