@@ -47,13 +47,13 @@ test-build: install  ## the kernels compiled for every ISA variant, and run as t
 # reason, on AVX-512 CPUs (the main suite runs it natively) and without SIMDe (libsimde-dev).
 test-avx512-emulated: install  ## the CPU kernel tests against the AVX-512 kernels, emulated on AVX2
 	$(BIN)/python -m pytest -q -m "not build" -p tests.isa_emulation.avx512 tests/kernels/test_cpu_kernels.py tests/models/test_fused_layers.py tests/kernels/test_int8_scales.py tests/kernels/test_int4.py \
-		tests/engine/test_sampler_unit.py
+		tests/engine/test_sampler_unit.py tests/kernels/test_batch_invariance.py tests/engine/test_batch_invariance.py
 
 # The kernels' AVX2 variant (what AVX2-only machines run) on a CPU with AVX-512, natively: skipped,
 # with the reason, on CPUs without AVX-512 (the main suite runs it there).
 test-avx2-variant: install  ## the CPU kernel tests against the AVX2 kernels, on an AVX-512 CPU
 	$(BIN)/python -m pytest -q -m "not build" -p tests.isa_emulation.avx2 tests/kernels/test_cpu_kernels.py tests/models/test_fused_layers.py tests/kernels/test_int8_scales.py tests/kernels/test_int4.py \
-		tests/engine/test_sampler_unit.py
+		tests/engine/test_sampler_unit.py tests/kernels/test_batch_invariance.py tests/engine/test_batch_invariance.py
 
 docs: install  ## the CLI reference and the benchmark tables regenerated, then the site built into site/
 	$(BIN)/python -m tokenmill.cli.reference docs/cli.md

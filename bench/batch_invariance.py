@@ -10,8 +10,15 @@ its tokens are identical.
 32-256), `--runs` times with each setting, alternated (each run a fresh process), the median
 tok/s of each and the cost of invariance (1 - on / off).
 
+`serve`: the peers workload served (bench/peers: streaming /v1/completions, prompts 256 +-50%
+tokens, outputs 128 +-50%): a `tokenmill serve` with each setting in turn, loaded by `tokenmill
+bench serve` at each `--concurrency` (each load its own prompts, trace seeds 0, 1, ..., the same
+for both settings, so no load is answered from the prefix cache of an earlier one); output tok/s
+and p50 TTFT per load, and the cost of invariance per load.
+
     python bench/batch_invariance.py same --dtype bfloat16 [--json FILE]
     python bench/batch_invariance.py cost --dtype bfloat16 --runs 3 [--json FILE]
+    python bench/batch_invariance.py serve --dtype bfloat16 --concurrency 1 16 64 [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from tokenmill.bench.report import environment, write_json
 
 PEERS_WORKLOAD = ["--num-prompts", "64", "--min-input", "16", "--max-input", "512", "--min-output", "32"]
 PEERS_WORKLOAD += ["--max-output", "256"]
+SERVE_WORKLOAD = ["--input-len", "256", "--output-len", "128", "--range-ratio", "0.5"]
 SETTINGS = {"on": "--batch-invariant", "off": "--no-batch-invariant"}
 
 
@@ -75,12 +83,55 @@ def cost(args: argparse.Namespace, engine_flags: list[str]) -> dict[str, Any]:
     return result
 
 
+def served(args: argparse.Namespace, engine_flags: list[str]) -> dict[str, Any]:
+    from tokenmill.bench.compare import free_port, start_server, stop_server, wait_ready
+
+    loads: dict[str, list[dict[str, Any]]] = {name: [] for name in SETTINGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, flag in SETTINGS.items():
+            port = free_port()
+            command = ["tokenmill", "serve", *engine_flags, flag, "--host", "127.0.0.1", "--port", str(port)]
+            server = start_server(f"tokenmill-{name}", command, port, "/health/ready", Path(tmp))
+            try:
+                wait_ready([server], 900)
+                for seed, concurrency in enumerate(args.concurrency):
+                    out = Path(tmp) / f"{name}-c{concurrency}.json"
+                    load = ["--num-prompts", str(args.serve_prompts), "--max-concurrency", str(concurrency)]
+                    bench = ["tokenmill", "bench", "serve", "--url", server.url, *SERVE_WORKLOAD, *load]
+                    subprocess.run(
+                        [*bench, "--seed", str(seed), "--json", str(out)], check=True, stdout=subprocess.DEVNULL
+                    )
+                    report = json.loads(out.read_text())
+                    point = {
+                        "max_concurrency": concurrency,
+                        "output_throughput": report["output_throughput"],
+                        "p50_ttft_ms": report["ttft"]["p50_ms"],
+                        "completed": report["completed"],
+                        "cached_input_tokens": report["cached_input_tokens"],
+                    }
+                    loads[name].append(point)
+                    print(f"batch invariance {name}, concurrency {concurrency}: {point}", flush=True)
+            finally:
+                stop_server(server)
+    cost_by_load = {
+        str(on["max_concurrency"]): 1 - on["output_throughput"] / off["output_throughput"]
+        for on, off in zip(loads["on"], loads["off"])
+    }
+    for concurrency, value in cost_by_load.items():
+        print(f"concurrency {concurrency}: invariance costs {value:.1%} of output tok/s")
+    return {"num_prompts": args.serve_prompts, "loads": loads, "cost": cost_by_load}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="other flags: the engine's")
-    parser.add_argument("what", choices=["same", "cost"])
+    parser.add_argument("what", choices=["same", "cost", "serve"])
     parser.add_argument("--num-prompts", type=int, default=16, help="same: prompts (default: 16)")
     parser.add_argument("--output-len", type=int, default=64, help="same: greedy tokens per prompt (default: 64)")
     parser.add_argument("--runs", type=int, default=3, help="cost: runs of each setting (default: 3)")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 16, 64], help="serve: loads (default: 1 16 64)"
+    )
+    parser.add_argument("--serve-prompts", type=int, default=64, help="serve: requests per load (default: 64)")
     parser.add_argument("--json", default=None, help="write the result here")
     args, engine_flags = parser.parse_known_args()
     engine_parser = argparse.ArgumentParser()
@@ -88,8 +139,10 @@ def main() -> int:
     engine_args = engine_parser.parse_args(engine_flags)
     if args.what == "same":
         result = same_tokens(args, engine_args)
-    else:
+    elif args.what == "cost":
         result = cost(args, engine_flags)
+    else:
+        result = served(args, engine_flags)
     if args.json:
         write_json(args.json, {"environment": environment(), "what": args.what, "flags": engine_flags, **result})
     return 0

@@ -182,6 +182,14 @@ def batch_invariance(data: Json) -> Iterable[Row]:
         on, off = data["on"], data["off"]
         measure = f"prompts whose {on['dtype']} greedy tokens alone = in one batch"
         yield [measure, flags, f"{on['identical']}/{on['prompts']}", f"{off['identical']}/{off['prompts']}", "–"]
+    elif data["what"] == "serve":
+        for on, off in zip(data["loads"]["on"], data["loads"]["off"]):
+            concurrency = on["max_concurrency"]
+            measure = (
+                f"served output tok/s, peers workload, {data['num_prompts']} requests at concurrency {concurrency}"
+            )
+            cost = data["cost"][str(concurrency)]
+            yield [measure, flags, _num(on["output_throughput"]), _num(off["output_throughput"]), f"{cost:.1%}"]
     else:
         median = data["median_tok_s"]
         measure = f"offline output tok/s, peers workload (median of {len(data['tok_s']['on'])})"

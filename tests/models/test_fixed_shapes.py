@@ -14,7 +14,8 @@ import torch
 from tests.kernels.test_batch_invariance import CACHE_DTYPES, check_split_invariance
 from tests.kernels.test_cpu_kernels import _case, _reference
 from tokenmill.models.families.llama import RMSNorm
-from tokenmill.models.layers.fixed_shapes import ROWS, FixedRows, fixed_block_attention
+from tokenmill.models.layers.fixed_shapes import ROWS, FixedRows, FixedRowsMethod, fixed_block_attention
+from tokenmill.models.layers.linear import UNQUANTIZED, linear_with
 
 
 def _attend(c: dict) -> torch.Tensor:
@@ -51,25 +52,49 @@ def test_fixed_block_attention_rows_do_not_depend_on_the_split(seed, q_dtype, ca
     check_split_invariance(seed, q_dtype, cache_dtype, _attend, max_context=140)  # (past two key blocks)
 
 
-@pytest.mark.parametrize("module", [torch.nn.Linear(48, 30), RMSNorm(48, 1e-6)], ids=["linear", "rms_norm"])
-def test_row_wise_modules_on_fixed_rows_keep_their_results_and_rows(module):
+def _fixed_linear() -> torch.nn.Module:
+    return linear_with(torch.nn.Linear(48, 30), FixedRowsMethod(UNQUANTIZED))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_fixed_linear, lambda: FixedRows(RMSNorm(48, 1e-6))],
+    ids=["linear method", "rms_norm"],
+)
+def test_row_wise_modules_on_fixed_rows_keep_their_results_and_rows(make):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3 * ROWS + 5, 48, generator=gen)
-    wrapped = FixedRows(module)
+    fixed = make()
     with torch.no_grad():
-        torch.testing.assert_close(wrapped(x), module(x))
-        alone = torch.cat([wrapped(row[None]) for row in x])
+        torch.testing.assert_close(fixed(x), torch.cat([fixed(rows) for rows in x.split(ROWS)]))
+        alone = torch.cat([fixed(row[None]) for row in x])
         for rows in (1, 7, ROWS, ROWS + 1, x.shape[0]):
-            assert torch.equal(wrapped(x[:rows]), alone[:rows]), rows
-        assert torch.equal(wrapped(x.view(-1, 1, 48)), alone.view(-1, 1, alone.shape[-1]))  # any leading shape
-    assert wrapped.weight is module.weight  # (attributes read through)
+            assert torch.equal(fixed(x[:rows]), alone[:rows]), rows
+        assert torch.equal(fixed(x.view(-1, 1, 48)), alone.view(-1, 1, alone.shape[-1]))  # any leading shape
+    assert fixed.weight is not None  # (attributes read through)
+
+
+def test_a_fixed_rows_method_computes_and_holds_the_layer_as_its_inner_method():
+    gen = torch.Generator().manual_seed(2)
+    plain = torch.nn.Linear(48, 30)
+    x = torch.randn(2 * ROWS + 3, 48, generator=gen)
+    with torch.no_grad():
+        expected, expected_logits = plain(x), plain(x).float()
+        layer = linear_with(plain, FixedRowsMethod(UNQUANTIZED))
+        torch.testing.assert_close(layer(x), expected)
+        torch.testing.assert_close(layer.logits(x), expected_logits)
+    assert torch.equal(layer.dequantized(torch.float32), plain.weight)
+    assert layer.quant_method.tensor_names == UNQUANTIZED.tensor_names
+    assert layer.quant_method.fused_projection(layer, torch.float32) is None
+    assert "on fixed rows" in layer.quant_method.describe(layer)
 
 
 _WITHOUT_KERNELS = """
 import sys
 from tests.conftest import mixed_prompts, run_staggered
 from tokenmill import LLM, SamplingParams
-from tokenmill.models.layers.fixed_shapes import FixedRows
+from tokenmill.models.layers.fixed_shapes import FixedRows, FixedRowsMethod
+from tokenmill.models.layers.linear import linear_layers
 
 model, dtype = sys.argv[1:]
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -77,6 +102,7 @@ prompts = mixed_prompts(8, 1, 90, seed=21)
 pick = lambda out: (out.token_ids, out.logprobs)
 llm = LLM(model, progress=False, dtype=dtype, kv_cache_memory="32MiB", batch_invariant=True)
 assert any(isinstance(m, FixedRows) for m in llm.engine.model.modules())
+assert all(isinstance(layer.quant_method, FixedRowsMethod) for _, layer in linear_layers(llm.engine.model))
 alone = [pick(llm.generate([p], params)[0].outputs[0]) for p in prompts]
 mixed = LLM(model, progress=False, dtype=dtype, kv_cache_memory="32MiB", batch_invariant=True,
             max_num_batched_tokens=32)

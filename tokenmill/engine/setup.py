@@ -149,11 +149,12 @@ def prepare_model(model: torch.nn.Module, config: EngineConfig, device: torch.de
 
 
 def _hold_batch_invariance(model: torch.nn.Module, device: torch.device) -> None:
-    """Where tokenmill's row-invariant kernels do not run (CUDA, or a CPU without them), linear layers
-    and norms on fixed shapes; a warning for what stays outside the contract (MoE experts)."""
+    """Where tokenmill's row-invariant kernels do not run (CUDA, or a CPU without them), norms on fixed
+    shapes (linear layers got methods on fixed shapes at load); a warning for what stays outside the
+    contract (MoE experts)."""
     if not cpu_kernels_available(device):
-        count = fix_row_shapes(model, (Linear, RMSNorm, torch.nn.LayerNorm))
-        logger.info("--batch-invariant: %d linear layers and norms run on fixed-size chunks of rows", count)
+        count = fix_row_shapes(model, (RMSNorm, torch.nn.LayerNorm))
+        logger.info("--batch-invariant: linear layers and %d norms run on fixed-size chunks of rows", count)
     if any(isinstance(module, GroupedExperts) for module in model.modules()):
         logger.warning(
             "--batch-invariant: this model's MoE experts multiply the rows routed to each expert in one "

@@ -6,7 +6,8 @@ call (cuBLAS's heuristics, ATen's reduction configs): a row of a 7-row step and 
 300-row step may be summed in different orders. Called on one fixed shape, the same kernel computes
 every row the same way, whatever the other rows hold. So, with `--batch-invariant` on such a device:
 
-- linear layers and norms (`FixedRows`) run on chunks of exactly ROWS rows, the last one padded;
+- linear layers (their method wrapped in `FixedRowsMethod` at load) and norms (`FixedRows`) run on
+  chunks of exactly ROWS rows, the last one padded;
 - attention (`fixed_block_attention`) takes the step's queries in chunks of QUERY_ROWS and every
   query's keys in blocks of KEY_BLOCK, merged in key order by an online softmax: a query sees the
   same blocks in the same order whether it is decoded alone, is one row of a prefill chunk, or
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from tokenmill.models.layers.kv_quant import from_cache
+from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod
 
 ROWS = 64  # rows per linear/norm call
 QUERY_ROWS = 16  # queries per attention chunk
@@ -42,9 +44,51 @@ def on_fixed_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, r
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+class FixedRowsMethod(LinearMethod):
+    """A linear layer's method (any: float or quantized) computing on fixed-size chunks of rows
+    (on_fixed_rows), its logits too; the layer's tensors are the wrapped method's. Given to every
+    linear layer at load (model_loader/linear_setup.py) where batch invariance runs without tokenmill's
+    CPU kernels."""
+
+    def __init__(self, inner: LinearMethod) -> None:
+        self.inner = inner
+        self.name = f"{inner.name} on fixed rows"
+        self.tensor_names = inner.tensor_names
+
+    def create_weights(self, layer: Linear) -> None:
+        self.inner.create_weights(layer)
+
+    def packed_sizes(self, layer: Linear) -> list[tuple[int, torch.dtype]]:
+        return self.inner.packed_sizes(layer)
+
+    def process_weights_after_loading(self, layer: Linear, storage: list[torch.Tensor]) -> None:
+        self.inner.process_weights_after_loading(layer, storage)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return on_fixed_rows(lambda rows: self.inner.apply(layer, rows), x)
+
+    def logits(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return on_fixed_rows(lambda rows: self.inner.logits(layer, rows), x)
+
+    def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.dequantized(layer, dtype)
+
+    def fused_projection(self, layer: Linear, activations: torch.dtype) -> FusedProjection | None:
+        return None  # (the fused decoder layers take a step's rows as they come)
+
+    def tied_embedding(self, layer: Linear, embedding: nn.Embedding) -> nn.Module | None:
+        return self.inner.tied_embedding(layer, embedding)
+
+    def streamed_tensors(self, layer: Linear) -> list[torch.Tensor]:
+        return self.inner.streamed_tensors(layer)
+
+    def describe(self, layer: Linear) -> str:
+        return f"{self.inner.describe(layer)} on fixed rows"
+
+
 class FixedRows(nn.Module):
-    """A row-wise module (linear layer, norm) called on fixed-size chunks of rows (on_fixed_rows),
-    its logits too where it is a vocabulary projection."""
+    """A row-wise module that is not a linear layer (a norm) called on fixed-size chunks of rows
+    (on_fixed_rows)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -53,10 +97,7 @@ class FixedRows(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return on_fixed_rows(self.inner, x)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return on_fixed_rows(self.inner.logits, x)
-
-    def __getattr__(self, name: str) -> Any:  # (weight, bias, in_features ...: the wrapped module's)
+    def __getattr__(self, name: str) -> Any:  # (weight, eps ...: the wrapped module's)
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -70,7 +111,7 @@ def fix_row_shapes(model: nn.Module, row_wise: tuple[type[nn.Module], ...]) -> i
         if isinstance(module, FixedRows):
             continue
         for name, child in list(module.named_children()):
-            if isinstance(child, row_wise) and not isinstance(module, FixedRows):
+            if isinstance(child, row_wise):
                 setattr(module, name, FixedRows(child))
                 count += 1
     return count

@@ -171,13 +171,16 @@ class FusedProjection:
 class LinearBackend:
     """How layers left in float run here: the device, the compute dtype, the float method of the
     layers and of the lm_head (model_loader/linear_setup.py's `linear_backend` picks them), and
-    whether tokenmill's CPU kernels compute here (quantized layers' packed forms)."""
+    whether tokenmill's CPU kernels compute here (quantized layers' packed forms). `fixed_rows`: every
+    layer's method, float or quantized, runs on fixed-size chunks of rows (batch invariance on library
+    GEMMs: layers/fixed_shapes.py)."""
 
     device: torch.device
     dtype: torch.dtype
     float_linear: LinearMethod
     head_linear: LinearMethod
     kernels: bool
+    fixed_rows: bool = False
 
     def float_method(self) -> LinearMethod:
         return self.float_linear

@@ -14,6 +14,7 @@ from torch import nn
 
 from tokenmill.kernels.cpu_caps import detect
 from tokenmill.kernels.ops import cpu_kernels_available
+from tokenmill.models.layers.fixed_shapes import FixedRowsMethod
 from tokenmill.models.layers.linear import UNQUANTIZED, Linear, LinearBackend, LinearMethod, PartNames, linear_layers
 from tokenmill.models.layers.moe import GroupedExperts, split_experts
 from tokenmill.models.layers.packed_linear import PANELS, packed_method_for
@@ -26,12 +27,14 @@ def linear_backend(
     device: torch.device, dtype: torch.dtype, packed: bool, batch_invariant: bool = False
 ) -> LinearBackend:
     """How float layers run on `device` in `dtype`: packed for tokenmill's CPU kernels or oneDNN
-    (`packed`: `--packed-linear` on CPU, not under --compile; `batch_invariant`: on kernels whose
-    rows do not depend on their step) or torch's GEMMs."""
+    (`packed`: `--packed-linear` on CPU, not under --compile) or torch's GEMMs. `batch_invariant`: on
+    methods whose rows do not depend on their step: tokenmill's row-invariant kernels, or where they
+    do not run, every method on fixed-size chunks of rows."""
     packed_method = packed_method_for(dtype, batch_invariant) if packed and device.type == "cpu" else None
     float_method = packed_method or UNQUANTIZED
     kernels = cpu_kernels_available(device)
-    return LinearBackend(device, dtype, float_method, _head_method(float_method, dtype, kernels), kernels)
+    head_method = _head_method(float_method, dtype, kernels)
+    return LinearBackend(device, dtype, float_method, head_method, kernels, batch_invariant and not kernels)
 
 
 def _head_method(float_method: LinearMethod, dtype: torch.dtype, kernels: bool) -> LinearMethod:
@@ -55,7 +58,8 @@ def assign_linear_methods(
     for name, layer in linear_layers(model):
         layer.name = name  # (errors about its tensors name it)
         method = quantization.linear_method(name, parts.get(name, (name,)), layer, backend) if quantization else None
-        layer.use_method(method or (head_method if name.rpartition(".")[2] == "lm_head" else float_method))
+        method = method or (head_method if name.rpartition(".")[2] == "lm_head" else float_method)
+        layer.use_method(FixedRowsMethod(method) if backend.fixed_rows else method)
     for module in model.modules():
         if isinstance(module, GroupedExperts):  # (stacked: split into linear layers once loaded)
             module.linear_method = quantization.expert_method() if quantization else None
