@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -144,7 +145,8 @@ def main() -> int:
     else:
         result = served(args, engine_flags)
     if args.json:
-        write_json(args.json, {"environment": environment(), "what": args.what, "flags": engine_flags, **result})
+        env = {**environment(), "command": shlex.join(["python", *sys.argv])}
+        write_json(args.json, {"environment": env, "what": args.what, "flags": engine_flags, **result})
     return 0
 
 

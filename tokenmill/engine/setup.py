@@ -19,7 +19,7 @@ from tokenmill.models.layers.fixed_shapes import fix_row_shapes
 from tokenmill.models.layers.fused_layer import fuse_decoder_layers
 from tokenmill.models.layers.linear import UNQUANTIZED, Linear
 from tokenmill.models.layers.moe import GroupedExperts
-from tokenmill.models.layers.packed_linear import has_row_invariant_method, invariance_costs_little
+from tokenmill.models.layers.packed_linear import has_row_invariant_method
 from tokenmill.models.layers.parallel import TPInfo, check_shardable
 from tokenmill.models.model_loader.linear_setup import process_weights_after_loading
 from tokenmill.models.model_loader.loader import load_model, load_spec, resolve_architecture
@@ -55,8 +55,10 @@ def check_tensor_parallel(config: EngineConfig, model_dir: Path, device: torch.d
 
 def batch_invariance(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether steps run batch-invariant (docs/batch-invariance.md): --batch-invariant, refused where it
-    cannot hold, or by default on where tokenmill's CPU kernels compute the model and invariance costs
-    little on this CPU for `dtype` (off on CUDA: library kernels on fixed shapes cost more there)."""
+    cannot hold, or by default on wherever tokenmill's CPU kernels compute the model and nothing blocks
+    it: on every CPU kind its row-invariant methods cost under 5% of throughput (docs/batch-invariance.md,
+    per CPU kind; `python bench/batch_invariance.py cost` and `serve` measure it). Off by default on CUDA
+    and without the kernels, where library kernels on fixed shapes pay for padding."""
     config.check_batch_invariance()
     kernels = cpu_kernels_available(device)
     cpu_blockers = {
@@ -70,7 +72,7 @@ def batch_invariance(config: EngineConfig, device: torch.device, dtype: torch.dt
     }
     blockers = [name for name, blocks in cpu_blockers.items() if blocks]
     if config.batch_invariant is None:
-        return kernels and not blockers and not config.batch_invariance_blockers() and invariance_costs_little(dtype)
+        return kernels and not blockers and not config.batch_invariance_blockers()
     if config.batch_invariant and blockers:
         raise ValueError(f"--batch-invariant cannot hold with {' or '.join(blockers)}; leave it off there")
     return config.batch_invariant

@@ -258,10 +258,3 @@ def has_row_invariant_method(dtype: torch.dtype) -> bool:
     their step here: the panels, the pair panels, or bf16 on AMX tiles."""
     method = packed_method_for(dtype, batch_invariant=True)
     return method in (PANELS, PAIR_PANELS) or (method is ONEDNN and dtype == torch.bfloat16 and detect().amx_bf16)
-
-
-def invariance_costs_little(dtype: torch.dtype) -> bool:
-    """Whether this CPU's row-invariant methods for `dtype` run about as fast as the ones batch
-    invariance replaces (under 5% of offline throughput: docs/batch-invariance.md has the figures per
-    CPU kind): only bf16 on CPUs with AVX512-BF16 and no AMX changes method (oneDNN -> pair panels)."""
-    return True
