@@ -117,3 +117,17 @@ def test_the_default_and_where_the_flag_is_refused():
         assert not batch_invariance(EngineConfig(packed_linear=False), cpu, fp32)
         with pytest.raises(ValueError, match="--batch-invariant cannot hold with --no-packed-linear"):
             batch_invariance(EngineConfig(batch_invariant=True, packed_linear=False), cpu, fp32)
+
+
+def test_chunks_of_any_length_stay_on_the_paged_kernel():
+    """Long chunks after cached context attend as two flash-attention calls without batch invariance;
+    with it (paged_prefill) they stay on the paged kernel, whose sums do not depend on the split."""
+    from tokenmill.engine.worker.model_runner import LONG_CHUNK_QUERIES, Chunk, build_forward
+
+    n = LONG_CHUNK_QUERIES
+    table = list(range(-(-2 * n // 16)))
+    chunks = [Chunk(list(range(n)), 0, table), Chunk(list(range(n)), n, table)]
+    invariant = build_forward(chunks, [], 16, True, paged_prefill=True)
+    assert not invariant.meta.prefills and invariant.meta.paged.query_lens.tolist() == [n, n]
+    plain = build_forward(chunks, [], 16, True)
+    assert [seg.cached_slots is not None for seg in plain.meta.prefills] == [False, True]

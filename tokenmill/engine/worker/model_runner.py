@@ -183,7 +183,8 @@ def build_forward(
     decodes (best sorted by block table length) into one forward pass over the paged cache.
     `fused_attention`: decodes and chunks with cached context attend on the paged kernel;
     `paged_prefill`: the chunks that start their sequence too (else SDPA over their fresh K/V, whose
-    sums are not the kernel's: other bits than the same positions in later chunks or decodes)."""
+    sums are not the kernel's: other bits than the same positions in later chunks or decodes), and
+    long chunks after cached context (else two flash-attention calls, likewise)."""
     bs = block_size
     ids: list[int] = []
     pos_chunks: list[np.ndarray] = []
@@ -200,7 +201,7 @@ def build_forward(
         slot_chunks.append(_slots(table, positions, bs))
         if c == 0 and not (fused_attention and paged_prefill):
             segments.append(PrefillSegment(start, start + n, None, None))
-        elif fused_attention and n >= LONG_CHUNK_QUERIES:
+        elif fused_attention and n >= LONG_CHUNK_QUERIES and not paged_prefill:
             cached = _host(_slots(table, np.arange(c, dtype=np.int64), bs))
             segments.append(PrefillSegment(start, start + n, None, None, cached_slots=cached))
         elif fused_attention:
