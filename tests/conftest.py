@@ -326,19 +326,22 @@ def run_staggered(llm, prompts: list[list[int]], params, per_step: int = 2, pick
 _HF_CACHE: dict = {}
 
 
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Reference: transformers generate(do_sample=False), one prompt at a time, no padding."""
+def _hf_model(model_dir: Path):
+    """The transformers fp32 model of `model_dir`, loaded once per run."""
     from transformers import AutoModelForCausalLM
 
+    model = _HF_CACHE.get(str(model_dir))
+    if model is None:
+        model = _HF_CACHE[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: transformers generate(do_sample=False), one prompt at a time, no padding."""
     key = (str(model_dir), tuple(prompt_ids), max_new_tokens)
     if key not in _HF_CACHE:
-        model = _HF_CACHE.get(str(model_dir))
-        if model is None:
-            model = _HF_CACHE[str(model_dir)] = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch.float32
-            ).eval()
         with torch.inference_mode():
-            out = model.generate(
+            out = _hf_model(model_dir).generate(
                 torch.tensor([prompt_ids]),
                 attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                 max_new_tokens=max_new_tokens,
@@ -349,14 +352,52 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> li
     return _HF_CACHE[key]
 
 
+def hf_greedy_batch(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16
+) -> list[list[int]]:
+    """`hf_greedy` of each prompt (the same cache), the ones not yet cached computed by
+    `hf_greedy_padded` `batch_size` prompts at a time, prompts of similar length together."""
+
+    def key(prompt) -> tuple:
+        return (str(model_dir), tuple(prompt), max_new_tokens)
+
+    todo = sorted({tuple(p) for p in prompts if key(p) not in _HF_CACHE}, key=len)
+    for start in range(0, len(todo), batch_size):
+        batch = [list(p) for p in todo[start : start + batch_size]]
+        for prompt, tokens in zip(batch, hf_greedy_padded(model_dir, batch, max_new_tokens)):
+            _HF_CACHE[key(prompt)] = tokens
+    return [_HF_CACHE[key(p)] for p in prompts]
+
+
+def hf_greedy_padded(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """`hf_greedy` of several prompts in one left-padded generate() call (uncached): a decode step
+    of a small model reads all its weights for one token, so one prompt at a time costs about as
+    many times as much. The padding is masked out and each row keeps its own positions, so a row's
+    tokens are its unpadded reference's (test_engine_exactness.py checks that on every run); a row
+    that ends at EOS is cut there, as generate() stops there for one prompt. Not for models whose
+    positions depend on the padded length (Phi-3's LongRoPE picks its factors by sequence length)."""
+    model = _hf_model(model_dir)
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    results = []
+    for row in range(len(prompts)):
+        tokens = out[row, width:].tolist()
+        ends = [i for i, token in enumerate(tokens) if token in eos_ids]
+        results.append(tokens[: ends[0] + 1] if ends else tokens)
+    return results
+
+
 def hf_forward(model_dir: Path, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: one unpadded fp32 forward pass -> (log-softmax of the logits [T, V], final hidden
     states [T, H], the final norm's output as `output_hidden_states` reports it)."""
-    from transformers import AutoModelForCausalLM
-
-    model = _HF_CACHE.get(str(model_dir))
-    if model is None:
-        model = _HF_CACHE[str(model_dir)] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
-        out = model(torch.tensor([prompt_ids]), output_hidden_states=True)
+        out = _hf_model(model_dir)(torch.tensor([prompt_ids]), output_hidden_states=True)
     return out.logits[0].float().log_softmax(-1), out.hidden_states[-1][0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import agree_up_to_near_ties, hf_greedy, mixed_prompts
+from tests.conftest import agree_up_to_near_ties, hf_greedy, hf_greedy_batch, hf_greedy_padded, mixed_prompts
 from tokenmill import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
@@ -28,8 +28,16 @@ def test_greedy_matches_hf_random_models(request, fixture):
     model_dir = request.getfixturevalue(fixture)
     llm = LLM(str(model_dir), progress=False, kv_cache_memory="64MiB")
     prompts = mixed_prompts(6, 1, 60, seed=len(fixture))
-    for prompt, got in zip(prompts, _engine_outputs(llm, prompts)):
-        assert got == hf_greedy(model_dir, prompt, 16)
+    assert _engine_outputs(llm, prompts) == hf_greedy_batch(model_dir, prompts, 16)
+
+
+def test_padded_hf_reference_is_the_one_prompt_at_a_time_reference(sharp_tiny_model_dir):
+    """The batched reference (`hf_greedy_batch`, left-padded generate) gives each prompt the tokens
+    generate() gives it alone, unpadded: what lets the exactness tests batch their references."""
+    prompts = mixed_prompts(5, 1, 200, seed=21) + [[1234]]
+    assert hf_greedy_padded(sharp_tiny_model_dir, prompts, 12) == [
+        hf_greedy(sharp_tiny_model_dir, prompt, 12) for prompt in prompts
+    ]
 
 
 @pytest.mark.slow
@@ -43,8 +51,7 @@ def test_greedy_matches_hf_default_model(default_model_dir):
     ]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(default_model_dir, prompt, 24)
+    assert [out.outputs[0].token_ids for out in outs] == hf_greedy_batch(default_model_dir, prompts, 24)
     assert "Paris" in outs[0].outputs[0].text
 
 
@@ -67,8 +74,8 @@ def test_32_mixed_prompts_staggered_arrival(sharp_tiny_model_dir):
                 results[out.request_id] = out.outputs[0].token_ids
         max_batch = max(max_batch, len(engine.scheduler.running))
     assert max_batch > 4  # it really batched
-    for i, p in enumerate(prompts):
-        assert results[str(i)] == hf_greedy(sharp_tiny_model_dir, p, 16), f"prompt {i} ({len(p)} tokens)"
+    for i, (p, expected) in enumerate(zip(prompts, hf_greedy_batch(sharp_tiny_model_dir, prompts, 16))):
+        assert results[str(i)] == expected, f"prompt {i} ({len(p)} tokens)"
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
@@ -90,8 +97,8 @@ def test_preemption_under_tiny_kv_budget(sharp_tiny_model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = _engine_outputs(llm, prompts, params)
     assert llm.engine.scheduler.num_preemptions > 0
-    for prompt, got in zip(prompts, outs):
-        assert got == hf_greedy(sharp_tiny_model_dir, prompt, 32)[: len(got)]
+    for got, expected in zip(outs, hf_greedy_batch(sharp_tiny_model_dir, prompts, 32)):
+        assert got == expected[: len(got)]
         assert len(got) == 32
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
 
@@ -112,8 +119,7 @@ def test_prefix_caching_gives_identical_outputs(sharp_tiny_model_dir):
     parted = agree_up_to_near_ties(first + rest, [o.outputs[0] for o in plain.generate(prompts, params)])
     assert parted <= 2, f"{parted} of 20 sequences parted at near-ties"
     assert cached.engine.stats().prefix_cache_hit_rate > 0.8
-    for prompt, got in zip(prompts[:3], first + rest):
-        assert got.token_ids == hf_greedy(sharp_tiny_model_dir, prompt, 16)
+    assert [got.token_ids for got in (first + rest)[:3]] == hf_greedy_batch(sharp_tiny_model_dir, prompts[:3], 16)
 
 
 @pytest.mark.slow
@@ -130,6 +136,4 @@ def test_prefix_cache_eviction_stays_correct(sharp_tiny_model_dir):
     )
     prompts = mixed_prompts(10, 100, 150, seed=5)
     for round_ in range(2):  # second round: some blocks were evicted, some revived
-        outs = _engine_outputs(llm, prompts)
-        for prompt, got in zip(prompts, outs):
-            assert got == hf_greedy(sharp_tiny_model_dir, prompt, 16), f"round {round_}"
+        assert _engine_outputs(llm, prompts) == hf_greedy_batch(sharp_tiny_model_dir, prompts, 16), f"round {round_}"
