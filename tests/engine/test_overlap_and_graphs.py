@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import hf_greedy, hf_greedy_batch, mixed_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.worker.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets
 from tokenmill.engine.worker.kv_cache import bytes_per_block
@@ -69,8 +69,8 @@ def test_overlap_greedy_staggered_chunked_equals_hf(tiny_model_dir):
     llm = _llm(tiny_model_dir, overlap=True, kv_cache_memory="128MiB", max_num_batched_tokens=128)
     prompts = mixed_prompts(24, 1, 300, seed=7)
     results = _run_staggered(llm, prompts, GREEDY)
-    for i, p in enumerate(prompts):
-        assert results[str(i)] == hf_greedy(tiny_model_dir, p, 16), f"prompt {i}"
+    for i, expected in enumerate(hf_greedy_batch(tiny_model_dir, prompts, 16)):
+        assert results[str(i)] == expected, f"prompt {i}"
     assert _all_blocks_free(llm)
 
 
@@ -85,8 +85,7 @@ def test_overlap_preemption_and_prefix_cache_equal_hf(tiny_model_dir):
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.stats().prefix_cache_hits_total > 0
-    for prompt, got in zip(prompts, outs):
-        assert got == hf_greedy(tiny_model_dir, prompt, 32)
+    assert outs == hf_greedy_batch(tiny_model_dir, prompts, 32)
     assert _all_blocks_free(llm)
 
 
@@ -168,8 +167,9 @@ def test_overlap_abort_while_a_step_is_in_flight(tiny_model_dir):
         if not engine.has_unfinished():
             break
     assert sorted(results) == ["0", "2", "3"]
+    expected = hf_greedy_batch(tiny_model_dir, prompts, 20)
     for i in (0, 2, 3):
-        assert results[str(i)] == hf_greedy(tiny_model_dir, prompts[i], 20)
+        assert results[str(i)] == expected[i]
     assert _all_blocks_free(llm)
 
 
@@ -204,9 +204,8 @@ def test_failed_step_fails_one_request_and_the_rest_finish_exactly(tiny_model_di
     assert final["victim"].error == "injected fault"
     assert final["victim"].outputs[0].finish_reason == "error"
     assert all(final[r].outputs[0].finish_reason == "length" for r in ("a", "b", "c"))
-    for rid, p in zip(ids, prompts):
-        if rid in ("a", "c"):
-            assert final[rid].outputs[0].token_ids == hf_greedy(tiny_model_dir, p, 20)
+    expected = hf_greedy_batch(tiny_model_dir, [prompts[1], prompts[3]], 20)
+    assert [final[rid].outputs[0].token_ids for rid in ("a", "c")] == expected
     # The seeded sampled request is unaffected by its neighbour's failure.
     alone = _llm(tiny_model_dir, overlap=False).generate([prompts[2]], params[1])[0].outputs[0].token_ids
     assert final["b"].outputs[0].token_ids == alone
@@ -256,8 +255,8 @@ def test_graph_decode_path_equals_hf(tiny_model_dir, overlap):
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2)
     ]
     results = _run_staggered(llm, prompts, params, per_step=2)
-    for i, p in enumerate(prompts[:10]):
-        assert results[str(i)] == hf_greedy(tiny_model_dir, p, 24), f"prompt {i}"
+    for i, expected in enumerate(hf_greedy_batch(tiny_model_dir, prompts[:10], 24)):
+        assert results[str(i)] == expected, f"prompt {i}"
     assert len({b for b, _ in graphs.graphs}) >= 3 and len({w for _, w in graphs.graphs}) >= 2, graphs.graphs
     # Padding rows wrote only to the pad slot: the zero block is still zero.
     assert not engine.kv_cache.data[:, 0].any()
