@@ -146,6 +146,25 @@ def default_model_dir() -> Path:
     return resolve()
 
 
+CHAT_QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.", "2+2=")
+
+
+@pytest.fixture(scope="session")
+def default_model_chat_answers() -> tuple[list[list[int]], list]:
+    """The default model's fp32 greedy answers (24 tokens, top-2 logprobs) to `CHAT_QUESTIONS` in
+    its chat template: (prompt token ids, CompletionOutput per prompt). Generated once per run, for the
+    tests that check them against HF and measure int8 against them (the 135M model takes seconds to load)."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(None, progress=False, kv_cache_memory="64MiB", dtype="float32")  # (auto is bf16 on AMX CPUs)
+    chats = [[{"role": "user", "content": q}] for q in CHAT_QUESTIONS]
+    encoded = [llm.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in encoded]
+    answers = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=2))]
+    llm.engine.close()
+    return prompts, answers
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, request) -> Path:
     """`tokenmill make-tiny-model` (HF default init: soft attention, soft logits), for tests of engine

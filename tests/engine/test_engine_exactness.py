@@ -41,18 +41,10 @@ def test_padded_hf_reference_is_the_one_prompt_at_a_time_reference(sharp_tiny_mo
 
 
 @pytest.mark.slow
-def test_greedy_matches_hf_default_model(default_model_dir):
-    llm = LLM(None, progress=False, kv_cache_memory="256MiB", dtype="float32")  # auto is bf16 on AMX CPUs
-    tok = llm.tokenizer
-    questions = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        for q in questions
-    ]
-    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
-    assert [out.outputs[0].token_ids for out in outs] == hf_greedy_batch(default_model_dir, prompts, 24)
-    assert "Paris" in outs[0].outputs[0].text
+def test_greedy_matches_hf_default_model(default_model_dir, default_model_chat_answers):
+    prompts, answers = default_model_chat_answers
+    assert [answer.token_ids for answer in answers] == hf_greedy_batch(default_model_dir, prompts, 24)
+    assert "Paris" in answers[0].text
 
 
 @pytest.mark.slow

@@ -51,22 +51,13 @@ def test_int8_weights_agree_with_fp32_mostly(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_int8_default_model_follows_fp32_greedy():
+def test_int8_default_model_follows_fp32_greedy(default_model_chat_answers):
     """The bundled SmolLM2 in int8 (once 49% teacher-forced agreement, off fp32 from the 2nd token)
     follows fp32's greedy answers to the chat prompts of the exactness test: fed fp32's answer, int8's
     top-1 is fp32's token wherever fp32's own top two lie more than 0.25 nats apart (closer ones are
     near-ties any rounding may flip: "What is the capital of France?" opens with "The" only 0.08
     nats ahead of "L"), and each answer token's log-probability stays within 0.25 nats of fp32's."""
-    questions = ["What is the capital of France?", "Write a haiku about the sea.", "2+2="]
-    fp32 = LLM(None, progress=False, kv_cache_memory="64MiB", dtype="float32")
-    prompts = [
-        fp32.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        for q in questions
-    ]
-    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    answers = [o.outputs[0] for o in fp32.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=2))]
-    assert "Paris" in answers[0].text
-    fp32.engine.close()
+    prompts, answers = default_model_chat_answers
     int8 = LLM(None, progress=False, kv_cache_memory="64MiB", dtype="float32", quantization="int8")
     scored = int8.generate(
         [p + a.token_ids for p, a in zip(prompts, answers)],
