@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import hf_greedy, hf_greedy_batch, mixed_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.core.block_manager import BlockAllocator
 
@@ -57,6 +57,5 @@ def test_uninitialised_cache_memory_never_leaks_into_outputs(tiny_model_dir):
         v[bs:].fill_(float("nan"))
     prompts = mixed_prompts(6, 5, 70, seed=21)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(tiny_model_dir, prompt, 12)
+    assert [out.outputs[0].token_ids for out in outs] == hf_greedy_batch(tiny_model_dir, prompts, 12)
     assert torch.isfinite(llm.engine.kv_cache.layers[0][0][:bs]).all()

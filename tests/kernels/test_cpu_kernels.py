@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import hf_greedy_batch, mixed_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.worker import model_runner
 from tokenmill.engine.worker.model_runner import build_forward
@@ -264,7 +264,7 @@ def test_engine_with_and_without_the_kernel_matches_hf(sharp_tiny_model_dir, mon
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     shared = mixed_prompts(1, 40, 40, seed=3)[0]
     prompts = mixed_prompts(5, 1, 90, seed=11) + [shared + p for p in mixed_prompts(2, 3, 30, seed=12)]
-    expected = [hf_greedy(sharp_tiny_model_dir, p, greedy.max_tokens) for p in prompts]
+    expected = hf_greedy_batch(sharp_tiny_model_dir, prompts, greedy.max_tokens)
     for fused in (True, False):
         llm = LLM(str(sharp_tiny_model_dir), progress=False, kv_cache_memory="32MiB", max_num_batched_tokens=32)
         runner = llm.engine.runner

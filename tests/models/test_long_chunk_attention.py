@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TEST_WINDOW, hf_greedy, mixed_prompts
+from tests.conftest import TEST_WINDOW, hf_greedy, hf_greedy_batch, mixed_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.worker import model_runner
 from tokenmill.engine.worker.model_runner import build_forward
@@ -55,7 +55,7 @@ def test_engine_with_long_chunks_after_context_matches_hf(sharp_tiny_model_dir, 
     monkeypatch.setattr(model_runner, "LONG_CHUNK_QUERIES", 8)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = mixed_prompts(4, 40, 90, seed=5)
-    expected = [hf_greedy(sharp_tiny_model_dir, p, greedy.max_tokens) for p in prompts]
+    expected = hf_greedy_batch(sharp_tiny_model_dir, prompts, greedy.max_tokens)
     seen = []
 
     def recording(*args, **kwargs):
