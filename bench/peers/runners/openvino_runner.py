@@ -74,7 +74,7 @@ def main() -> None:
         return c
 
     inputs = [ov.Tensor(np.array([r["prompt_token_ids"]], dtype=np.int64)) for r in workload]
-    pipe.generate(inputs[:2], [config(8)] * 2)  # warmup
+    pipe.generate(inputs[:2], [config(8)] * len(inputs[:2]))  # warmup
     with Timer() as t:
         results = pipe.generate(inputs, [config(r["output_len"]) for r in workload])
     tokens = sum(len(r.m_generation_ids[0]) for r in results)

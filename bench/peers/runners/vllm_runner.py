@@ -26,7 +26,7 @@ def main() -> None:
     )
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in workload]
     params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in workload]
-    llm.generate(prompts[:2], [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 2, use_tqdm=False)
+    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     with Timer() as t:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
