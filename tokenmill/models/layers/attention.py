@@ -129,37 +129,13 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, to_cache(v, v_cache.dtype))
     q = q.contiguous()
     out = torch.empty_like(q)
-    if meta.paged is not None and not ops.cpu_kernels_available(q.device):  # (batch invariance: see fixed_shapes)
+    if meta.paged is not None:
         p = meta.paged
-        out = fixed_block_attention(
-            q,
-            k_cache,
-            v_cache,
-            p.query_start,
-            p.query_lens,
-            p.block_tables,
-            p.context_lens,
-            meta.block_size,
-            scale,
-            window,
-            softcap,
-        )
-    elif meta.paged is not None:
-        p = meta.paged
-        ops.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            out,
-            p.query_start,
-            p.query_lens,
-            p.block_tables,
-            p.context_lens,
-            meta.block_size,
-            scale,
-            window,
-            softcap,
-        )
+        paged = (p.query_start, p.query_lens, p.block_tables, p.context_lens, meta.block_size, scale, window, softcap)
+        if ops.cpu_kernels_available(q.device):
+            ops.paged_attention(q, k_cache, v_cache, out, *paged)
+        else:  # (batch invariance: see fixed_shapes)
+            out = fixed_block_attention(q, k_cache, v_cache, *paged)
     for seg in meta.prefills:
         n = seg.end - seg.start
         qs = q[seg.start : seg.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
