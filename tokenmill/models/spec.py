@@ -78,8 +78,10 @@ class Rope:
     def table(self, num_positions: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [num_positions, rotary_dim] for a context of `num_positions`."""
         inv_freq = self.inv_freq
-        if self.long_inv_freq is not None and num_positions > self.long_from:
-            inv_freq = self.long_inv_freq
+        if self.long_inv_freq is not None:
+            assert self.long_from is not None  # (LongRoPE's two sets come with the length between them)
+            if num_positions > self.long_from:
+                inv_freq = self.long_inv_freq
         positions = torch.arange(num_positions, dtype=torch.float, device=device)
         freqs = positions[:, None] * inv_freq.to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

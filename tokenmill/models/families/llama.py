@@ -7,6 +7,8 @@ the rest: windows, softcaps, attention and embedding scales, per-layer RoPE).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -18,6 +20,9 @@ from tokenmill.models.layers.linear import Linear
 from tokenmill.models.layers.parallel import NO_TP, TPInfo, all_reduce
 from tokenmill.models.model_loader.registry import Architecture, register
 from tokenmill.models.spec import ModelSpec, layer_windows, rope_from_config
+
+if TYPE_CHECKING:
+    from tokenmill.models.layers.fused_layer import FusedLayer, FusedStack
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -131,7 +136,8 @@ class LlamaLayer(nn.Module):
         self.self_attn = self.attention_class(spec, layer_idx, tp)
         self.post_attention_layernorm = self.norm_class(spec.hidden_size, spec.norm_eps)
         self.mlp = self.mlp_class(spec, tp)
-        self.fused = None  # the layer as one C++ call (tokenmill.models.layers.fused_layer), where it applies
+        # The layer as one C++ call (tokenmill.models.layers.fused_layer), where it applies.
+        self.fused: FusedLayer | None = None
 
     def forward(self, x, cos, sin, kv, meta):
         if self.fused is not None and self.fused.applies(meta):
@@ -146,6 +152,11 @@ class LlamaForCausalLM(nn.Module):
     tied_weights = {"lm_head.weight": "embed_tokens.weight"}
     layer_class: type[nn.Module] = LlamaLayer
     norm_class: type[nn.Module] = RMSNorm
+    # cos/sin tables (rebuild_buffers); _1: of the local RoPE, where the spec has one
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    rope_cos_1: torch.Tensor
+    rope_sin_1: torch.Tensor
 
     def __init__(self, spec: ModelSpec, tp: TPInfo = NO_TP) -> None:
         super().__init__()
@@ -153,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(spec, i, tp) for i in range(spec.num_layers))
         self.norm = self.norm_class(spec.hidden_size, spec.norm_eps)
-        self.fused_stack = None  # every layer fused (tokenmill.models.layers.fused_layer.FusedStack), where it applies
+        # Every layer fused (tokenmill.models.layers.fused_layer.FusedStack), where it applies.
+        self.fused_stack: FusedStack | None = None
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -166,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
     def rebuild_buffers(self, device: torch.device | str | None = None) -> None:
         """cos/sin tables for every position, computed like transformers' rotary embeddings."""
         device = device or "cpu"  # explicit: construction may run under a meta-device context
+        assert self.spec.rope is not None, "Llama-shaped decoders are rotary"
         ropes = [self.spec.rope] + ([self.spec.local_rope] if self.spec.local_rope is not None else [])
         for i, rope in enumerate(ropes):
             cos, sin = rope.table(self.spec.context_len or self.spec.max_position, device)
@@ -231,7 +244,7 @@ def llama_spec(
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     activation = activation or getattr(config, "hidden_act", "silu")
-    if activation not in ACT2FN:
+    if not isinstance(activation, str) or activation not in ACT2FN:
         raise ValueError(f"unsupported activation {activation!r}")
     return ModelSpec(
         model_type=config.model_type,

@@ -23,9 +23,9 @@ from tokenmill.models.model_loader.registry import Architecture, register
 from tokenmill.models.spec import ModelSpec
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MoESpec(ModelSpec):
-    moe: MoEConfig | None = None
+    moe: MoEConfig
     sparse_layers: tuple[bool, ...] = ()  # per layer: experts (True) or a dense MLP
 
 

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from tokenmill.kernels import ops
-from tokenmill.models.families.llama import LlamaAttention, LlamaLayer, LlamaMLP, RMSNorm
+from tokenmill.models.families.llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaLayer, LlamaMLP, RMSNorm
 from tokenmill.models.layers.attention import AttentionMetadata
-from tokenmill.models.layers.linear import FusedProjection, Linear
+from tokenmill.models.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class FusedLayer:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         p = meta.paged
+        assert p is not None  # (called where it applies: every query on the paged kernel)
         return ops.llama_decoder_layer(
             x,
             *self.weights,
@@ -111,14 +112,16 @@ class FusedStack:
     RoPE rows of the step's positions are gathered and the model's final norm applied in the same
     call (cold Python ops are slow after a step's weights went through the caches)."""
 
-    def __init__(self, layers: tuple[LlamaLayer, ...], final_norm: RMSNorm) -> None:
+    def __init__(self, layers: tuple[FusedLayer, ...], final_norm: RMSNorm) -> None:
         self.layers = layers
         # Every layer's held modules in one check per step, not a call per layer.
-        self._held = HeldModules(tuple(entry for layer in layers for entry in layer.fused.held.entries))
-        tensors, ints, floats = [], [], []
+        self._held = HeldModules(tuple(entry for layer in layers for entry in layer.held.entries))
+        tensors: list[torch.Tensor | None] = []
+        ints: list[int] = []
+        floats: list[float] = []
         for layer in layers:
-            norm, post_norm, eps, projections, zero_points, heads, kv_heads, intermediate = layer.fused.weights
-            scale, window, softcap = layer.fused.attention
+            norm, post_norm, eps, projections, zero_points, heads, kv_heads, intermediate = layer.weights
+            scale, window, softcap = layer.attention
             tensors += [norm, post_norm, *projections]
             ints += [heads, kv_heads, intermediate, window, *zero_points]
             floats += [eps, scale, softcap]
@@ -132,12 +135,13 @@ class FusedStack:
         x: torch.Tensor,
         positions: torch.Tensor,
         rope_tables: tuple[torch.Tensor, torch.Tensor],
-        kv_caches,
+        kv_caches: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The final norm of the last layer's output (x: the embedded tokens; rope_tables: the model's
         cos/sin [positions, rotary])."""
         p = meta.paged
+        assert p is not None  # (called where it applies: every query on the paged kernel)
         return self.native.forward(
             x,
             positions,
@@ -153,13 +157,13 @@ class FusedStack:
         )
 
 
-def _fused_projections(layer: LlamaLayer) -> tuple[FusedProjection, ...] | None:
-    """The four projections as the C++ layer takes them, if the layer has exactly the Llama structure
-    and every projection's method computes it for the layer's activations (the norm weight's dtype)."""
-    attn, mlp = layer.self_attn, layer.mlp
+def _fused_layer(layer: LlamaLayer) -> FusedLayer | None:
+    """The layer as one C++ call, if it has exactly the Llama structure and every projection's method
+    computes it for the layer's activations (the norm weight's dtype)."""
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
     if not (
         type(layer).forward is LlamaLayer.forward
-        and type(layer.input_layernorm) is RMSNorm
+        and type(norm) is RMSNorm
         and type(layer.post_attention_layernorm) is RMSNorm
         and isinstance(attn, LlamaAttention)
         and type(attn).forward is LlamaAttention.forward
@@ -172,14 +176,27 @@ def _fused_projections(layer: LlamaLayer) -> tuple[FusedProjection, ...] | None:
         and not mlp.tp.enabled
     ):
         return None
-    activations = layer.input_layernorm.weight.dtype
+    activations = norm.weight.dtype
     projections = []
     for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
         fused = linear.quant_method.fused_projection(linear, activations) if isinstance(linear, Linear) else None
         if fused is None:
             return None
         projections.append(fused)
-    return tuple(projections)
+    return FusedLayer(
+        _held_modules(layer),
+        (
+            norm.weight.detach(),
+            layer.post_attention_layernorm.weight.detach(),
+            norm.eps,
+            [t for p in projections for t in p.tensors()],
+            [p.zero for p in projections],
+            attn.num_heads,
+            attn.num_kv_heads,
+            mlp.intermediate,
+        ),
+        (attn.scale, attn.window or 0, attn.softcap or 0.0),
+    )
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -187,37 +204,24 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     returns how many."""
     count = 0
     for layer in model.modules():
-        projections = _fused_projections(layer) if isinstance(layer, LlamaLayer) else None
-        if projections is None:
+        if not isinstance(layer, LlamaLayer):
             continue
-        attn, mlp = layer.self_attn, layer.mlp
-        norm = layer.input_layernorm
-        layer.fused = FusedLayer(
-            _held_modules(layer),
-            (
-                norm.weight.detach(),
-                layer.post_attention_layernorm.weight.detach(),
-                norm.eps,
-                [t for p in projections for t in p.tensors()],
-                [p.zero for p in projections],
-                attn.num_heads,
-                attn.num_kv_heads,
-                mlp.intermediate,
-            ),
-            (attn.scale, attn.window or 0, attn.softcap or 0.0),
-        )
+        fused = _fused_layer(layer)
+        if fused is None:
+            continue
+        layer.fused = fused
         count += 1
-    layers = getattr(model, "layers", None)
-    final_norm = getattr(model, "norm", None)
-    if (
-        count
-        and hasattr(model, "fused_stack")
-        and all(getattr(layer, "fused", None) is not None for layer in layers)
-        and not any(getattr(model, "layer_rope", ()))  # (one RoPE table for all: the stack takes one)
-        and type(final_norm) is RMSNorm
-        and final_norm.weight.dtype == layers[0].input_layernorm.weight.dtype
-    ):
-        model.fused_stack = FusedStack(tuple(layers), final_norm)
+    if count and isinstance(model, LlamaForCausalLM):
+        layers = [layer for layer in model.layers if isinstance(layer, LlamaLayer)]
+        stacked = [layer.fused for layer in layers if layer.fused is not None]
+        final_norm = model.norm
+        if (
+            len(stacked) == len(model.layers)
+            and not any(model.layer_rope)  # (one RoPE table for all: the stack takes one)
+            and type(final_norm) is RMSNorm
+            and final_norm.weight.dtype == layers[0].input_layernorm.weight.dtype
+        ):
+            model.fused_stack = FusedStack(tuple(stacked), final_norm)
     if count:
         logger.info("decoder layers fused into one call per step: %d", count)
     return count

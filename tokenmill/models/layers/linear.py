@@ -18,9 +18,13 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from tokenmill.models.layers.quantization.int4 import Int4Weight
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,33 @@ _LM_HEAD_MODE = os.environ.get("TOKENMILL_LM_HEAD", "auto")
 class Linear(nn.Module):
     """y = x W^T + b, held and computed by `quant_method`. Built with the unquantized method (a float
     `weight` [out, in], as nn.Linear); the loader may give it another before the weights are read."""
+
+    # What the methods hold on a layer: each declares and sets only its own (create_weights: the
+    # checkpoint's tensors; process_weights_after_loading: the forms its kernel reads).
+    weight: torch.Tensor  # float methods; FP8 and compressed-tensors int8 checkpoints' values
+    bias: torch.Tensor | None
+    name: str  # in the model (assign_linear_methods): errors about the layer's tensors name it
+    # quantized checkpoints' tensors (formats.py, gguf.py)
+    qzeros: torch.Tensor
+    g_idx: torch.Tensor
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_g_idx: torch.Tensor
+    # packed forms (packed_linear.py, quantization/)
+    packed_weight: torch.Tensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    offsets: torch.Tensor | None
+    column_offsets: torch.Tensor
+    zero: int
+    group_size: int
+    perm: torch.Tensor | None
+    int4: Int4Weight  # a 4-bit layer off the kernels
+    int4_kernel: bool
+    int8_kernel: bool
+    native: bool  # oneDNN layers: through tokenmill's C++ op
+    amx_decode: bool
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -83,12 +114,14 @@ class Linear(nn.Module):
         )
 
 
-def linear_parameter(layer: Linear, name: str, shape: tuple[int, ...], dtype: torch.dtype, **layout: int) -> None:
+def linear_parameter(
+    layer: Linear, name: str, shape: tuple[int, ...], dtype: torch.dtype, **layout: int | None
+) -> None:
     """Declare a tensor the checkpoint fills (on the layer's current device: meta while loading).
     `layout`: output_dim (the dim fused parts are joined along; none: every part holds the same tensor)."""
     parameter = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    parameter.load_dtype = dtype  # (the loader reads the checkpoint's tensor in this dtype)
-    for key, value in layout.items():
+    # (load_dtype: the loader reads the checkpoint's tensor in this dtype)
+    for key, value in {"load_dtype": dtype, **layout}.items():
         setattr(parameter, key, value)
     setattr(layer, name, parameter)
 

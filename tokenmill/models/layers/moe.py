@@ -214,6 +214,7 @@ class SparseMoE(nn.Module):
         weights, expert_ids = self.gate(x)
         out = dispatch(x, weights, expert_ids, self.experts, self.num_experts)
         if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None  # (built with the shared expert)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 

@@ -29,7 +29,7 @@ from tokenmill.models.layers.parallel import NO_TP, TPInfo, check_shardable, loc
 from tokenmill.models.layers.quantization import QuantizationConfig, quantization_config
 from tokenmill.models.model_loader.gguf import ConvertedGGUF
 from tokenmill.models.model_loader.linear_setup import assign_linear_methods, linear_backend
-from tokenmill.models.model_loader.registry import GENERIC, NATIVE, Architecture, lookup
+from tokenmill.models.model_loader.registry import GENERIC, NATIVE, Architecture, HfToLocal, lookup
 from tokenmill.models.spec import ModelSpec, as_list
 
 logger = logging.getLogger(__name__)
@@ -243,7 +243,8 @@ def _read_state(
     """Every checkpoint tensor renamed (and fused) into the model's names; unknown tensors are an error."""
     from tqdm.auto import tqdm
 
-    cls = type(model)
+    cls: type[Any] = type(model)
+    hf_to_local: HfToLocal = cls.hf_to_local
     transposed = getattr(cls, "transposed_weights", ())
     # (not state_dict(): the parameters themselves, which carry the layout a quantized layer declared)
     tensors = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
@@ -255,7 +256,7 @@ def _read_state(
     for hf_name, tensor in tqdm(
         _iter_tensors(files), desc=f"Loading {model_dir.name}", total=total, unit=" tensors", disable=not progress
     ):
-        name, part, group = cls.hf_to_local(hf_name)
+        name, part, group = hf_to_local(hf_name)
         if name not in expected:
             if not _is_ignored(hf_name, cls) and not hf_name.endswith(ignored):
                 unexpected.append(hf_name)
@@ -266,13 +267,15 @@ def _read_state(
         if group is None:
             state[name] = tensor
             continue
+        assert part is not None  # (a fused group's tensors are its parts)
         slots = fused.setdefault(name, [None] * fused_parts[group])
         if part >= len(slots):  # e.g. an expert beyond the config's count
             unexpected.append(hf_name)
             continue
         slots[part] = tensor
-        if all(t is not None for t in slots):
-            state[name] = _join_parts(name, slots, tensors.get(name, expected[name]))
+        loaded = [t for t in slots if t is not None]
+        if len(loaded) == len(slots):
+            state[name] = _join_parts(name, loaded, tensors.get(name, expected[name]))
             del fused[name]
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
@@ -283,7 +286,7 @@ def _read_state(
     return state
 
 
-def _checkpoint_parts(files: list[Path], cls: type) -> PartNames:
+def _checkpoint_parts(files: list[Path], cls: type[Any]) -> PartNames:
     """{a layer's local name: the checkpoint modules it is loaded from} (a fused layer has several),
     from the checkpoint's tensor names."""
     from safetensors import SafetensorError, safe_open

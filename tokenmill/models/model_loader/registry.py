@@ -39,6 +39,9 @@ FAMILY_MODULES = [
     "tokenmill.models.model_loader.transformers_backend",  # generic: after the native families, which take precedence
 ]
 
+# A model class's `hf_to_local` (see above).
+HfToLocal = Callable[[str], tuple[str, int | None, str | None]]
+
 NATIVE = "native"
 GENERIC = "generic"
 

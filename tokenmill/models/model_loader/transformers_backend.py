@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,9 @@ from tokenmill.models.layers.quantization import QuantizationConfig
 from tokenmill.models.model_loader.linear_setup import assign_linear_methods
 from tokenmill.models.model_loader.registry import GENERIC, Architecture, register, register_resolver
 from tokenmill.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -209,13 +212,16 @@ def tokenmill_attention(
             )
         )
         return query.new_zeros(1, tokens, heads, v_dim), None
+    assert step.kv_caches is not None and step.meta is not None  # (a step outside probe mode)
     if scaling is None:
         scaling = k_dim**-0.5  # what SDPA (transformers' default path) does with scale=None
     d = step.head_dim
     q = _pad_last(query[0].transpose(0, 1), d)  # [T, H, D]
     k = _pad_last(key[0].transpose(0, 1), d)
     v = _pad_last(value[0].transpose(0, 1), d)
-    k_cache, v_cache = step.kv_caches[module.layer_idx]
+    # (torch types a Module's unknown attributes as its submodules' and tensors' union: HF's
+    # attention modules hold their layer's index as an int)
+    k_cache, v_cache = step.kv_caches[module.layer_idx]  # type: ignore[index]
     out = paged_attention(q, k, v, k_cache, v_cache, step.meta, scaling, window=sliding_window, softcap=softcap)
     return out.view(tokens, heads, d)[None, :, :, :v_dim], None
 
@@ -265,7 +271,11 @@ class TransformersCausalLM(nn.Module):
     `forward(input_ids, positions, kv_caches, meta) -> hidden [T, hidden]` and
     `compute_logits(hidden) -> fp32 logits [rows, vocab]`."""
 
-    def __init__(self, hf_model: nn.Module, head_dim: int) -> None:
+    # (plain attributes, set in __init__)
+    _decoder_parent: nn.Module
+    _hidden_states: _HiddenStates
+
+    def __init__(self, hf_model: PreTrainedModel, head_dim: int) -> None:
         super().__init__()
         self.hf = hf_model
         self.head_dim = head_dim
@@ -285,7 +295,9 @@ class TransformersCausalLM(nn.Module):
 
     @property
     def decoder(self) -> nn.Module:
-        return self._decoder_parent._modules[self._decoder_name]
+        module = self._decoder_parent._modules[self._decoder_name]
+        assert module is not None  # (HF's decoder, found in __init__)
+        return module
 
     @property
     def lm_head(self) -> nn.Module:
@@ -332,11 +344,12 @@ class GenericModelInfo:
     notes: list[str] = field(default_factory=list)
 
 
-def causal_lm_class(config: Any) -> type:
+def causal_lm_class(config: Any) -> type[PreTrainedModel]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        # (transformers types every lazy auto mapping's values as its tokenizer mapping's pairs)
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # type: ignore[return-value]
     except KeyError:
         raise UnsupportedModelError(
             f"{config.model_type!r} has no causal-LM class in transformers: the generic path runs "
@@ -344,7 +357,7 @@ def causal_lm_class(config: Any) -> type:
         ) from None
 
 
-def check_config(config: Any) -> type:
+def check_config(config: Any) -> type[PreTrainedModel]:
     """The HF class to build, or UnsupportedModelError naming why the generic path cannot run it."""
     model_type = config.model_type
     if getattr(config, "is_encoder_decoder", False):
@@ -381,8 +394,8 @@ def check_config(config: Any) -> type:
 
 
 def _rope_types(config: Any) -> set[str]:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    nested = [p for p in params.values() if isinstance(p, dict)] or [params]
+    params: dict[str, Any] = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    nested: list[dict[str, Any]] = [p for p in params.values() if isinstance(p, dict)] or [params]
     return {p.get("rope_type", p.get("type", "default")) for p in nested}
 
 
@@ -411,7 +424,7 @@ def _max_position(config: Any, notes: list[str]) -> int:
     return int(value)
 
 
-def load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """The HF model with its checkpoint weights; any tensor missing, unused or of the wrong shape is an error."""
     from transformers import AutoConfig
 
@@ -419,7 +432,8 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     cls = check_config(config)
     try:
-        model, info = cls.from_pretrained(
+        # (transformers types from_pretrained's result without output_loading_info's (model, info) pair)
+        loaded: tuple[PreTrainedModel, dict[str, Any]] = cls.from_pretrained(  # type: ignore[assignment]
             model_dir,
             config=config,
             dtype=dtype,
@@ -429,6 +443,7 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> 
             device_map={"": device},
             use_kernels=False,
         )  # transformers would otherwise fetch layer kernels from the Hub for CUDA devices
+        model, info = loaded
     except (OSError, ValueError, RuntimeError, KeyError) as exc:  # unreadable or inconsistent files
         raise ModelLoadError(f"{model_dir}: {' '.join(str(exc).split())[:300]}") from None
     problems = [

@@ -18,6 +18,7 @@ scales) as the checkpoint's scheme does.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,12 +138,16 @@ def _grouped_int8(
     return Int8Weight(values.to(torch.int8).contiguous(), scales.contiguous(), perm)
 
 
-def _four_bit(method: QuantizedLinearMethod, backend: LinearBackend) -> LinearMethod:
+def _four_bit(
+    method: GPTQLinearMethod | AWQLinearMethod | PackedIntLinearMethod, backend: LinearBackend
+) -> LinearMethod:
     """A 4-bit format's layers: on the 4-bit kernels where they run, else decoded to float."""
     return Int4LinearMethod(kernels=True, source=method) if backend.kernels else method
 
 
-def _eight_bit(method: QuantizedLinearMethod, backend: LinearBackend) -> LinearMethod:
+def _eight_bit(
+    method: GPTQLinearMethod | PackedIntLinearMethod | Int8ChannelLinearMethod, backend: LinearBackend
+) -> LinearMethod:
     """A symmetric 8-bit format's layers (weight-only): on the int8 kernels where they run, with the
     checkpoint's values and scales, else decoded to float."""
     return Int8LinearMethod(kernels=True, source=method) if backend.kernels else method
@@ -583,6 +588,7 @@ class FP8Config(QuantizationConfig):
     def __init__(self, declared: dict[str, Any], where: str) -> None:
         block = declared.get("weight_block_size")
         _require(where, block is not None and len(block) == 2, "fp8 without weight_block_size is not supported")
+        assert block is not None
         _require(where, declared.get("activation_scheme", "dynamic") == "dynamic", "fp8 with static activations")
         self.block = (int(block[0]), int(block[1]))
         self.skipped = list(declared.get("modules_to_not_convert") or [])
@@ -596,7 +602,8 @@ class FP8Config(QuantizationConfig):
         return _fp8(FP8LinearMethod(backend.float_method(), backend.dtype, self.block, "weight_scale_inv"), backend)
 
 
-FORMATS: dict[str, type[QuantizationConfig]] = {
+# {quant_method: its config from (quantization_config, where: the config's path, for errors)}
+FORMATS: dict[str, Callable[[dict[str, Any], str], QuantizationConfig]] = {
     "gptq": GPTQConfig,
     "awq": AWQConfig,
     "compressed-tensors": CompressedTensorsConfig,

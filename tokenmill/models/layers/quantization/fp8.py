@@ -17,6 +17,7 @@ binades; the smaller weights of a real channel would be rounded, which the widen
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -45,13 +46,27 @@ class FP8Weight:
     group_size: int
 
 
+class FP8Source(Protocol):
+    """A format's method (formats.py): declares a layer's checkpoint tensors, decodes them into an
+    FP8Weight and knows its scale groups."""
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]: ...
+
+    def create_weights(self, layer: Linear) -> None: ...
+
+    def scale_groups(self, layer: Linear) -> int: ...
+
+    def decode_fp8(self, layer: Linear) -> FP8Weight: ...
+
+
 class FP8LinearKernelMethod(LinearMethod):
     """FP8 layers on tokenmill's CPU kernels, from a format's method (`source`, formats.py) that reads
     the checkpoint's tensors (`decode_fp8`: an FP8Weight) and knows its scale groups (`scale_groups`)."""
 
     name = "fp8"
 
-    def __init__(self, source: LinearMethod) -> None:
+    def __init__(self, source: FP8Source) -> None:
         self.source = source
         self.tensor_names = source.tensor_names
 
@@ -60,11 +75,11 @@ class FP8LinearKernelMethod(LinearMethod):
 
     def packed_sizes(self, layer: Linear) -> list[tuple[int, torch.dtype]]:
         columns = -(-layer.out_features // ops.linear_panel_width()) * ops.linear_panel_width()
-        groups = self.source.scale_groups(layer)  # type: ignore[attr-defined]
+        groups = self.source.scale_groups(layer)
         return [(columns * layer.in_features, torch.uint8), (columns * groups, torch.float32)]
 
     def process_weights_after_loading(self, layer: Linear, storage: list[torch.Tensor]) -> None:
-        weight: FP8Weight = self.source.decode_fp8(layer)  # type: ignore[attr-defined]
+        weight = self.source.decode_fp8(layer)
         for name in self.tensor_names:
             delattr(layer, name)
         packed, scales = pack_fp8(weight.values, weight.scales, ops.linear_panel_width())

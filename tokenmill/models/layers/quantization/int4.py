@@ -23,6 +23,7 @@ from 4-bit GGUF blocks of 32 (SmolLM2's Q4_1) is reproduced exactly by the first
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -151,6 +152,18 @@ def pack_zeros(zeros: torch.Tensor, width: int) -> torch.Tensor:
     return panels(zeros.to(torch.int8), width).repeat_interleave(2, dim=2)
 
 
+class Int4Source(Protocol):
+    """A format's method (formats.py, gguf.py): declares a layer's checkpoint tensors and decodes them
+    into an Int4Weight."""
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]: ...
+
+    def create_weights(self, layer: Linear) -> None: ...
+
+    def decode_int4(self, layer: Linear) -> Int4Weight: ...
+
+
 class Int4LinearMethod(LinearMethod):
     """4-bit weight-only (see the module docstring). `source` gives the layer's Int4Weight from its
     loaded tensors: quantized here (`--quantization int4`) or decoded from a checkpoint's
@@ -158,17 +171,20 @@ class Int4LinearMethod(LinearMethod):
 
     name = "int4"
 
-    def __init__(self, kernels: bool, source: LinearMethod | None = None) -> None:
+    def __init__(self, kernels: bool, source: Int4Source | None = None) -> None:
         self.kernels = kernels
         self.source = source
         self.tensor_names = source.tensor_names if source is not None else ("weight",)
 
     def create_weights(self, layer: Linear) -> None:
-        (self.source or super()).create_weights(layer)
+        if self.source is None:
+            super().create_weights(layer)
+        else:
+            self.source.create_weights(layer)
 
     def int4_weight(self, layer: Linear) -> Int4Weight:
         if self.source is not None:
-            return self.source.decode_int4(layer)  # type: ignore[attr-defined]
+            return self.source.decode_int4(layer)
         return affine_groups(layer.weight, group_size_for(layer.in_features))
 
     def packed_sizes(self, layer: Linear) -> list[tuple[int, torch.dtype]]:
@@ -240,11 +256,12 @@ class Int4LinearMethod(LinearMethod):
         rows = torch.cat([layer.qweight & 0x0F, layer.qweight >> 4], dim=2)  # value 2c + t of each pair row
         values = rows.view(panels, pairs, width, 2).permute(0, 2, 1, 3).reshape(-1, 2 * pairs)[:n, :k]
 
-        def unpanel(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+        def unpanel(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
 
         zeros = None if layer.zeros is None else unpanel(layer.zeros[:, :, ::2])
-        return Int4Weight(values, unpanel(layer.scales), zeros, layer.zero, unpanel(layer.offsets), layer.perm)
+        offsets = None if layer.offsets is None else unpanel(layer.offsets)
+        return Int4Weight(values, unpanel(layer.scales), zeros, layer.zero, offsets, layer.perm)
 
     def fused_projection(self, layer: Linear, activations: torch.dtype) -> FusedProjection | None:
         if layer.int4_kernel and layer.perm is None and activations in (torch.float32, torch.bfloat16):

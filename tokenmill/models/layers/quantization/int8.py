@@ -33,6 +33,7 @@ routers are not linear layers and stay in the model dtype (int8 routing would pi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -111,6 +112,18 @@ class Int8Weight:
     perm: torch.Tensor | None = None
 
 
+class Int8Source(Protocol):
+    """A format's method (formats.py, gguf.py): declares a layer's checkpoint tensors and decodes them
+    into an Int8Weight."""
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]: ...
+
+    def create_weights(self, layer: Linear) -> None: ...
+
+    def decode_int8(self, layer: Linear) -> Int8Weight: ...
+
+
 # Scale dtypes the int8 kernels take as they are (int8_linear.cpp): tokenmill's bf16, checkpoints' fp16.
 _KERNEL_SCALES = (torch.bfloat16, torch.float16)
 
@@ -147,13 +160,16 @@ class Int8LinearMethod(LinearMethod):
 
     name = "int8"
 
-    def __init__(self, kernels: bool, source: LinearMethod | None = None) -> None:
+    def __init__(self, kernels: bool, source: Int8Source | None = None) -> None:
         self.kernels = kernels
         self.source = source
         self.tensor_names = source.tensor_names if source is not None else ("weight",)
 
     def create_weights(self, layer: Linear) -> None:
-        (self.source or super()).create_weights(layer)
+        if self.source is None:
+            super().create_weights(layer)
+        else:
+            self.source.create_weights(layer)
 
     def packed_sizes(self, layer: Linear) -> list[tuple[int, torch.dtype]]:
         if not self.kernels or self.source is not None:  # (a checkpoint's layers: their own tensors)
@@ -168,7 +184,7 @@ class Int8LinearMethod(LinearMethod):
 
     def int8_weight(self, layer: Linear) -> Int8Weight:
         if self.source is not None:
-            return self.source.decode_int8(layer)  # type: ignore[attr-defined]
+            return self.source.decode_int8(layer)
         return Int8Weight(*quantize_weight(layer.weight, group_size_for(layer.in_features)))
 
     def process_weights_after_loading(self, layer: Linear, storage: list[torch.Tensor]) -> None:
@@ -182,7 +198,7 @@ class Int8LinearMethod(LinearMethod):
         scales = kernel_scales(weight.scales) if self.kernels and pairs_fit else None
         layer.int8_kernel = scales is not None
         qweight = weight.values
-        if layer.int8_kernel:
+        if scales is not None:
             width = ops.linear_panel_width()
             qweight = stored(storage, 0, ops.pack_int8_weight(qweight))
             scales = stored(storage, 1, panels(scales, width))

@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.kernels import ops
 from tokenmill.models.layers.linear import Linear, LinearMethod, stored
+from tokenmill.models.layers.quantization.int8 import Int8Source
 
 # The kernel pads K with zero weights to a multiple of this (one AMX tile row of inputs).
 QUAD_DEPTH = 64
@@ -53,7 +54,7 @@ class W8A8LinearMethod(LinearMethod):
 
     name = "w8a8"
 
-    def __init__(self, source: LinearMethod) -> None:
+    def __init__(self, source: Int8Source) -> None:
         self.source = source
         self.tensor_names = source.tensor_names
 
@@ -70,7 +71,7 @@ class W8A8LinearMethod(LinearMethod):
         ]
 
     def process_weights_after_loading(self, layer: Linear, storage: list[torch.Tensor]) -> None:
-        weight = self.source.decode_int8(layer)  # type: ignore[attr-defined]
+        weight = self.source.decode_int8(layer)
         for name in self.tensor_names:
             delattr(layer, name)
         packed, offsets, scales = pack_w8a8(weight.values, weight.scales, ops.linear_panel_width())
