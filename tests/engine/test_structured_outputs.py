@@ -468,6 +468,25 @@ def test_grammars_compile_once_per_spec(llm) -> None:
 SLOW_REGEX = "[^x]{0,100000}"
 
 
+def test_a_tokenizer_info_is_built_once_per_vocabulary(tiny_model_dir) -> None:
+    """Engines made again over one tokenizer (separate objects, equal contents) share xgrammar's
+    view of its vocabulary; another size, other stop tokens or other contents get their own."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.engine.structured_output.grammar import tokenizer_info
+
+    first, second = (AutoTokenizer.from_pretrained(tiny_model_dir) for _ in range(2))
+    size = len(first) + 64
+    info = tokenizer_info(first, size, [2])
+    assert tokenizer_info(second, size, [2]) is info
+    assert tokenizer_info(second, size + 64, [2]).vocab_size == size + 64
+    assert list(tokenizer_info(second, size, [0]).stop_token_ids) == [0]
+    assert second.add_tokens(["zzqx"]) == 1
+    added = second.convert_tokens_to_ids("zzqx")
+    assert info.decoded_vocab[added] == b""  # (padding in the first tokenizer's)
+    assert tokenizer_info(second, size, [2]).decoded_vocab[added] == b"zzqx"
+
+
 @pytest.fixture
 def compiler(llm):
     """A grammar compiler of its own (its own workers and cache) over the tiny model's vocabulary."""

@@ -29,6 +29,7 @@ allowed-token bitmask.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import select
 import subprocess
@@ -60,6 +61,7 @@ MAX_GRAMMAR_BYTES = 64 << 20
 CACHE_BYTES = 128 << 20
 CACHE_ENTRIES = 256
 WORKER_START_TIMEOUT_S = 120.0  # importing xgrammar (and torch) in a fresh process, on a busy machine
+VOCABULARIES = 4  # tokenizer infos kept for engines made again over the same tokenizer (tokenizer_info)
 _POLL_S = 0.05  # how often a trial checks whether anyone still waits for it
 
 
@@ -425,11 +427,47 @@ def _settle(waiter: Future, job: _Job) -> None:
         pass
 
 
+_vocabularies: OrderedDict[tuple[Any, ...], Any] = OrderedDict()  # tokenizer_info's, least recently used first
+_vocabularies_lock = threading.Lock()
+
+
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
     """xgrammar's view of the vocabulary, without the special tokens: xgrammar would match a special
     token's text (a choice "<|im_end|>" could be written as that one control token), which the
     output text then leaves out. Tokens with an empty text are never allowed, except the stop
-    tokens at the end."""
+    tokens at the end. Building it decodes every token: a fast tokenizer's is built once per
+    process (by content: `_vocabulary_key`), so an engine made again over the same model reuses it."""
+    key = _vocabulary_key(tokenizer, vocab_size, stop_token_ids)
+    if key is None:
+        return _build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+    with _vocabularies_lock:
+        info = _vocabularies.get(key)
+        if info is None:
+            info = _vocabularies[key] = _build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+            while len(_vocabularies) > VOCABULARIES:
+                _vocabularies.popitem(last=False)
+        _vocabularies.move_to_end(key)
+        return info
+
+
+def _vocabulary_key(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> tuple[Any, ...] | None:
+    """Everything tokenizer_info reads of a fast tokenizer: its serialized form (vocabulary, added
+    tokens and which are special, pre-tokenizer and decoder), its special and eos ids; None for
+    other tokenizers."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return (
+        type(tokenizer).__qualname__,
+        hashlib.sha256(backend.to_str().encode()).digest(),
+        tuple(sorted(tokenizer.all_special_ids)),
+        tokenizer.eos_token_id,
+        vocab_size,
+        tuple(stop_token_ids),
+    )
+
+
+def _build_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
     import xgrammar as xgr
 
     base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
