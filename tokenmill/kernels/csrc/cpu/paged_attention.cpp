@@ -229,6 +229,8 @@ struct Scratch {
   std::vector<Vec> lanes;  // a key's unreduced dot products, one per row (dots_in_memory_order)
   std::vector<float> stage;  // its V rows, staged (as floats or bf16 pairs: raw bytes)
   std::vector<int64_t> stage_offsets;
+  std::vector<float> keys_t;  // a chunk's K rows of one head transposed (keys_in_lanes_dots)
+  std::vector<float> widened;  // rows widened to fp32 on the way
 };
 
 // A row of `bytes` copied, 32 at a time (a call per row is what a decode's few hundred bytes cost).
@@ -384,6 +386,155 @@ inline void for_row_groups_of_tile(int64_t head_rows, int64_t h, int64_t n, Fn&&
   });
 }
 
+// Tiles of many query rows (prefill chunks, verification passes) take the two passes below instead of
+// dot_tile and weighted_sum_tile: the same fused multiply-adds in the same order, so every score and
+// output keeps its bits (a query's result does not depend on the tile it is computed in), with fewer
+// instructions around them. Scores run with the keys in the vector lanes, over the chunk's K rows
+// transposed once per tile: no horizontal sum per dot product. The weighted V rows keep a group of
+// rows' accumulators in registers across all the chunk's keys instead of loading and storing them
+// every 8 keys. `tokenmill bench offline --long-prompts` measures the prefill they speed up.
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr bool kTileKernels = true;
+#else
+constexpr bool kTileKernels = false;
+#endif
+// Rows per kv head from which a tile takes them: below, transposing the chunk's keys costs more than
+// it saves.
+constexpr int64_t kTileKernelRows = 8;
+// Query rows sharing each transposed key vector (5 live vectors per row: the lane sums as they fold).
+constexpr int kLaneRows = 4;
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kValueRows = 4;  // x 4 vectors of output: 16 accumulators of the 32 registers
+#else
+constexpr int kValueRows = 2;  // x 4 vectors: 8 of the 16 registers
+#endif
+constexpr int kValueVecs = 4;
+
+// Row j of a cache widened into dst (fp32): as load_as_float reads fp32 and bf16, as as_float the rest.
+template <typename C>
+inline void widen_cache_row(const C* row, float* dst, int64_t dim) {
+  if constexpr (std::is_same_v<C, float> || std::is_same_v<C, at::BFloat16>) {
+    widen_row(row, dst, dim);
+  } else {
+    as_float<C>(row, dst, dim);
+  }
+}
+
+// keys_t[d * ldk + j] = element d of key j's row (head h) for j < keys, 0 up to ldk (a multiple of kVec).
+template <typename C>
+void transpose_keys(const C* k_cache, const int64_t* offsets, int64_t keys, int64_t h, int64_t head_stride,
+                    int64_t dim, int64_t ldk, float* keys_t, float* block) {
+  for (int64_t j0 = 0; j0 < ldk; j0 += kVec) {
+    for (int64_t i = 0; i < kVec; ++i) {
+      if (j0 + i < keys) {
+        widen_cache_row(k_cache + offsets[j0 + i] + h * head_stride, block + i * dim, dim);
+      } else {
+        std::fill(block + i * dim, block + (i + 1) * dim, 0.f);
+      }
+    }
+    for (int64_t d = 0; d < dim; d += kVec)
+      at::vec::transpose_mxn<float, kVec, kVec>(block + d, dim, keys_t + d * ldk + j0, ldk);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// Lane l of dot_tile's accumulators for N rows, as vectors over kVec keys: the products of elements
+// l, l + kVec, ... fused in order. (Always inlined: the vectors stay in registers.)
+template <int N, int64_t kBlocks>
+__attribute__((always_inline)) inline void lane_products(const float* const* q_rows, const float* keys_t, int64_t ldk,
+                                                         int64_t runtime_blocks, int64_t l, Vec* x) {
+  const int64_t blocks = kBlocks > 0 ? kBlocks : runtime_blocks;
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) x[r] = Vec(0.f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t d = b * kVec + l;
+    const Vec k = Vec::loadu(keys_t + d * ldk);
+    #pragma GCC unroll 8
+    for (int r = 0; r < N; ++r) x[r] = at::vec::fmadd(Vec(q_rows[r][d]), k, x[r]);
+  }
+}
+
+// y_l of hsum4's tree: lane l, plus lane l + 8 on AVX-512 (eight_lanes).
+template <int N, int64_t kBlocks>
+__attribute__((always_inline)) inline void folded_lane(const float* const* q_rows, const float* keys_t, int64_t ldk,
+                                                       int64_t blocks, int64_t l, Vec* y) {
+  lane_products<N, kBlocks>(q_rows, keys_t, ldk, blocks, l, y);
+#if defined(CPU_CAPABILITY_AVX512)
+  Vec high[N];
+  lane_products<N, kBlocks>(q_rows, keys_t, ldk, blocks, l + 8, high);
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) y[r] = y[r] + high[r];
+#endif
+}
+
+// out[r * ld + j] = q_rows[r] . key j for N rows and the kVec keys at keys_t (transposed, leading
+// dimension ldk), `count` of them stored: dot_tile's bits, its lanes summed in hsum4's order,
+// ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)). kBlocks: dim / kVec at compile time, or 0.
+template <int N, int64_t kBlocks = 0>
+inline void keys_in_lanes_dots(const float* const* q_rows, const float* keys_t, int64_t ldk, int64_t dim, float* out,
+                               int64_t ld, int64_t count) {
+  const int64_t blocks = dim / kVec;
+  Vec left[N], right[N], a[N], b[N];
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 0, a);
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 1, b);
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) left[r] = a[r] + b[r];
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 2, a);
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 3, b);
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) left[r] = left[r] + (a[r] + b[r]);
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 4, a);
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 5, b);
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) right[r] = a[r] + b[r];
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 6, a);
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 7, b);
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) right[r] = right[r] + (a[r] + b[r]);
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) (left[r] + right[r]).store(out + r * ld, static_cast<int>(count));
+}
+#endif
+
+// acc_rows[r][d0 + ...] += w[r * ld + j] * (row j)[d0 + ...] for N rows, V vectors of output and
+// every key j < keys in order, row j at values + offsets[j]: weighted_sum_tile's fused multiply-adds
+// in its order, the accumulators in registers throughout.
+template <int N, int V, typename R>
+inline void keys_in_registers_values(const float* w, int64_t ld, const R* values, const int64_t* offsets,
+                                     int64_t keys, int64_t d0, float* const* acc_rows) {
+  Vec acc[N][V];
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r)
+    #pragma GCC unroll 8
+    for (int i = 0; i < V; ++i) acc[r][i] = Vec::loadu(acc_rows[r] + d0 + i * kVec);
+  for (int64_t j = 0; j < keys; ++j) {
+    Vec v[V];
+    #pragma GCC unroll 8
+    for (int i = 0; i < V; ++i) v[i] = load_as_float(values + offsets[j] + d0 + i * kVec);
+    #pragma GCC unroll 8
+    for (int r = 0; r < N; ++r) {
+      const Vec wr(w[r * ld + j]);
+      #pragma GCC unroll 8
+      for (int i = 0; i < V; ++i) acc[r][i] = at::vec::fmadd(wr, v[i], acc[r][i]);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r)
+    #pragma GCC unroll 8
+    for (int i = 0; i < V; ++i) acc[r][i].store(acc_rows[r] + d0 + i * kVec);
+}
+
+// Calls fn(std::integral_constant<int, V>) with V = n (1..kValueVecs).
+template <typename Fn>
+inline void with_value_vecs(int64_t n, Fn&& fn) {
+  switch (n) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, kValueVecs>{}); break;
+  }
+}
+
 // T: the dtype of q and out (the model's); C: the cache's (the same, or a narrower --kv-cache-dtype).
 // Keys [item.key_lo, item.key_hi), within one chunk, for the item's rows: normalised into out, or,
 // with `partial`, that chunk's partial softmax (see partial_floats).
@@ -444,7 +595,34 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
         in_order(std::integral_constant<int64_t, 0>{});
     }
   }
-  if (staged == nullptr) {
+  // (dim a whole number of vectors: dot_tile's scalar tail has no counterpart here)
+  const bool tile_kernels = kTileKernels && staged == nullptr && head_rows >= kTileKernelRows && dim % kVec == 0;
+  if (tile_kernels) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    const int64_t ldk = (keys + kVec - 1) / kVec * kVec;
+    grow(scratch.keys_t, dim * ldk);
+    grow(scratch.widened, kVec * dim);
+    for (int64_t h = 0; h < item.num_kv_heads; ++h) {
+      transpose_keys(k_cache, offsets, keys, h, p.head_stride, dim, ldk, scratch.keys_t.data(),
+                     scratch.widened.data());
+      for_row_groups<kLaneRows>(head_rows, [&](auto count, int64_t r) {
+        r += h * head_rows;
+        auto dots = [&](auto blocks) {
+          for (int64_t j = 0; j < keys; j += kVec)
+            keys_in_lanes_dots<decltype(count)::value, decltype(blocks)::value>(
+                q_rows.data() + r, scratch.keys_t.data() + j, ldk, dim, scores + r * keys + j, keys,
+                std::min(kVec, keys - j));
+        };
+        if (dim == 4 * kVec)
+          dots(std::integral_constant<int64_t, 4>{});
+        else if (dim == 8 * kVec)
+          dots(std::integral_constant<int64_t, 8>{});
+        else
+          dots(std::integral_constant<int64_t, 0>{});
+      });
+    }
+#endif
+  } else if (staged == nullptr) {
     const Upcoming values{v_cache, offsets, std::min(keys, kPrefetchAhead), item.num_kv_heads};
     for_key_tiles<kKeyTile>(k_cache, offsets, keys, item.num_kv_heads, dim, p.head_stride, converted, values,
                             [&](auto k_rows, int64_t j, int64_t n, int64_t h, const char* const* ahead) {
@@ -522,6 +700,31 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
     v_offsets = scratch.stage_offsets.data();
     v_head_stride = keys * dim;
   }
+  if (tile_kernels) {
+    for (int64_t h = 0; h < item.num_kv_heads; ++h) {
+      auto weigh = [&](const auto* values, const int64_t* row_offsets) {
+        for_row_groups<kValueRows>(head_rows, [&](auto count, int64_t r) {
+          r += h * head_rows;
+          for (int64_t d = 0; d < dim; d += kValueVecs * kVec)
+            with_value_vecs((dim - d) / kVec, [&](auto vecs) {
+              keys_in_registers_values<decltype(count)::value, decltype(vecs)::value>(
+                  scores + r * keys, keys, values, row_offsets, keys, d, acc_rows.data() + r);
+            });
+        });
+      };
+      if constexpr (std::is_same_v<RowOf<C>, C>) {
+        weigh(v_cache + h * p.head_stride, offsets);  // (in place)
+      } else {
+        grow(scratch.widened, keys * dim);
+        grow(scratch.stage_offsets, keys);
+        for (int64_t j = 0; j < keys; ++j) {
+          widen_cache_row(v_cache + offsets[j] + h * p.head_stride, scratch.widened.data() + j * dim, dim);
+          scratch.stage_offsets[j] = j * dim;
+        }
+        weigh(static_cast<const float*>(scratch.widened.data()), scratch.stage_offsets.data());
+      }
+    }
+  } else {
   for_key_tiles<kValueTile>(v_rows, v_offsets, keys, item.num_kv_heads, dim, v_head_stride, converted, next,
                             [&](auto rows_of_tile, int64_t j, int64_t n, int64_t h, const char* const* ahead) {
     for_row_groups_of_tile<kValueTile>(head_rows, h, n, [&](auto count, auto width, int64_t r, int64_t i) {
@@ -530,6 +733,7 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
                                                                         r == h * head_rows ? ahead : nullptr, sizeof(C));
     });
   }, staged == nullptr);
+  }
   if (partial != nullptr) {  // one chunk of several: merged by merge_chunks
     std::copy(acc, acc + rows * dim, partial);
     std::copy(row_max.begin(), row_max.begin() + rows, partial + rows * dim);
