@@ -40,8 +40,13 @@
 namespace tokenmill {
 namespace {
 
-// Queries handled per work item: one decode, or up to this many rows of a prefill chunk.
+// Queries handled per work item: one decode, or up to this many rows of a prefill chunk; of a chunk
+// of at least kLongChunk queries, up to kLongQueryTile (each tile reads its keys' K/V rows once: fewer,
+// larger tiles read them fewer times). A query's bits do not depend on its tile.
 constexpr int64_t kQueryTile = 8;
+constexpr int64_t kLongChunk = 128;
+constexpr int64_t kLongQueryTile = 32;
+inline int64_t query_tile(int64_t queries) { return queries >= kLongChunk ? kLongQueryTile : kQueryTile; }
 
 // K/V rows of one head are scattered (strided within a block, blocks anywhere in the cache): the
 // hardware prefetcher does not follow, so a row's cache lines are requested this many keys ahead,
@@ -421,10 +426,22 @@ inline void widen_cache_row(const C* row, float* dst, int64_t dim) {
 }
 
 // keys_t[d * ldk + j] = element d of key j's row (head h) for j < keys, 0 up to ldk (a multiple of kVec).
+// slot_stride: elements from one slot's row to the next's.
 template <typename C>
 void transpose_keys(const C* k_cache, const int64_t* offsets, int64_t keys, int64_t h, int64_t head_stride,
-                    int64_t dim, int64_t ldk, float* keys_t, float* block) {
+                    int64_t slot_stride, int64_t dim, int64_t ldk, float* keys_t, float* block) {
   for (int64_t j0 = 0; j0 < ldk; j0 += kVec) {
+    if constexpr (std::is_same_v<C, float>) {
+      // kVec keys in neighbouring slots (of one block): transposed where they are, no copy.
+      bool neighbours = j0 + kVec <= keys;
+      for (int64_t i = 1; neighbours && i < kVec; ++i) neighbours = offsets[j0 + i] == offsets[j0] + i * slot_stride;
+      if (neighbours) {
+        const float* first = k_cache + offsets[j0] + h * head_stride;
+        for (int64_t d = 0; d < dim; d += kVec)
+          at::vec::transpose_mxn<float, kVec, kVec>(first + d, slot_stride, keys_t + d * ldk + j0, ldk);
+        continue;
+      }
+    }
     for (int64_t i = 0; i < kVec; ++i) {
       if (j0 + i < keys) {
         widen_cache_row(k_cache + offsets[j0 + i] + h * head_stride, block + i * dim, dim);
@@ -603,8 +620,8 @@ void attend_chunk(const WorkItem& item, const T* q, const C* k_cache, const C* v
     grow(scratch.keys_t, dim * ldk);
     grow(scratch.widened, kVec * dim);
     for (int64_t h = 0; h < item.num_kv_heads; ++h) {
-      transpose_keys(k_cache, offsets, keys, h, p.head_stride, dim, ldk, scratch.keys_t.data(),
-                     scratch.widened.data());
+      transpose_keys(k_cache, offsets, keys, h, p.head_stride, p.kv_heads * p.head_stride, dim, ldk,
+                     scratch.keys_t.data(), scratch.widened.data());
       for_row_groups<kLaneRows>(head_rows, [&](auto count, int64_t r) {
         r += h * head_rows;
         auto dots = [&](auto blocks) {
@@ -891,8 +908,8 @@ std::shared_ptr<const AttentionWork> plan_paged_attention(const at::Tensor& q, c
   // between items: a long prefill's would be tens of MB a layer). Same bits either way.
   int64_t tiles = 0, units = 0;
   for (int64_t s = 0; s < seqs; ++s)
-    for (int64_t first = 0; first < lens[s]; first += kQueryTile, ++tiles) {
-      const auto keys = tile_keys(s, first, std::min<int64_t>(kQueryTile, lens[s] - first));
+    for (int64_t first = 0; first < lens[s]; first += query_tile(lens[s]), ++tiles) {
+      const auto keys = tile_keys(s, first, std::min<int64_t>(query_tile(lens[s]), lens[s] - first));
       units += chunks_in(keys.first, keys.second);
     }
   const bool split = tiles < 4 * threads;
@@ -915,8 +932,8 @@ std::shared_ptr<const AttentionWork> plan_paged_attention(const at::Tensor& q, c
       TORCH_CHECK(block >= 0 && block < num_blocks, "block table entry ", block, " is outside the cache's ",
                   num_blocks, " blocks");
     }
-    for (int64_t first = 0; first < lens[s]; first += kQueryTile) {
-      const int64_t n = std::min<int64_t>(kQueryTile, lens[s] - first);
+    for (int64_t first = 0; first < lens[s]; first += query_tile(lens[s])) {
+      const int64_t n = std::min<int64_t>(query_tile(lens[s]), lens[s] - first);
       const auto keys = tile_keys(s, first, n);
       const int64_t chunks = chunks_in(keys.first, keys.second);
       for (int64_t h = 0; h < p.kv_heads; h += heads_per_item) {
