@@ -201,6 +201,30 @@ def test_a_short_decode_is_bit_identical_read_by_kv_head_or_in_memory_order(cach
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+@pytest.mark.parametrize("seed", range(3))
+def test_each_query_of_a_long_prefill_chunk_has_its_decode_bits(dtype, cache_dtype, seed):
+    """A long prompt chunk runs in tiles of many query rows (keys in the vector lanes, accumulators
+    held across a chunk's keys); every one of its queries decoded alone over the same cached keys
+    (one query per sequence, read another way) gets the same bits: a position's result does not
+    depend on whether it came in a chunk, a verification pass or a decode, windows and softcaps
+    included."""
+    rng = random.Random(100 + seed)
+    while True:
+        c = _case(rng, dtype, seqs=[(rng.randint(400, 700), rng.randint(130, 300))])
+        if c["q"].shape[2] % 16 == 0 and c["q"].shape[1] // c["k_cache"].shape[1] > 1:  # (the tile path's shapes)
+            break
+    c = dict(c, k_cache=c["k_cache"].to(cache_dtype), v_cache=c["v_cache"].to(cache_dtype))
+    (ctx, q_len), table = c["seqs"][0], c["tables"][0]
+    chunk = _kernel(c)
+    decodes = dict(c, seqs=[(ctx - q_len + i + 1, 1) for i in range(q_len)], tables=[table] * q_len)
+    assert torch.equal(_kernel(decodes), chunk)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("seed", range(8))
 def test_half_precision_kv_matches_fp64_reference(seed, dtype):

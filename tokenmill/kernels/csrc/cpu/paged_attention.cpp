@@ -16,6 +16,8 @@
 // a per-thread buffer: q.k for tiles of 4 keys x 3 query rows (fp32 accumulators in registers), scale,
 // optional softcap tanh, the causal/window mask as one range per row, max, exp, sum, then the
 // weighted V rows accumulated in registers over tiles of 8 keys, divided by the sum at the end.
+// Tiles of many query rows (prefill chunks, verification passes) compute the same products in the
+// same order with the keys in the vector lanes (see keys_in_lanes_dots): same bits, fewer instructions.
 // Vectorised with ATen's Vectorized<float> for the instruction set this file is compiled for
 // (AVX2+FMA or AVX-512; see tokenmill/kernels/build.py). Faster than a per-key loop on cached K/V,
 // over a bf16 cache and for prefill chunks; fp32 decode over a cache larger than L3 stays
