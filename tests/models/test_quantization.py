@@ -299,24 +299,53 @@ def _linear_layers(llm):
     return [layer for _, layer in linear_layers(llm.engine.model)]
 
 
-def test_four_bit_checkpoints_run_on_the_int4_kernels_and_fuse(sharp_tiny_model_dir, formats_dir):
+def _native_bf16() -> bool:
+    from tokenmill.kernels.cpu_caps import detect
+
+    return detect().native_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("fmt", "method"),
+    [
+        ("gptq-4bit-g128-asym-v2", "int4"),
+        ("ct-w8a8-dynamic-tokens", "w8a8"),
+        ("ct-fp8-channel", "fp8"),
+        ("ct-fp8-block", "fp8"),
+    ],
+)
+def test_quantized_checkpoints_fuse_bit_identically(fmt, method, dtype, sharp_tiny_model_dir, formats_dir):
+    """4-bit, W8A8 (activations rounded to int8 per token) and FP8 (per channel, 128 x 128 blocks)
+    layers on their kernels fuse into the native decoder stack, with the same tokens, logprobs and
+    cache bytes as the Python layers: decodes of a few sequences in the one parallel region (each
+    thread rounding a W8A8 layer's rows itself), prompt chunks with cached context layer by layer
+    (chunks of up to 32 tokens), in fp32 and (a CPU with native bf16) bf16 activations."""
     from tokenmill.kernels import build
 
     if not build.load():
         pytest.skip("tokenmill's CPU kernels are not built here")
-    config, encode = FORMATS["gptq-4bit-g128-asym-v2"]
-    checkpoint, _ = _quantized_pair(sharp_tiny_model_dir, formats_dir, "gptq-fused", config, encode)
-    llm = LLM(str(checkpoint), progress=False, kv_cache_memory="32MiB", dtype="float32")
-    model = llm.engine.model
-    assert model.layers[0].self_attn.qkv_proj.quant_method.name == "int4"
-    assert model.fused_stack is not None
-    plain = LLM(str(checkpoint), progress=False, kv_cache_memory="32MiB", dtype="float32", fused_layers=False)
-    prompts = mixed_prompts(3, 3, 30, seed=5)
-    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
-    outs = [
-        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in e.generate(prompts, params)] for e in (llm, plain)
+    if dtype == "bfloat16" and not _native_bf16():
+        pytest.skip("bf16 activations need a CPU with native bf16 (AMX or AVX512-BF16)")
+    config, encode = FORMATS[fmt]
+    torch.manual_seed(0)
+    checkpoint, _ = _quantized_pair(sharp_tiny_model_dir, formats_dir, fmt, config, encode)
+    engines = [
+        LLM(str(checkpoint), progress=False, kv_cache_memory="32MiB", dtype=dtype, max_num_batched_tokens=32, **flags)
+        for flags in ({}, {"fused_layers": False})
     ]
-    assert outs[0] == outs[1]  # the fused layers' bits are the Python layers'
+    fused, plain = (llm.engine.model for llm in engines)
+    assert {fused.layers[0].self_attn.qkv_proj.quant_method.name, fused.layers[0].mlp.down_proj.quant_method.name} == {
+        method
+    }
+    assert fused.fused_stack is not None and all(layer.fused is not None for layer in fused.layers)
+    assert plain.fused_stack is None
+    prompts = mixed_prompts(3, 3, 70, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    outs = [[(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)] for llm in engines]
+    assert outs[0] == outs[1]
+    assert fused.fused_stack.native.region_steps() >= params.max_tokens - 1  # the decodes, in the one region
+    assert torch.equal(engines[0].engine.kv_cache.data, engines[1].engine.kv_cache.data)
 
 
 @pytest.mark.parametrize(

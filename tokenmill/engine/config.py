@@ -141,9 +141,9 @@ class EngineConfig:
     )
     fused_layers: bool = option(
         True,
-        "CPU fp32 with --packed-linear (or --quantization int8): run each Llama-shaped decoder layer of a "
-        "decode step as one C++ call (the same kernels in the same order, without the Python between them: "
-        "bit-identical results)",
+        "CPU, projections on tokenmill's kernels (--packed-linear, --quantization, quantized checkpoints: int8, "
+        "4-bit, W8A8, FP8): run each Llama-shaped decoder layer of a decode step as one C++ call (the same "
+        "kernels in the same order, without the Python between them: bit-identical results)",
     )
     # None = auto: see engine/setup.py's batch_invariance.
     batch_invariant: bool | None = option(

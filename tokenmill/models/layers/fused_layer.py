@@ -10,11 +10,12 @@ Python), over fp32, bf16 or int8 caches (the layer writes K/V rows into their sl
 quantizing int8 rows as kv_quant.to_cache does). Fused: layers of exactly the Llama structure (RMSNorm, fused qkv
 with optional bias, no q/k norm, SiLU-gated MLP, no tensor parallelism) in fp32 whose four
 projections are on the panel GEMM: fp32 or bf16 panels (`--packed-linear`; bf16 holds the bf16-valued
-weights of a model published in bf16: the kernel widens them back to fp32), int8 (`--quantization int8`)
-or 4-bit (`--quantization int4`, 4-bit checkpoints); or in bf16 with the four on oneDNN (`--dtype
-bfloat16` on a CPU with AMX or AVX512-BF16: the same bf16 kernels as the Python layer, whose
-elementwise ops then also run fused) or int8 or 4-bit panels. Whether a projection fuses is its linear
-method's answer (linear.py: `fused_projection`).
+weights of a model published in bf16: the kernel widens them back to fp32), int8 (`--quantization int8`,
+8-bit weight-only checkpoints), 4-bit (`--quantization int4`, 4-bit checkpoints), W8A8 (activations
+rounded to int8 per token, as the Python layer's w8a8 kernel rounds them) or FP8 checkpoints; or in bf16
+with the four on oneDNN (`--dtype bfloat16` on a CPU with AMX or AVX512-BF16: the same bf16 kernels as
+the Python layer, whose elementwise ops then also run fused) or any of those integer or FP8 panels.
+Whether a projection fuses is its linear method's answer (linear.py: `fused_projection`).
 Anything wrapped later (LoRA) makes the layer stand aside. When every layer of the model is fused,
 the model's forward runs them as one C++ loop (FusedStack): one check per step instead of one per
 layer, and no Python between layers (Python's loop, module calls, the op's 32 boxed arguments). A
@@ -120,10 +121,10 @@ class FusedStack:
         ints: list[int] = []
         floats: list[float] = []
         for layer in layers:
-            norm, post_norm, eps, projections, zero_points, heads, kv_heads, intermediate = layer.weights
+            norm, post_norm, eps, projections, zero_points, group_sizes, heads, kv_heads, intermediate = layer.weights
             scale, window, softcap = layer.attention
             tensors += [norm, post_norm, *projections]
-            ints += [heads, kv_heads, intermediate, window, *zero_points]
+            ints += [heads, kv_heads, intermediate, window, *zero_points, *group_sizes]
             floats += [eps, scale, softcap]
         self.native = ops.decoder_stack(tensors, ints, floats, final_norm.weight.detach(), final_norm.eps)
 
@@ -191,6 +192,7 @@ def _fused_layer(layer: LlamaLayer) -> FusedLayer | None:
             norm.eps,
             [t for p in projections for t in p.tensors()],
             [p.zero for p in projections],
+            [p.group_size for p in projections],
             attn.num_heads,
             attn.num_kv_heads,
             mlp.intermediate,

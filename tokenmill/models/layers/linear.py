@@ -186,7 +186,8 @@ UNQUANTIZED = LinearMethod()
 @dataclass(frozen=True)
 class FusedProjection:
     """A projection as the C++ decoder layers take it: the packed weight and, for quantized ones, the
-    tensors that go with it (scales; 4-bit ones' zero points, or one for all, and offsets); the bias."""
+    tensors that go with it (scales; 4-bit ones' zero points, or one for all, and offsets; W8A8 ones'
+    column offsets; FP8 ones' scale group size); the bias."""
 
     weight: torch.Tensor
     scales: torch.Tensor | None
@@ -194,6 +195,7 @@ class FusedProjection:
     zeros: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     zero: int = 0
+    group_size: int = 0  # FP8 scales' inputs per group (0: not FP8)
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """In the order decoder_layer.cpp takes a projection's tensors."""

@@ -65,7 +65,7 @@ TORCH_LIBRARY(tokenmill, m) {
   // decoder_layer.cpp
   m.def(
       "llama_decoder_layer(Tensor x, Tensor input_norm, Tensor post_norm, float eps, Tensor?[] projections, "
-      "int[] zero_points, int heads, int kv_heads, int intermediate, Tensor cos, Tensor sin, "
+      "int[] zero_points, int[] group_sizes, int heads, int kv_heads, int intermediate, Tensor cos, Tensor sin, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor query_start, Tensor query_lens, "
       "Tensor block_tables, Tensor context_lens, int block_size, float scale, int window, float softcap) -> Tensor");
   tokenmill::register_decoder_stack(m);

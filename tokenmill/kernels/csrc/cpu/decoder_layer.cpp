@@ -1,8 +1,10 @@
 // One Llama-shaped decoder layer (CPU) in one call, for steps whose attention runs entirely on the
 // paged kernel (decodes and chunks with cached context). fp32 activations with each projection's
-// weight panel-packed fp32/bf16, or int8 with its packed scales (--quantization int8); or bf16
-// activations with bf16 weights on oneDNN (CPUs with AMX / AVX512-BF16, `--dtype bfloat16`), on
-// bf16 panels, or on bf16 pair panels (AVX512-BF16 dot products, bf16_pair_linear.cpp):
+// weight panel-packed fp32/bf16, int8 with its packed scales (--quantization int8), 4-bit, W8A8 (int8
+// weights times activations rounded to int8 per token, w8a8_linear.cpp) or FP8 (fp8_linear.cpp); or
+// bf16 activations with bf16 weights on oneDNN (CPUs with AMX / AVX512-BF16, `--dtype bfloat16`), on
+// bf16 panels, on bf16 pair panels (AVX512-BF16 dot products, bf16_pair_linear.cpp), or on the
+// integer or FP8 panels above (their ops widen x to fp32 and round the result to bf16):
 //   h = rms_norm(x); q, k, v = split(h W_qkv^T + b); rope(q, k); cache <- k, v; a = attention(q)
 //   x = x + a W_o^T + b;  x = x + silu_mul(rms_norm(x) W_gate_up^T + b) W_down^T + b
 // The same kernels, in the same order, as the Python layer (tokenmill/models/families/llama.py) on
@@ -36,19 +38,24 @@ namespace {
 using OptTensor = c10::optional<at::Tensor>;
 
 // One projection's weight: panels of fp32/bf16, bf16 pair panels, int8 panels with their scales, 4-bit panels (uint8)
-// with their scales, zero points (or one for all: `zero`) and offsets, or a weight reordered for oneDNN
-// (an opaque MkldnnCPU tensor); its bias if any.
+// with their scales, zero points (or one for all: `zero`) and offsets, W8A8 quad panels (int8) with their
+// column scales and offsets (`offsets`: 128 x each column's sum of weights), FP8 panels (uint8 e4m3 bytes)
+// with their scales per `group_size` inputs, or a weight reordered for oneDNN (an opaque MkldnnCPU
+// tensor); its bias if any.
 struct Projection {
   at::Tensor weight;
   OptTensor scales, zeros, offsets, bias;
   int64_t zero = 0;
+  int64_t group_size = 0;  // an FP8 weight's scale groups (0: any other kind)
   // A bf16 weight in oneDNN's AMX layout with whole tiles of inputs (K a multiple of 32), which
   // amx_linear's tiles take: probed once by DecoderStack's constructor (the layout probe takes a
   // lock), read by its one-region check every step.
   bool amx_tiles = false;
 
-  bool int4() const { return !onednn() && weight.scalar_type() == at::kByte; }
-  bool int8() const { return !onednn() && weight.scalar_type() == at::kChar; }
+  bool fp8() const { return !onednn() && weight.scalar_type() == at::kByte && group_size > 0; }
+  bool int4() const { return !onednn() && weight.scalar_type() == at::kByte && group_size == 0; }
+  bool w8a8() const { return !onednn() && weight.scalar_type() == at::kChar && offsets.has_value(); }
+  bool int8() const { return !onednn() && weight.scalar_type() == at::kChar && !offsets.has_value(); }
   bool onednn() const { return weight.is_mkldnn(); }
   // bf16 panels by pairs of inputs (pack_bf16_pairs: [panels, K / 2, 2 * kPanel], where bf16 panels
   // are [panels, K, kPanel]), multiplied by AVX512-BF16 dot products
@@ -59,6 +66,8 @@ struct Projection {
     return onednn()  ? "tokenmill::amx_linear"
            : int8()  ? "tokenmill::packed_int8_linear"
            : int4()  ? "tokenmill::packed_int4_linear"
+           : w8a8()  ? "tokenmill::w8a8_linear"
+           : fp8()   ? "tokenmill::fp8_linear"
            : pairs() ? "tokenmill::bf16_pair_linear"
                      : "tokenmill::packed_linear";
   }
@@ -72,6 +81,8 @@ at::Tensor linear(const at::Tensor& x, const Projection& p, int64_t n) {
   if (p.onednn()) return tokenmill::onednn_linear(x, p.weight, p.bias);
   RECORD_FUNCTION(p.op_name(), std::vector<c10::IValue>());
   if (p.int4()) return tokenmill::packed_int4_linear(x, p.weight, *p.scales, p.zeros, p.zero, p.offsets, p.bias, n);
+  if (p.w8a8()) return tokenmill::w8a8_linear(x, p.weight, *p.offsets, *p.scales, p.bias, n);
+  if (p.fp8()) return tokenmill::fp8_linear(x, p.weight, *p.scales, p.group_size, p.bias, n);
   if (p.pairs()) return tokenmill::bf16_pair_linear(x, p.weight, p.bias, n);
   return p.int8() ? tokenmill::packed_int8_linear(x, p.weight, *p.scales, p.bias, n)
                   : tokenmill::packed_linear(x, p.weight, p.bias, n);
@@ -315,7 +326,7 @@ std::pair<int64_t, int64_t> share_of(int64_t count, int64_t tid, int64_t team) {
 }
 
 // One projection of m fp32 rows on the calling thread: its share of the panels of out [m, N]; an
-// int8 or 4-bit one quantizes x in the thread's scratch.
+// int8, 4-bit or W8A8 one quantizes x in the thread's scratch.
 void project_rows(const Projection& p, const float* bias, const float* x, int64_t m, int64_t k, float* out, int64_t n,
                   int64_t tid, int64_t team, tokenmill::Int8RowScratch& scratch) {
   const auto [begin, end] = share_of(p.weight.size(0), tid, team);
@@ -325,6 +336,10 @@ void project_rows(const Projection& p, const float* bias, const float* x, int64_
   else if (p.int4())
     tokenmill::packed_int4_linear_rows(x, m, k, p.weight, *p.scales, p.zeros, p.zero, p.offsets, bias, out, n, begin,
                                        end, scratch);
+  else if (p.w8a8())
+    tokenmill::w8a8_linear_rows(x, m, k, p.weight, *p.offsets, *p.scales, bias, out, n, begin, end, scratch);
+  else if (p.fp8())
+    tokenmill::fp8_linear_rows(x, m, p.weight, *p.scales, p.group_size, bias, out, n, begin, end);
   else
     tokenmill::packed_linear_rows(x, m, p.weight, bias, out, n, begin, end);
 }
@@ -337,9 +352,10 @@ struct RegionScratch {
 
 // One projection of m rows of T on the calling thread, its share of out [m, N] of T, as the layer
 // path's op computes it: fp32 x on the panels (project_rows); bf16 x on a oneDNN weight's 32-output
-// blocks as amx_linear runs them, or on a share of pair panels as bf16_pair_linear runs them; bf16 x on panels (int8, or bf16 weights) widened to fp32 as
-// packed_(int8_)linear widen it, summed into `wide_out` [m, N] (fp32, shared) and this thread's
-// columns rounded to bf16 once, bias included, as the op's .to(bf16) rounds them.
+// blocks as amx_linear runs them, or on a share of pair panels as bf16_pair_linear runs them; bf16 x
+// on other panels (integer, FP8 or bf16 weights) widened to fp32 as their ops widen it, summed into
+// `wide_out` [m, N] (fp32, shared) and this thread's columns rounded to bf16 once, bias included, as
+// the op's .to(bf16) rounds them.
 template <typename T>
 void project_share(const Projection& p, const float* bias, const T* x, int64_t m, int64_t k, T* out, int64_t n,
                    float* wide_out, int64_t tid, int64_t team, RegionScratch& scratch) {
@@ -383,7 +399,7 @@ void project_share(const Projection& p, const float* bias, const T* x, int64_t m
 // (`tokenmill bench profile --dtype bfloat16`, with and without `--quantization int8`).
 struct DecoderStack : torch::CustomClassHolder {
   static constexpr int64_t kProjectionTensors = 5;  // weight, scales, zeros, offsets, bias
-  static constexpr int64_t kTensors = 2 + 4 * kProjectionTensors, kInts = 8, kFloats = 3;  // per layer
+  static constexpr int64_t kTensors = 2 + 4 * kProjectionTensors, kInts = 12, kFloats = 3;  // per layer
   std::vector<LayerWeights> layers;
   std::vector<std::array<at::Tensor, 4>> biases;  // per layer: qkv, o, gate_up, down biases in fp32 (or undefined)
   // Steps of up to this many tokens run in one region where a projection is on panels: at most one
@@ -399,7 +415,8 @@ struct DecoderStack : torch::CustomClassHolder {
 
   // Per layer: tensors input_norm, post_norm, then weight, scales?, zeros?, offsets?, bias? of qkv, o,
   // gate_up and down; ints heads, kv_heads, intermediate, window, then the four projections' zero
-  // points; floats eps, scale, softcap. Then the final norm's weight and eps.
+  // points, then their FP8 scale group sizes (0: not FP8); floats eps, scale, softcap. Then the final
+  // norm's weight and eps.
   DecoderStack(const c10::List<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& ints,
                const std::vector<double>& floats, const at::Tensor& final_norm_weight, double final_norm_eps)
       : final_norm(final_norm_weight), final_eps(final_norm_eps) {
@@ -413,7 +430,7 @@ struct DecoderStack : torch::CustomClassHolder {
       auto projection = [&](int64_t index) {
         const int64_t first = t + 2 + index * kProjectionTensors;
         Projection p{*tensor(first), tensor(first + 1), tensor(first + 2), tensor(first + 3), tensor(first + 4),
-                     ints[l * kInts + 4 + index]};
+                     ints[l * kInts + 4 + index], ints[l * kInts + 8 + index]};
         p.amx_tiles = p.onednn() && p.weight.size(1) % 32 == 0 && tokenmill::amx_linear_takes(1, p.weight);
         return p;
       };
@@ -464,8 +481,8 @@ struct DecoderStack : torch::CustomClassHolder {
   // Whether the step is fp32 or bf16 tokens (kRegionRows says how many) over caches write_head
   // writes, every layer of one shape, its norms in x's dtype and each projection one the region
   // computes as the layer path does (project_share): panels under fp32 x (oneDNN runs its own
-  // threads); under bf16 x, int8, bf16 or pair panels, or a oneDNN weight amx_linear takes whole tiles of
-  // (K a multiple of 32).
+  // threads); under bf16 x, integer, FP8, bf16 or pair panels, or a oneDNN weight amx_linear takes
+  // whole tiles of (K a multiple of 32).
   bool fits_one_region(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos,
                        const at::Tensor& sin, const std::vector<at::Tensor>& k_caches,
                        const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_mapping) const {
@@ -487,7 +504,8 @@ struct DecoderStack : torch::CustomClassHolder {
       if (p.onednn()) return dtype == at::kBFloat16 && p.amx_tiles && m <= tokenmill::kAmxMaxRows;
       if (p.pairs()) return dtype == at::kBFloat16 && m <= kRegionRows;
       return m <= kRegionRows &&
-             (dtype == at::kFloat || p.int8() || p.int4() || p.weight.scalar_type() == at::kBFloat16);
+             (dtype == at::kFloat || p.int8() || p.int4() || p.w8a8() || p.fp8() ||
+              p.weight.scalar_type() == at::kBFloat16);
     };
     const LayerWeights& first = layers[0];
     for (size_t l = 0; l < layers.size(); ++l) {
@@ -671,20 +689,22 @@ namespace tokenmill {
 
 at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
                                double eps, const c10::List<std::optional<at::Tensor>>& projections,
-                               c10::ArrayRef<int64_t> zero_points, int64_t heads, int64_t kv_heads,
+                               c10::ArrayRef<int64_t> zero_points, c10::ArrayRef<int64_t> group_sizes,
+                               int64_t heads, int64_t kv_heads,
                                int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                                const at::Tensor& query_start, const at::Tensor& query_lens,
                                const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
                                double scale, int64_t window, double softcap) {
   constexpr int64_t kPer = DecoderStack::kProjectionTensors;
-  TORCH_CHECK(projections.size() == 4 * kPer && zero_points.size() == 4,
-              "llama_decoder_layer: weight, scales, zeros, offsets and bias of qkv, o, gate_up and down, and their "
-              "zero points");
+  TORCH_CHECK(projections.size() == 4 * kPer && zero_points.size() == 4 && group_sizes.size() == 4,
+              "llama_decoder_layer: weight, scales, zeros, offsets and bias of qkv, o, gate_up and down, their "
+              "zero points and their FP8 scale group sizes");
   auto projection = [&](int64_t index) {
     const int64_t first = index * kPer;
     return Projection{*projections.get(first), projections.get(first + 1), projections.get(first + 2),
-                      projections.get(first + 3), projections.get(first + 4), zero_points[index]};
+                      projections.get(first + 3), projections.get(first + 4), zero_points[index],
+                      group_sizes[index]};
   };
   const LayerWeights w{input_norm, post_norm, eps, projection(0), projection(1), projection(2), projection(3),
                        heads, kv_heads, intermediate, scale, window, softcap};

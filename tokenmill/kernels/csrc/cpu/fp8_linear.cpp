@@ -139,6 +139,13 @@ void fp8_panel_range(const float* xp, const uint8_t* wp, const float* sp, const 
 
 }  // namespace
 
+void fp8_linear_rows(const float* x, int64_t m, const at::Tensor& packed, const at::Tensor& scales, int64_t group_size,
+                     const float* bias, float* out, int64_t n, int64_t begin, int64_t end) {
+  const int64_t k = packed.size(1);
+  const ScaleGroups cut{k, (k + group_size - 1) / group_size, group_size};
+  fp8_panel_range(x, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), cut, bias, out, m, n, begin, end, 0, m);
+}
+
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group_size,
                       const c10::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && x.is_floating_point() && x.dim() >= 1, "fp8_linear: a float CPU x [..., K]");

@@ -58,6 +58,7 @@ struct Int8RowScratch {  // a thread's x as int16 pairs and block scales (and th
   std::vector<int8_t> high;
   std::vector<uint8_t> low;
   std::vector<float> group_sums;  // 4-bit layers with offsets: each row's sum of x per group
+  std::vector<uint8_t> quads;     // W8A8 layers: x rounded to int8 per row, as bytes x + 128
 };
 void packed_int8_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed,
                              const at::Tensor& packed_scales, const float* bias, float* out, int64_t n, int64_t begin,
@@ -82,11 +83,19 @@ void packed_int4_linear_rows(const float* x, int64_t m, int64_t k, const at::Ten
 // of `group_size` inputs ([panels, groups, kPanel], 2^8 folded in), widened as they stream; x's dtype.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group_size,
                       const c10::optional<at::Tensor>& bias, int64_t n);
+// Rows x [m, K] (fp32) times panels [begin, end) on the calling thread, as fp8_linear computes them.
+void fp8_linear_rows(const float* x, int64_t m, const at::Tensor& packed, const at::Tensor& scales, int64_t group_size,
+                     const float* bias, float* out, int64_t n, int64_t begin, int64_t end);
 
 // w8a8_linear.cpp: int8 weights (quad panels, per-column fp32 scales and 128 x column sums) times x
 // rounded to int8 per row (dynamic per-token scales); x's dtype.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets,
                        const at::Tensor& scales, const c10::optional<at::Tensor>& bias, int64_t n);
+// Rows x [m, K] (fp32) times panels [begin, end) on the calling thread, as w8a8_linear computes them
+// (on the vector paths: the int32 sums its AMX tiles give too), x rounded to int8 in `scratch`.
+void w8a8_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed, const at::Tensor& offsets,
+                      const at::Tensor& scales, const float* bias, float* out, int64_t n, int64_t begin, int64_t end,
+                      Int8RowScratch& scratch);
 // The instructions a W8A8 step of `rows` rows runs on here: "amx-int8", "avx512-vnni", "avx-vnni",
 // "pmaddwd" (the same int32 sums from int16 products, where the CPU has no int8 dot products) or
 // "scalar" (kernels built without vector extensions).
@@ -205,7 +214,8 @@ void lora_delta(const at::Tensor& x, at::Tensor& out, const at::Tensor& lora_a, 
 // the four projections' one zero point, for 4-bit ones without per-group zero points)
 at::Tensor llama_decoder_layer(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
                                double eps, const c10::List<std::optional<at::Tensor>>& projections,
-                               c10::ArrayRef<int64_t> zero_points, int64_t heads, int64_t kv_heads,
+                               c10::ArrayRef<int64_t> zero_points, c10::ArrayRef<int64_t> group_sizes,
+                               int64_t heads, int64_t kv_heads,
                                int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
                                at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping,
                                const at::Tensor& query_start, const at::Tensor& query_lens,

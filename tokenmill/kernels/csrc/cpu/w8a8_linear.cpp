@@ -189,7 +189,8 @@ bool vnni_usable() { return false; }
 // their scales s_x = max|x| / 127 (at least 1e-12: an all-zero row has zero inputs). A row with a
 // NaN or an infinity keeps that scale, and so NaN results.
 void quantize_rows(const float* x, int64_t k, int64_t kp, int64_t r0, int64_t r1, uint8_t* xu, float* sx) {
-  std::vector<float> levels(static_cast<size_t>(k));
+  thread_local std::vector<float> levels;
+  levels.resize(static_cast<size_t>(k));
   for (int64_t r = r0; r < r1; ++r) {
     const float* row = x + r * k;
     Vec largest(0.f);
@@ -281,6 +282,25 @@ bool amx_w8a8_applies(int64_t m) {
 #endif
 }
 
+// Rows [0, m) of bytes xu times panels [begin, end) on the calling thread, on the CPU's int8 dot
+// products where it has them (every path the same int32 sums).
+void w8a8_panels(const uint8_t* xu, const float* sx, const W8A8Weights& w, const float* bias, float* out, int64_t m,
+                 int64_t n, int64_t begin, int64_t end, int64_t m0, int64_t rows) {
+#if defined(TOKENMILL_VNNI_TARGET)
+  if (vnni_usable()) {
+    vnni::w8a8_panel_range(xu, sx, w, bias, out, m, n, begin, end, m0, rows);
+    return;
+  }
+#endif
+  widened::w8a8_panel_range(xu, sx, w, bias, out, m, n, begin, end, m0, rows);
+}
+
+// The panels' weights, their quads and the bytes of one panel, as the kernels read them.
+W8A8Weights w8a8_weights(const at::Tensor& packed, const at::Tensor& offsets, const at::Tensor& scales) {
+  const int64_t quads = packed.size(1);
+  return {packed.data_ptr<int8_t>(), offsets.data_ptr<int32_t>(), scales.data_ptr<float>(), quads, quads * kQuadBytes};
+}
+
 // x W^T (+ bias), fp32, for x [m, k] fp32.
 void w8a8_gemm(const float* xp, int64_t m, int64_t k, const W8A8Weights& w, int64_t panels, const float* bias,
                float* op, int64_t n) {
@@ -305,16 +325,8 @@ void w8a8_gemm(const float* xp, int64_t m, int64_t k, const W8A8Weights& w, int6
     return;
   }
 #endif
-  const bool hardware = vnni_usable();
   for_panel_blocks(m, k, panels, [&](int64_t begin, int64_t end, int64_t m0, int64_t rows) {
-#if defined(TOKENMILL_VNNI_TARGET)
-    if (hardware) {
-      vnni::w8a8_panel_range(xup, sxp, w, bias, op, m, n, begin, end, m0, rows);
-      return;
-    }
-#endif
-    (void)hardware;
-    widened::w8a8_panel_range(xup, sxp, w, bias, op, m, n, begin, end, m0, rows);
+    w8a8_panels(xup, sxp, w, bias, op, m, n, begin, end, m0, rows);
   });
 }
 
@@ -352,12 +364,21 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor xc = x.reshape({-1, k}).to(at::kFloat).contiguous();
   const int64_t m = xc.size(0);
   at::Tensor out = at::empty({m, n}, xc.options());
-  if (m > 0 && n > 0) {
-    const W8A8Weights w{packed.data_ptr<int8_t>(), offsets.data_ptr<int32_t>(), scales.data_ptr<float>(), kp / 4,
-                        kp / 4 * kQuadBytes};
-    w8a8_gemm(xc.data_ptr<float>(), m, k, w, panels, bias_ptr, out.data_ptr<float>(), n);
-  }
+  if (m > 0 && n > 0)
+    w8a8_gemm(xc.data_ptr<float>(), m, k, w8a8_weights(packed, offsets, scales), panels, bias_ptr,
+              out.data_ptr<float>(), n);
   return out.view(shape).to(x.scalar_type());
+}
+
+void w8a8_linear_rows(const float* x, int64_t m, int64_t k, const at::Tensor& packed, const at::Tensor& offsets,
+                      const at::Tensor& scales, const float* bias, float* out, int64_t n, int64_t begin, int64_t end,
+                      Int8RowScratch& scratch) {
+  const W8A8Weights w = w8a8_weights(packed, offsets, scales);
+  const int64_t kp = 4 * w.quads;
+  scratch.quads.resize(static_cast<size_t>(m * kp));
+  scratch.sx.resize(static_cast<size_t>(m));
+  quantize_rows(x, k, kp, 0, m, scratch.quads.data(), scratch.sx.data());
+  w8a8_panels(scratch.quads.data(), scratch.sx.data(), w, bias, out, m, n, begin, end, 0, m);
 }
 
 }  // namespace tokenmill

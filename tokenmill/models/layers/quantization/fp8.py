@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from tokenmill.kernels import ops
-from tokenmill.models.layers.linear import Linear, LinearMethod, stored
+from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod, stored
 from tokenmill.models.layers.quantization.int8 import panels
 
 # The kernel widens e4m3 bytes to their values times 2^-8 (fp16 bits, see fp8_linear.cpp): the scales
@@ -92,6 +92,11 @@ class FP8LinearKernelMethod(LinearMethod):
 
     def logits(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return self.apply(layer, x.float())
+
+    def fused_projection(self, layer: Linear, activations: torch.dtype) -> FusedProjection | None:
+        if activations in (torch.float32, torch.bfloat16):
+            return FusedProjection(layer.qweight, layer.scales, layer.bias, group_size=layer.group_size)
+        return None
 
     def dequantized(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
         """fp8 * scale per weight, as the kernel computes it (exact in fp32)."""

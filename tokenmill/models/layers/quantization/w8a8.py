@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.kernels import ops
-from tokenmill.models.layers.linear import Linear, LinearMethod, stored
+from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod, stored
 from tokenmill.models.layers.quantization.int8 import Int8Source
 
 # The kernel pads K with zero weights to a multiple of this (one AMX tile row of inputs).
@@ -86,6 +86,11 @@ class W8A8LinearMethod(LinearMethod):
         return ops.w8a8_linear(
             x.float(), layer.qweight, layer.column_offsets, layer.scales, layer.bias, layer.out_features
         )
+
+    def fused_projection(self, layer: Linear, activations: torch.dtype) -> FusedProjection | None:
+        if activations in (torch.float32, torch.bfloat16):
+            return FusedProjection(layer.qweight, layer.scales, layer.bias, offsets=layer.column_offsets)
+        return None
 
     def quantized(self, layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 [N, K], fp32 scales [N]), unpacked from the panels."""
