@@ -290,6 +290,7 @@ def peers_offline(data: Json) -> Iterable[Row]:
             r.get("weights") or r["precision"],
             r["kv_cache"],
             _num(r["output_tok_s"]),
+            _num(r["wall_s"], ".2f"),
             "–" if base is None else f"{r['output_tok_s'] / base:.2f}x",
         ]
 
@@ -350,6 +351,7 @@ SECTIONS = (
             "roofline-int8.json",
             "roofline-int4.json",
             "roofline-gguf-q8_0.json",
+            "roofline-gguf-q4_0.json",
         ),
         ("weights MB", "copy GB/s", "bound ms", "measured ms", "measured / bound"),
         roofline,
@@ -470,9 +472,10 @@ SECTIONS = (
     ),
     Section(
         "Peers, offline (`bench/peers/peers.py run`)",
-        "64 requests (prompts 16-512, outputs 32-256), each engine in its own process.",
+        "64 requests (prompts 16-512, outputs 32-256) unless the command says otherwise, each engine in its own "
+        "process; a run of one request with one output token times its first token (wall s).",
         _files("peers/**/peers.json"),
-        ("engine", "precision", "weights", "KV cache", "output tok/s", "vs tokenmill"),
+        ("engine", "precision", "weights", "KV cache", "output tok/s", "wall s", "vs tokenmill"),
         peers_offline,
     ),
     Section(
