@@ -486,6 +486,21 @@ __attribute__((always_inline)) inline void folded_lane(const float* const* q_row
 #endif
 }
 
+// (y_l + y_l+1) + (y_l+2 + y_l+3) for N rows: a quarter of hsum4's tree.
+template <int N, int64_t kBlocks>
+__attribute__((always_inline)) inline void four_lanes(const float* const* q_rows, const float* keys_t, int64_t ldk,
+                                                      int64_t blocks, int64_t l, Vec* sum) {
+  Vec a[N], b[N];
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, l, a);
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, l + 1, b);
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) sum[r] = a[r] + b[r];
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, l + 2, a);
+  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, l + 3, b);
+  #pragma GCC unroll 8
+  for (int r = 0; r < N; ++r) sum[r] = sum[r] + (a[r] + b[r]);
+}
+
 // out[r * ld + j] = q_rows[r] . key j for N rows and the kVec keys at keys_t (transposed, leading
 // dimension ldk), `count` of them stored: dot_tile's bits, its lanes summed in hsum4's order,
 // ((y0 + y1) + (y2 + y3)) + ((y4 + y5) + (y6 + y7)). kBlocks: dim / kVec at compile time, or 0.
@@ -493,23 +508,9 @@ template <int N, int64_t kBlocks = 0>
 inline void keys_in_lanes_dots(const float* const* q_rows, const float* keys_t, int64_t ldk, int64_t dim, float* out,
                                int64_t ld, int64_t count) {
   const int64_t blocks = dim / kVec;
-  Vec left[N], right[N], a[N], b[N];
-  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 0, a);
-  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 1, b);
-  #pragma GCC unroll 8
-  for (int r = 0; r < N; ++r) left[r] = a[r] + b[r];
-  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 2, a);
-  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 3, b);
-  #pragma GCC unroll 8
-  for (int r = 0; r < N; ++r) left[r] = left[r] + (a[r] + b[r]);
-  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 4, a);
-  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 5, b);
-  #pragma GCC unroll 8
-  for (int r = 0; r < N; ++r) right[r] = a[r] + b[r];
-  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 6, a);
-  folded_lane<N, kBlocks>(q_rows, keys_t, ldk, blocks, 7, b);
-  #pragma GCC unroll 8
-  for (int r = 0; r < N; ++r) right[r] = right[r] + (a[r] + b[r]);
+  Vec left[N], right[N];
+  four_lanes<N, kBlocks>(q_rows, keys_t, ldk, blocks, 0, left);
+  four_lanes<N, kBlocks>(q_rows, keys_t, ldk, blocks, 4, right);
   #pragma GCC unroll 8
   for (int r = 0; r < N; ++r) (left[r] + right[r]).store(out + r * ld, static_cast<int>(count));
 }
