@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -124,6 +124,17 @@ def linear_parameter(
     for key, value in {"load_dtype": dtype, **layout}.items():
         setattr(parameter, key, value)
     setattr(layer, name, parameter)
+
+
+class CheckpointTensors(Protocol):
+    """What a format's method (formats.py, gguf.py) offers the weight-only methods that decode it:
+    the layer's checkpoint tensors, declared on the layer (Int4Source, Int8Source, FP8Source add
+    the decoding)."""
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]: ...
+
+    def create_weights(self, layer: Linear) -> None: ...
 
 
 class LinearMethod:

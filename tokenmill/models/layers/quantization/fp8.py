@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from tokenmill.kernels import ops
-from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod, stored
+from tokenmill.models.layers.linear import CheckpointTensors, FusedProjection, Linear, LinearMethod, stored
 from tokenmill.models.layers.quantization.int8 import panels
 
 # The kernel widens e4m3 bytes to their values times 2^-8 (fp16 bits, see fp8_linear.cpp): the scales
@@ -46,14 +46,9 @@ class FP8Weight:
     group_size: int
 
 
-class FP8Source(Protocol):
+class FP8Source(CheckpointTensors, Protocol):
     """A format's method (formats.py): declares a layer's checkpoint tensors, decodes them into an
     FP8Weight and knows its scale groups."""
-
-    @property
-    def tensor_names(self) -> tuple[str, ...]: ...
-
-    def create_weights(self, layer: Linear) -> None: ...
 
     def scale_groups(self, layer: Linear) -> int: ...
 

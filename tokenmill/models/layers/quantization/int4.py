@@ -30,7 +30,7 @@ from torch import nn
 
 from tokenmill.kernels import ops
 from tokenmill.kernels.ops import cpu_kernels_available
-from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod, stored
+from tokenmill.models.layers.linear import CheckpointTensors, FusedProjection, Linear, LinearMethod, stored
 from tokenmill.models.layers.quantization.int8 import panels
 
 GROUP_SIZE = 32
@@ -152,14 +152,9 @@ def pack_zeros(zeros: torch.Tensor, width: int) -> torch.Tensor:
     return panels(zeros.to(torch.int8), width).repeat_interleave(2, dim=2)
 
 
-class Int4Source(Protocol):
+class Int4Source(CheckpointTensors, Protocol):
     """A format's method (formats.py, gguf.py): declares a layer's checkpoint tensors and decodes them
     into an Int4Weight."""
-
-    @property
-    def tensor_names(self) -> tuple[str, ...]: ...
-
-    def create_weights(self, layer: Linear) -> None: ...
 
     def decode_int4(self, layer: Linear) -> Int4Weight: ...
 

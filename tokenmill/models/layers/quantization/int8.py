@@ -40,7 +40,7 @@ from torch import nn
 
 from tokenmill.kernels import ops
 from tokenmill.kernels.ops import cpu_kernels_available
-from tokenmill.models.layers.linear import FusedProjection, Linear, LinearMethod, stored
+from tokenmill.models.layers.linear import CheckpointTensors, FusedProjection, Linear, LinearMethod, stored
 
 GROUP_SIZE = 32
 SCALE_CANDIDATES = 128  # bf16 scales tried per group: from round-to-nearest's up to twice it (group_scales)
@@ -112,14 +112,9 @@ class Int8Weight:
     perm: torch.Tensor | None = None
 
 
-class Int8Source(Protocol):
+class Int8Source(CheckpointTensors, Protocol):
     """A format's method (formats.py, gguf.py): declares a layer's checkpoint tensors and decodes them
     into an Int8Weight."""
-
-    @property
-    def tensor_names(self) -> tuple[str, ...]: ...
-
-    def create_weights(self, layer: Linear) -> None: ...
 
     def decode_int8(self, layer: Linear) -> Int8Weight: ...
 
